@@ -1,0 +1,11 @@
+"""rsdp: Re-distributed Sharded Data Parallel for PyTorch.
+
+``rsdp_shard`` is used like FSDP2's ``fully_shard`` but never all-gathers a layer's weights: shards of
+Linear and Embedding weights rotate between ranks, each rank computes with the shard it holds, and
+gradients reduce on the ring back to their owners.
+"""
+
+from ._compat import MixedPrecisionPolicy
+from ._fully_shard import RSDPModule, rsdp_shard
+
+__all__ = ["MixedPrecisionPolicy", "RSDPModule", "rsdp_shard"]

@@ -1,0 +1,70 @@
+"""Every torch name rsdp needs that moved between releases or is private, behind one version guard.
+
+rsdp is written against torch's public API (DTensor, DeviceMesh, torch.distributed P2P). Two things are
+not public: the composable-state registry that lets a parent ``fully_shard`` recognise an rsdp module as
+already managed, and FSDP2's state class that its traversal stops at. Both live here so that a torch
+upgrade breaks one file, not the engine.
+"""
+
+import torch
+import torch.distributed as dist
+
+MIN_TORCH = (2, 4)
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()))
+
+
+if _release(torch.__version__) < MIN_TORCH:
+    raise ImportError(
+        f"rsdp needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (DTensor and FSDP2); found {torch.__version__}. "
+        "Upgrade torch, e.g. `pip install 'torch>=2.4'`."
+    )
+
+try:  # torch >= 2.5
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+except ImportError:  # torch 2.4
+    from torch.distributed._tensor import DTensor, Partial, Replicate, Shard
+
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+except ImportError:  # torch 2.4 and 2.5
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp._fsdp_state import FSDPState
+
+from torch.distributed._composable_state import _get_module_state, _insert_module_state
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` were renamed ``*_single`` (the old names warn).
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def get_module_state(module: torch.nn.Module):
+    """The composable state (FSDP2's, torch replicate's or rsdp's) that manages ``module``, or None."""
+    return _get_module_state(module)
+
+
+def insert_module_state(module: torch.nn.Module, state) -> None:
+    _insert_module_state(module, state)
+
+
+__all__ = [
+    "DTensor",
+    "FSDPModule",
+    "FSDPState",
+    "MixedPrecisionPolicy",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "TorchDispatchMode",
+    "all_gather_flat",
+    "fully_shard",
+    "get_module_state",
+    "insert_module_state",
+    "is_traceable_wrapper_subclass",
+    "reduce_scatter_flat",
+]

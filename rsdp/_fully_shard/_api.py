@@ -1,0 +1,239 @@
+"""``rsdp_shard``, used like FSDP2's ``fully_shard``, and ``RSDPModule``, the class it swaps in."""
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._compat import DTensor, FSDPModule, MixedPrecisionPolicy, get_module_state, insert_module_state
+from ._ops import RingLayer, ring_mixin_for
+from ._param import shard_parameter
+from ._ring import new_layer_tags
+from ._state import RSDPState
+
+# Original parameter -> the DTensor parameter that replaced it, so a parameter tied across two
+# rsdp_shard calls (an LM head sharded before the root that owns the embedding) stays one parameter.
+_sharded_from: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_rsdp_params: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def rsdp_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters and rotate its Linear and Embedding weights on a ring.
+
+    Apply it bottom-up, like ``fully_shard``: once per transformer block, then at the root. Each call
+    manages the parameters of its subtree that no nested ``rsdp_shard``, ``fully_shard`` or
+    ``replicate`` already manages. Every managed parameter becomes ``nn.Parameter(DTensor)`` with
+    ``Shard(0)`` placement (``(Replicate(), Shard(0))`` on a 2-D mesh) under its original name.
+
+    Args:
+        module: the module to shard; its class becomes a subclass of :class:`RSDPModule`.
+        mesh: 1-D (shard) or 2-D (replicate x shard) device mesh. ``None``: a 1-D mesh over the
+            default process group on its device type (cpu for gloo, cuda for nccl).
+        mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` for the rotated copies and the
+            compute, ``reduce_dtype`` for the travelling gradient partials; the sharded parameters
+            keep their own dtype.
+
+    Returns:
+        ``module``, now an :class:`RSDPModule`.
+    """
+    mesh = _validated_mesh(mesh)
+    _check_not_managed(module)
+    state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
+    managed = list(_managed_modules(module))
+
+    slots = [(owner, name, param) for owner in managed for name, param in owner._parameters.items() if param is not None]
+    replacement: dict[int, nn.Parameter] = {}
+    for owner, name, param in slots:
+        if id(param) not in replacement:
+            replacement[id(param)] = _sharded(param, mesh, state.device, owner, name)
+
+    ring_slots = set()
+    for owner in managed:
+        mixin = ring_mixin_for(owner)
+        if mixin is None:
+            continue
+        ring_names = ("weight", "bias") if isinstance(owner, nn.Linear) else ("weight",)
+        ring_slots.update((id(owner), name) for name in ring_names)
+        _swap_class(owner, mixin, "Ring")
+        owner._rsdp_ring = RingLayer(state, new_layer_tags())
+
+    gathered_params: list[nn.Parameter] = []
+    gathered_index: dict[int, int] = {}
+    gathered_slots = []
+    for owner, name, param in slots:
+        sharded = replacement[id(param)]
+        owner._parameters[name] = sharded
+        if (id(owner), name) in ring_slots:
+            continue
+        if id(sharded) not in gathered_index:
+            gathered_index[id(sharded)] = len(gathered_params)
+            gathered_params.append(sharded)
+        gathered_slots.append((owner, name, gathered_index[id(sharded)]))
+    _check_one_dtype(gathered_params)
+    state.set_gathered(gathered_params, gathered_slots)
+
+    insert_module_state(module, state)
+    state.register_hooks(module)
+    _swap_class(module, RSDPModule, "RSDP")
+    return module
+
+
+class RSDPModule:
+    """Mixed into every module passed to :func:`rsdp_shard` (a class swap, like FSDP2's FSDPModule)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Containers such as nn.Sequential build new instances of their own class when sliced; those
+        # must be plain modules, not rsdp ones without rsdp state.
+        orig_cls = cls._rsdp_orig_cls
+        instance = orig_cls.__new__(orig_cls, *args, **kwargs)
+        instance.__init__(*args, **kwargs)
+        return instance
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except BaseException:
+            # A forward that raises skips the post-forward hook. Non-reentrant activation
+            # checkpointing does so on purpose (it stops recomputation early), so the sharded
+            # parameters must be put back here.
+            self._get_rsdp_state().restore_sharded_params()
+            raise
+
+    def _get_rsdp_state(self) -> RSDPState:
+        state = get_module_state(self)
+        if not isinstance(state, RSDPState):
+            raise AssertionError(f"No rsdp state on {type(self).__name__}")
+        return state
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradient by ``factor`` instead of the number of data-parallel ranks
+        (``1.0`` keeps the sum, for trainers that normalise the loss themselves, like torchtitan)."""
+        if factor <= 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be positive, got {factor}")
+        self._get_rsdp_state().gradient_divide_factor = factor
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Skip (``False``) or resume gradient reduction, e.g. for all but the last micro-batch.
+
+        While off, each rank accumulates its own contribution to every shard of every parameter
+        locally, so this costs one full-size (unsharded) gradient per parameter in ``reduce_dtype``,
+        as FSDP2's does; the next synchronised backward reduces it together with its own gradients,
+        and ``.grad`` is left untouched until then. With ``recurse``, applies to every rsdp and FSDP2
+        module in the subtree.
+        """
+        modules = self.modules() if recurse else [self]
+        for module in modules:
+            if isinstance(module, RSDPModule):
+                module._get_rsdp_state().requires_gradient_sync = requires_gradient_sync
+            elif isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+
+
+def _validated_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "rsdp_shard needs an initialised default process group: call "
+            "torch.distributed.init_process_group() first (torchrun sets the rendezvous variables)."
+        )
+    if mesh is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"rsdp_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim > 2:
+        raise ValueError(
+            f"rsdp_shard: mesh has {mesh.ndim} dimensions; use a 1-D (shard) or 2-D (replicate x shard) "
+            "mesh, e.g. mesh['dp_replicate', 'dp_shard'] sliced from a larger one."
+        )
+    return mesh
+
+
+def _check_not_managed(module: nn.Module) -> None:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(
+            f"rsdp_shard: {type(module).__name__} has no forward of its own; shard each of its "
+            "modules instead, or the module that calls them."
+        )
+    state = get_module_state(module)
+    if isinstance(state, RSDPState):
+        raise ValueError(
+            f"rsdp_shard was already applied to this {type(module).__name__}; apply it once per module."
+        )
+    if state is not None:
+        raise ValueError(
+            f"rsdp_shard: this {type(module).__name__} is already managed by {type(state).__name__} "
+            "(fully_shard or replicate); apply one strategy per module."
+        )
+
+
+def _managed_modules(root: nn.Module) -> Iterator[nn.Module]:
+    """``root`` and its submodules, stopping at any submodule another parallelism call manages."""
+    visited = set()
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in visited:
+            continue
+        visited.add(id(module))
+        if module is not root and get_module_state(module) is not None:
+            continue
+        yield module
+        stack.extend(reversed(list(module.children())))
+
+
+def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner: nn.Module, name: str) -> nn.Parameter:
+    where = f"{type(owner).__name__}.{name}"
+    if isinstance(param, DTensor):
+        if param in _rsdp_params and param.device_mesh == mesh:
+            return param
+        if param.device_mesh != mesh:
+            raise ValueError(
+                f"rsdp_shard: parameter {where} is already a DTensor on another mesh "
+                f"({param.device_mesh}); rsdp_shard shards plain parameters. Apply rsdp_shard before "
+                "other parallelisms, or shard this module with the mesh its parameters live on."
+            )
+        raise ValueError(
+            f"rsdp_shard: parameter {where} is already a DTensor ({param.placements}); rsdp_shard "
+            "shards plain parameters and does not compose with tensor parallelism on the same module."
+        )
+    if param in _sharded_from:
+        return _sharded_from[param]
+    if param.dim() == 0:
+        raise ValueError(
+            f"rsdp_shard: parameter {where} is 0-dimensional and cannot be sharded by rows; "
+            "give it shape (1,) instead."
+        )
+    sharded = shard_parameter(param, mesh, device)
+    _sharded_from[param] = sharded
+    _rsdp_params[sharded] = True
+    return sharded
+
+
+def _check_one_dtype(params: list[nn.Parameter]) -> None:
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"rsdp_shard: the gathered parameters of one module must share a dtype, found {sorted(map(str, dtypes))}; "
+            "cast the module (module.to(dtype)) or shard the odd submodule with its own rsdp_shard call."
+        )
+
+
+def _swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
+    cls = type(module)
+    key = (mixin, cls)
+    swapped = _swapped_classes.get(key)
+    if swapped is None:
+        swapped = type(f"{prefix}{cls.__name__}", (mixin, cls), {"_rsdp_orig_cls": cls})
+        _swapped_classes[key] = swapped
+    module.__class__ = swapped
+
+
+_swapped_classes: dict[tuple[type, type], type] = {}

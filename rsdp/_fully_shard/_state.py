@@ -1,0 +1,101 @@
+"""Per-module rsdp state: settings, the ring, and the forward hooks.
+
+Rotation needs no hooks: the Linear and Embedding modules run their ring inside their own forward and
+backward. The hooks only (1) cast forward inputs under a mixed-precision policy, (2) install the
+gathered non-rotating parameters for the duration of the module's forward and (3) cast its output.
+Backward is driven entirely by autograd, so there is no final callback and nothing to finish.
+"""
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.utils import _apply_to_tensors
+
+from .._compat import FSDPState, MixedPrecisionPolicy
+from ._collectives import GatheredParams
+from ._ring import Ring
+
+
+def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
+    if not torch.is_floating_point(tensor) or tensor.dtype == dtype:
+        return tensor
+    return tensor.to(dtype)
+
+
+class RSDPState(FSDPState):
+    """The state of one ``rsdp_shard`` call.
+
+    It subclasses FSDP2's state class only so that a parent ``fully_shard`` sees this module as
+    already managed and leaves its parameters alone (design.md §3); it has no FSDP parameter groups,
+    so FSDP2's root treats it as an empty FSDP module.
+    """
+
+    _state_name = "RSDP"
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy):
+        super().__init__()
+        self._modules = (module,)
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        self.ring = Ring(mesh.get_group(mesh.ndim - 1))
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.device = (
+            torch.device(mesh.device_type, torch.cuda.current_device())
+            if mesh.device_type == "cuda"
+            else torch.device(mesh.device_type)
+        )
+        self.gradient_divide_factor: float | None = None
+        self.requires_gradient_sync = True
+        self.gathered: GatheredParams | None = None
+        self._gathered_slots: list[tuple[nn.Module, str, int]] = []
+
+    def compute_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.mp_policy.param_dtype or param_dtype
+
+    def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.mp_policy.reduce_dtype or self.compute_dtype(param_dtype)
+
+    def finish_gradient(self, reduced: torch.Tensor) -> torch.Tensor:
+        """Sum across replica groups (HSDP), then divide: the mean over all data-parallel ranks unless
+        a divide factor was set."""
+        if self.replicate_group is not None:
+            dist.all_reduce(reduced, group=self.replicate_group)
+        factor = self.gradient_divide_factor or self.mesh.size()
+        if factor != 1:
+            reduced.div_(factor)
+        return reduced
+
+    def set_gathered(self, params: list[nn.Parameter], slots: list[tuple[nn.Module, str, int]]) -> None:
+        """``slots`` lists (module, attribute, index into ``params``) for every place a gathered
+        parameter is registered."""
+        self.gathered = GatheredParams(self, params) if params else None
+        self._gathered_slots = slots
+
+    def register_hooks(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, prepend=False)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
+            args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+        if self.gathered is not None:
+            full = self.gathered.gather()
+            for owner, name, index in self._gathered_slots:
+                owner._parameters[name] = full[index]
+        return args, kwargs
+
+    def restore_sharded_params(self) -> None:
+        if self.gathered is not None:
+            for owner, name, index in self._gathered_slots:
+                owner._parameters[name] = self.gathered.params[index]
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        self.restore_sharded_params()
+        if self.mp_policy.output_dtype is not None:
+            output = _apply_to_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
+        return output

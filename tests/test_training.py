@@ -1,0 +1,172 @@
+"""Multi-step training of a small transformer LM against the single-process fp64 reference."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.device_mesh import init_device_mesh
+
+from models import (
+    TinyLM,
+    assert_close,
+    assert_param_grads_match,
+    assert_params_match,
+    local_rows,
+    lm_loss,
+    rank_and_world,
+    twin,
+)
+from rsdp import rsdp_shard
+from rsdp._compat import fully_shard
+
+TRAJECTORY_RTOL = 1e-6
+
+
+def shard_lm(model, strategy_per_layer, mesh=None):
+    for layer, strategy in zip(model.layers, strategy_per_layer):
+        if strategy == "rsdp":
+            rsdp_shard(layer, mesh=mesh)
+        else:
+            fully_shard(layer, mesh=mesh or init_device_mesh("cpu", (dist.get_world_size(),)))
+    return model
+
+
+def train_and_compare(model, reference, *, steps, rows, seq, micro_batches=1, sync_last_only=False, clip=None):
+    """Train both with AdamW on the same global batches; compare losses, gradients and parameters."""
+    rank, world = rank_and_world()
+    dp_size = world
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    vocab = reference.embed.num_embeddings
+    for step in range(steps):
+        batches = [torch.randint(0, vocab, (world * rows, seq)) for _ in range(micro_batches)]
+        losses = []
+        for index, tokens in enumerate(batches):
+            if sync_last_only:
+                model.set_requires_gradient_sync(index == micro_batches - 1)
+            loss = lm_loss(model(local_rows(tokens, rank, world)), local_rows(tokens, rank, world))
+            (loss / micro_batches).backward()
+            losses.append(loss.detach())
+        reference_loss = sum(lm_loss(reference(tokens), tokens) for tokens in batches) / micro_batches
+        reference_loss.backward()
+
+        mean_loss = torch.stack(losses).mean()
+        dist.all_reduce(mean_loss)
+        assert_close(mean_loss / dp_size, reference_loss.detach(), what=f"loss at step {step}", rtol=TRAJECTORY_RTOL)
+        assert_param_grads_match(model, reference, 1.0, rtol=TRAJECTORY_RTOL, atol=1e-9)
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            assert_close(norm.full_tensor(), reference_norm, what="grad norm", rtol=TRAJECTORY_RTOL)
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+    assert_params_match(model, reference, rtol=TRAJECTORY_RTOL, atol=1e-9)
+
+
+def lm_training_case(seed, layers, dim, vocab, strategies, checkpointing=False, **train):
+    torch.manual_seed(seed)
+    model = TinyLM(vocab=vocab, dim=dim, heads=2, hidden=dim + 3, layers=layers, checkpointing=checkpointing)
+    model = model.double()
+    reference = twin(model)
+    shard_lm(model, strategies)
+    rsdp_shard(model)
+    train_and_compare(model, reference, **train)
+
+
+@given(world=st.sampled_from([1, 2, 3, 4]), dim=st.sampled_from([6, 10]), vocab=st.integers(5, 23))
+def test_lm_trajectory_10_adamw_steps(ranks, world, dim, vocab):
+    ranks.run(world, lm_training_case, 3, 2, dim, vocab, ["rsdp", "rsdp"], steps=10, rows=2, seq=5, clip=1.0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradient_accumulation_two_micro_batches(ranks, world):
+    ranks.run(world, lm_training_case, 4, 2, 6, 11, ["rsdp", "rsdp"], steps=3, rows=1, seq=4, micro_batches=2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_accumulation_without_sync_until_last_micro_batch(ranks, world):
+    ranks.run(
+        world, lm_training_case, 5, 2, 6, 13, ["rsdp", "rsdp"],
+        steps=3, rows=1, seq=4, micro_batches=3, sync_last_only=True,
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_activation_checkpointing(ranks, world):
+    ranks.run(world, lm_training_case, 6, 2, 6, 9, ["rsdp", "rsdp"], checkpointing=True, steps=3, rows=1, seq=4)
+
+
+def mixed_with_fully_shard_case(seed):
+    """rsdp blocks next to fully_shard blocks, under a fully_shard root."""
+    torch.manual_seed(seed)
+    model = TinyLM(vocab=19, dim=8, heads=2, hidden=11, layers=3).double()
+    reference = twin(model)
+    shard_lm(model, ["rsdp", "fsdp", "rsdp"])
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    train_and_compare(model, reference, steps=4, rows=1, seq=5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rsdp_blocks_under_fully_shard_root(ranks, world):
+    ranks.run(world, mixed_with_fully_shard_case, 7)
+
+
+def hsdp_case(seed):
+    """A 2x2 (replicate x shard) mesh: ring within each pair, all-reduce across pairs."""
+    torch.manual_seed(seed)
+    model = TinyLM(vocab=15, dim=6, heads=2, hidden=7, layers=2).double()
+    reference = twin(model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard_lm(model, ["rsdp", "rsdp"], mesh=mesh)
+    rsdp_shard(model, mesh=mesh)
+    train_and_compare(model, reference, steps=3, rows=1, seq=4)
+
+
+def test_hsdp_two_by_two(ranks):
+    ranks.run(4, hsdp_case, 8)
+
+
+def divide_factor_case(seed):
+    """Factor 1 keeps the sum over ranks (torchtitan normalises the loss itself)."""
+    torch.manual_seed(seed)
+    rank, world = rank_and_world()
+    model = TinyLM(vocab=9, dim=6, layers=1).double()
+    reference = twin(model)
+    shard_lm(model, ["rsdp"])
+    rsdp_shard(model)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+    tokens = torch.randint(0, 9, (world, 4))
+    lm_loss(model(local_rows(tokens, rank, world)), local_rows(tokens, rank, world)).backward()
+    lm_loss(reference(tokens), tokens).backward()
+    assert_param_grads_match(model, reference, float(world))
+
+
+def test_gradient_divide_factor(ranks):
+    ranks.run(3, divide_factor_case, 9)
+
+
+def eval_and_idle_forward_case(seed):
+    """A forward under no_grad and a forward whose graph is dropped leave nothing behind."""
+    torch.manual_seed(seed)
+    rank, world = rank_and_world()
+    model = TinyLM(vocab=11, dim=6, layers=2).double()
+    reference = twin(model)
+    shard_lm(model, ["rsdp", "rsdp"])
+    rsdp_shard(model)
+    tokens = torch.randint(0, 11, (world * 2, 4))
+    mine = local_rows(tokens, rank, world)
+    with torch.no_grad():
+        assert_close(model(mine), local_rows(reference(tokens), rank, world), what="no_grad output")
+    model(mine).sum()  # graph dropped without backward
+    train_and_compare(model, reference, steps=2, rows=1, seq=4)
+    assert {type(p).__name__ for p in model.state_dict().values()} == {"DTensor"}
+    assert list(model.state_dict()) == list(reference.state_dict())
+
+
+def test_no_grad_and_abandoned_forward_then_training(ranks):
+    ranks.run(2, eval_and_idle_forward_case, 10)
