@@ -1,4 +1,7 @@
-"""Peak-memory measurement that works the same on CPU and CUDA, for tests and benchmarks.
+"""Peak-memory and communication measurement that works the same on CPU and CUDA.
+
+Memory
+------
 
 On CUDA it reads the caching allocator's peak. On CPU there is no allocator statistic, so
 ``MemoryTracker`` counts storages itself: every storage returned by an op whose schema says the result
@@ -8,11 +11,21 @@ allocates internally (gloo's own) are not seen, for any strategy.
 
 Figures are relative to the moment tracking starts: ``peak_bytes`` is the most memory allocated on top
 of whatever already existed (typically the sharded parameters and optimizer state).
+
+Communication
+-------------
+``CommCounter`` counts every communication op this rank issues while it is active, whoever issues it:
+rsdp's ring (``c10d::send``), FSDP2's all-gathers and reduce-scatters, DDP's C++ reducer and DTensor's
+functional collectives all go through the dispatcher. Each op is charged the bytes one rank puts on the
+wire under the bandwidth-optimal ring algorithm NCCL uses: a send its size, an all-gather (W-1)/W of
+its output, a reduce-scatter (W-1)/W of its input, an all-reduce 2(W-1)/W of its tensor.
 """
 
+import collections
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -120,3 +133,93 @@ class MemoryTracker:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) - self._cuda_base
         return self._live.current
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+
+
+def _size_of(group) -> int:
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group).size()
+    if isinstance(group, torch.ScriptObject):
+        group = dist.ProcessGroup.unbox(group)
+    return group.size()
+
+
+def _share(fraction, tensor_arg: int, group_arg: int):
+    """Bytes sent = ``fraction(world)`` times the bytes of argument ``tensor_arg``."""
+
+    def bytes_sent(args) -> float:
+        return fraction(_size_of(args[group_arg])) * _nbytes(args[tensor_arg])
+
+    return bytes_sent
+
+
+def _sent_whole(world: int) -> float:
+    return 1
+
+
+def _gathered(world: int) -> float:  # applied to the input: each rank's shard goes to W-1 peers
+    return world - 1
+
+
+def _scattered(world: int) -> float:
+    return (world - 1) / world
+
+
+def _all_reduced(world: int) -> float:
+    return 2 * (world - 1) / world
+
+
+# op name -> bytes one rank sends for it
+_COMM_OPS = {
+    "c10d::send": _share(_sent_whole, 0, 1),
+    "c10d::barrier": lambda args: 0,
+    "c10d::allgather_": _share(_gathered, 1, 2),
+    "c10d::_allgather_base_": _share(_gathered, 1, 2),
+    "c10d::allgather_into_tensor_coalesced_": _share(_gathered, 1, 2),
+    "c10d::reduce_scatter_": _share(_scattered, 1, 2),
+    "c10d::_reduce_scatter_base_": _share(_scattered, 1, 2),
+    "c10d::reduce_scatter_tensor_coalesced_": _share(_scattered, 1, 2),
+    "c10d::allreduce_": _share(_all_reduced, 0, 1),
+    "c10d::allreduce_coalesced_": _share(_all_reduced, 0, 1),
+    "c10d::broadcast_": _share(_scattered, 0, 1),
+    "c10d::alltoall_base_": _share(_scattered, 1, 2),
+    "_c10d_functional::all_reduce": _share(_all_reduced, 0, 2),
+    "_c10d_functional::all_reduce_coalesced": _share(_all_reduced, 0, 2),
+    "_c10d_functional::all_gather_into_tensor": _share(_gathered, 0, 2),
+    "_c10d_functional::all_gather_into_tensor_coalesced": _share(_gathered, 0, 2),
+    "_c10d_functional::reduce_scatter_tensor": _share(_scattered, 0, 3),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": _share(_scattered, 0, 3),
+    "_c10d_functional::all_to_all_single": _share(_scattered, 0, 3),
+    "_c10d_functional::broadcast": _share(_scattered, 0, 2),
+}
+
+
+class CommCounter(TorchDispatchMode):
+    """Context manager counting the bytes this rank sends, per op, while active.
+
+    Example::
+
+        with CommCounter() as comm:
+            model(batch).sum().backward()
+        print(comm.bytes_sent, comm.by_op)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bytes_sent = 0
+        self.by_op: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in _COMM_OPS:
+            sent = int(_COMM_OPS[name](args))
+            self.bytes_sent += sent
+            self.by_op[name] += sent
+            self.calls[name] += 1
+        elif "c10d" in name and "wait" not in name and "wrap" not in name and "recv" not in name:
+            raise NotImplementedError(f"CommCounter does not know how many bytes {name} sends")
+        return func(*args, **(kwargs or {}))

@@ -1,14 +1,14 @@
-"""Peak memory against FSDP2 (deterministic on CPU), and mixed precision against FSDP2's."""
+"""Peak memory and communication volume against FSDP2, measured (deterministic on CPU)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import TinyLM, assert_close, full, lm_loss, local_rows, rank_and_world
-from rsdp import MixedPrecisionPolicy, rsdp_shard
+from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
-from rsdp.memory import MemoryTracker
+from rsdp.memory import CommCounter, MemoryTracker
 
 
 def linear_stack_peak(strategy, dim, layers, rows):
@@ -66,35 +66,34 @@ def test_memory_tracker_counts_allocations_views_and_resizes(ranks):
     ranks.run(1, tracker_counts_what_it_should_case)
 
 
-def bf16_case(seed):
-    """The same bf16 policy under rsdp and under FSDP2: outputs and gradients agree within bf16
-    tolerance, and sharded parameters and gradients stay fp32."""
-    rank, world = rank_and_world()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    models = {}
-    for name, shard in (("rsdp", rsdp_shard), ("fsdp", fully_shard)):
-        torch.manual_seed(seed)
-        model = TinyLM(vocab=33, dim=16, heads=2, hidden=24, layers=2)
-        for layer in model.layers:
-            shard(layer, mesh=mesh, mp_policy=policy)
-        models[name] = shard(model, mesh=mesh, mp_policy=policy)
-    tokens = torch.randint(0, 33, (world * 2, 8))
-    mine = local_rows(tokens, rank, world)
-    losses = {}
-    for name, model in models.items():
-        logits = model(mine)
-        assert logits.dtype == torch.bfloat16
-        losses[name] = lm_loss(logits.float(), mine)
-        losses[name].backward()
-    assert_close(losses["rsdp"], losses["fsdp"], what="bf16 loss", rtol=2e-2, atol=2e-2)
-    fsdp_params = dict(models["fsdp"].named_parameters())
-    for name, param in models["rsdp"].named_parameters():
-        assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, name
-        expected = full(fsdp_params[name].grad)
-        scale = expected.abs().max().clamp_min(1e-3)
-        assert_close(full(param.grad) / scale, expected / scale, what=f"bf16 grad of {name}", rtol=0, atol=3e-2)
+def linear_stack(strategy, dim, layers):
+    model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(layers)))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if strategy == "rsdp":
+            rsdp_shard(layer, mesh=mesh)
+        else:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    return model
 
 
-def test_bf16_policy_matches_fsdp2(ranks):
-    ranks.run(2, bf16_case, 11)
+def bytes_per_step_case(dim, layers):
+    sent = {}
+    for strategy in ("fsdp", "rsdp"):
+        model = linear_stack(strategy, dim, layers)
+        x = torch.randn(2, dim, requires_grad=True)
+        with CommCounter() as comm:
+            model(x).sum().backward()
+        sent[strategy] = comm.bytes_sent
+    return sent
+
+
+@pytest.mark.parametrize("world, dim", [(2, 8), (4, 12), (3, 7)])
+def test_bytes_per_step_are_the_zero3_figure(ranks, world, dim):
+    """3(W-1)/W of the (padded) parameter bytes for both: (W-1)/W forward, twice that backward."""
+    layers = 3
+    for sent in ranks.run(world, bytes_per_step_case, dim, layers):
+        padded_rows = -(-dim // world) * world
+        zero3 = 3 * (world - 1) / world * layers * padded_rows * dim * 4
+        assert sent["rsdp"] == pytest.approx(zero3), sent
+        assert sent["fsdp"] == pytest.approx(zero3), sent
