@@ -205,3 +205,28 @@ def bf16_case(seed):
 
 def test_bf16_policy_matches_fsdp2(ranks):
     ranks.run(2, bf16_case, 11)
+
+
+def meta_device_init_case(seed):
+    """torchtitan's order: build on meta, shard, ``to_empty``, initialise; ties and identities survive."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(seed)
+    reference = twin(TinyLM(vocab=13, dim=6, layers=2))
+    with torch.device("meta"):
+        model = TinyLM(vocab=13, dim=6, layers=2).double()
+    shard_lm(model, ["rsdp", "rsdp"])
+    rsdp_shard(model)
+    params_before = {name: id(param) for name, param in model.named_parameters()}
+    model.to_empty(device="cpu")
+    assert {name: id(param) for name, param in model.named_parameters()} == params_before
+    assert model.lm_head.weight is model.embed.weight
+    reference_params = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(distribute_tensor(reference_params[name].detach(), param.device_mesh, param.placements))
+    train_and_compare(model, reference, steps=2, rows=1, seq=4)
+
+
+def test_meta_device_init_then_to_empty(ranks):
+    ranks.run(3, meta_device_init_case, 12)

@@ -1,7 +1,5 @@
 """``rsdp_shard``, used like FSDP2's ``fully_shard``, and ``RSDPModule``, the class it swaps in."""
 
-from collections.abc import Iterator
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -16,8 +14,9 @@ from ._state import RSDPState
 
 # Original parameter -> the DTensor parameter that replaced it, so a parameter tied across two
 # rsdp_shard calls (an LM head sharded before the root that owns the embedding) stays one parameter.
+# Keyed weakly by the originals only: the sharded parameters must carry no weakref, or
+# ``module.to_empty()`` cannot swap them in place.
 _sharded_from: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_rsdp_params: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def rsdp_shard(
@@ -47,12 +46,22 @@ def rsdp_shard(
     mesh = _validated_mesh(mesh)
     _check_not_managed(module)
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
-    managed = list(_managed_modules(module))
+    managed, nested = _managed_and_nested_modules(module)
+    sharded_by_nested_calls = {
+        id(param)
+        for nested_root in nested
+        if isinstance(get_module_state(nested_root), RSDPState)
+        for param in nested_root.parameters()
+    }
 
     slots = [(owner, name, param) for owner in managed for name, param in owner._parameters.items() if param is not None]
     replacement: dict[int, nn.Parameter] = {}
     for owner, name, param in slots:
-        if id(param) not in replacement:
+        if id(param) in replacement:
+            continue
+        if id(param) in sharded_by_nested_calls and param.device_mesh == mesh:
+            replacement[id(param)] = param
+        else:
             replacement[id(param)] = _sharded(param, mesh, state.device, owner, name)
 
     ring_slots = set()
@@ -174,9 +183,10 @@ def _check_not_managed(module: nn.Module) -> None:
         )
 
 
-def _managed_modules(root: nn.Module) -> Iterator[nn.Module]:
-    """``root`` and its submodules, stopping at any submodule another parallelism call manages."""
-    visited = set()
+def _managed_and_nested_modules(root: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """``root`` and the submodules this call manages, and the roots of the subtrees it leaves to
+    other parallelism calls (nested rsdp_shard, fully_shard or replicate)."""
+    managed, nested, visited = [], [], set()
     stack = [root]
     while stack:
         module = stack.pop()
@@ -184,16 +194,16 @@ def _managed_modules(root: nn.Module) -> Iterator[nn.Module]:
             continue
         visited.add(id(module))
         if module is not root and get_module_state(module) is not None:
+            nested.append(module)
             continue
-        yield module
+        managed.append(module)
         stack.extend(reversed(list(module.children())))
+    return managed, nested
 
 
 def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner: nn.Module, name: str) -> nn.Parameter:
     where = f"{type(owner).__name__}.{name}"
     if isinstance(param, DTensor):
-        if param in _rsdp_params and param.device_mesh == mesh:
-            return param
         if param.device_mesh != mesh:
             raise ValueError(
                 f"rsdp_shard: parameter {where} is already a DTensor on another mesh "
@@ -213,7 +223,6 @@ def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner:
         )
     sharded = shard_parameter(param, mesh, device)
     _sharded_from[param] = sharded
-    _rsdp_params[sharded] = True
     return sharded
 
 
