@@ -82,6 +82,42 @@ def bad_divide_factor_case():
     _raises(ValueError, "must be positive", lambda: model.set_gradient_divide_factor(0))
 
 
+def mesh_of_wrong_type_case():
+    _raises(TypeError, "must be a DeviceMesh", lambda: rsdp_shard(nn.Linear(3, 5), mesh=dist.group.WORLD))
+
+
+def tensor_parallel_parameter_case():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(1)]))
+    _raises(ValueError, "does not compose with tensor parallelism", lambda: rsdp_shard(model, mesh=mesh))
+
+
+def mixed_dtype_gathered_case():
+    model = nn.Sequential(nn.LayerNorm(4), nn.LayerNorm(4).double())
+    _raises(ValueError, "must share a dtype", lambda: rsdp_shard(model))
+
+
+def wrong_feature_size_case():
+    model = rsdp_shard(nn.Linear(3, 5))
+    _raises(ValueError, "in_features=3", lambda: model(torch.zeros(2, 4)))
+
+
+def integer_input_to_linear_case():
+    model = rsdp_shard(nn.Linear(3, 5))
+    _raises(TypeError, "must be floating point", lambda: model(torch.zeros(2, 3, dtype=torch.long)))
+
+
+def float_indices_case():
+    model = rsdp_shard(nn.Embedding(5, 3))
+    _raises(TypeError, "int32 or int64", lambda: model(torch.zeros(2, 3)))
+
+
+def input_on_wrong_device_case():
+    model = rsdp_shard(nn.Linear(3, 5))
+    _raises(ValueError, "input is on meta", lambda: model(torch.zeros(2, 3, device="meta")))
+
+
 @pytest.mark.parametrize(
     "world, case",
     [
@@ -95,6 +131,13 @@ def bad_divide_factor_case():
         (2, index_out_of_range_case),
         (1, reassigned_parameter_case),
         (1, bad_divide_factor_case),
+        (1, mesh_of_wrong_type_case),
+        (2, tensor_parallel_parameter_case),
+        (1, mixed_dtype_gathered_case),
+        (2, wrong_feature_size_case),
+        (1, integer_input_to_linear_case),
+        (1, float_indices_case),
+        (1, input_on_wrong_device_case),
     ],
     ids=lambda value: value.__name__.removesuffix("_case") if callable(value) else str(value),
 )
@@ -103,6 +146,27 @@ def test_bad_input(ranks, world, case):
 
 
 PEER_TIMEOUT_S = 5
+
+
+def run_with_short_timeout(world_size, case, *args):
+    """Run ``case`` on a pool of its own whose collectives time out after PEER_TIMEOUT_S; return the
+    per-rank results and errors (a failing rank leaves its pool unusable)."""
+    pool = RankPool(world_size, collective_timeout_s=PEER_TIMEOUT_S, grace_after_failure_s=PEER_TIMEOUT_S * 3)
+    try:
+        return pool.run(case, *args, timeout_s=60), {}
+    except RankFailure as failure:
+        return failure.results, failure.errors
+    finally:
+        pool.close()
+
+
+def _timed_step(step):
+    start = time.monotonic()
+    try:
+        step()
+    except Exception as error:  # noqa: BLE001 - the point is that *some* error surfaces
+        return {"raised": type(error).__name__, "message": str(error)[:300], "seconds": time.monotonic() - start}
+    return {"raised": None, "seconds": time.monotonic() - start}
 
 
 def peer_dies_mid_ring_case(victim):
@@ -126,23 +190,31 @@ def peer_dies_mid_ring_case(victim):
             return in_flight
 
         Ring.exchange = exchange_then_die
-    start = time.monotonic()
-    try:
-        model(torch.randn(2, 8)).sum().backward()
-    except Exception as error:  # noqa: BLE001 - the point is that *some* error surfaces
-        return {"raised": type(error).__name__, "message": str(error)[:300], "seconds": time.monotonic() - start}
-    return {"raised": None, "seconds": time.monotonic() - start}
+    return _timed_step(lambda: model(torch.randn(2, 8)).sum().backward())
 
 
 def test_dead_peer_raises_within_timeout():
-    pool = RankPool(4, collective_timeout_s=PEER_TIMEOUT_S, grace_after_failure_s=PEER_TIMEOUT_S * 3)
-    try:
-        with pytest.raises(RankFailure) as failure:
-            pool.run(peer_dies_mid_ring_case, 1, timeout_s=60)
-    finally:
-        pool.close()
-    assert list(failure.value.errors) == [1] and "died" in failure.value.errors[1]
-    survivors = [result for rank, result in enumerate(failure.value.results) if rank != 1]
-    for result in survivors:
-        assert result["raised"] is not None, f"a survivor finished the step without its peer: {result}"
-        assert result["seconds"] < PEER_TIMEOUT_S * 3, result
+    results, errors = run_with_short_timeout(4, peer_dies_mid_ring_case, 1)
+    assert list(errors) == [1] and "died" in errors[1]
+    for rank, result in enumerate(results):
+        if rank != 1:
+            assert result["raised"] is not None, f"rank {rank} finished the step without its peer: {result}"
+            assert result["seconds"] < PEER_TIMEOUT_S * 3, result
+
+
+def mismatched_layer_order_case():
+    """Two ranks run different layers of the same shape: tags keep them from exchanging each
+    other's weights, and both raise after the timeout."""
+    rank, _ = rank_and_world()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer in model:
+        rsdp_shard(layer)
+    return _timed_step(lambda: model[rank](torch.randn(2, 4)))
+
+
+def test_ranks_running_different_layers_raise_instead_of_mixing_weights():
+    results, errors = run_with_short_timeout(2, mismatched_layer_order_case)
+    assert not errors, errors
+    for result in results:
+        assert result["raised"] is not None, result
+        assert PEER_TIMEOUT_S * 0.8 <= result["seconds"] < PEER_TIMEOUT_S * 3, result

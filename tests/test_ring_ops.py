@@ -105,3 +105,29 @@ def mixed_case(seed, vocab, dim, hidden, rows):
 @given(world=worlds, vocab=sizes, dim=sizes, hidden=sizes, rows=st.integers(1, 2))
 def test_mixed_module_matches_reference(ranks, world, vocab, dim, hidden, rows):
     ranks.run(world, mixed_case, 2, vocab, dim, hidden, rows)
+
+
+def multihead_attention_case(seed, embed_dim, heads, rows):
+    """nn.MultiheadAttention passes out_proj.weight to a functional op itself: its Linear must be
+    gathered, not rotated."""
+    torch.manual_seed(seed)
+    _, world = rank_and_world()
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(embed_dim, heads, batch_first=True, dtype=torch.float64)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    model = SelfAttention()
+    reference = twin(model)
+    rsdp_shard(model)
+    inputs = torch.randn(world * rows, 3, embed_dim, dtype=torch.float64)
+    check_against_reference(model, reference, inputs, torch.randn(world * rows, 3, embed_dim, dtype=torch.float64))
+
+
+@given(world=worlds, heads=st.integers(1, 3), head_dim=st.integers(1, 3), rows=st.integers(1, 2))
+def test_multihead_attention_matches_reference(ranks, world, heads, head_dim, rows):
+    ranks.run(world, multihead_attention_case, 14, heads * head_dim, heads, rows)

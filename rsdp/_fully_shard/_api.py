@@ -64,9 +64,10 @@ def rsdp_shard(
         else:
             replacement[id(param)] = _sharded(param, mesh, state.device, owner, name)
 
+    parents = {id(child): parent for parent in managed for child in parent.children()}
     ring_slots = set()
     for owner in managed:
-        mixin = ring_mixin_for(owner)
+        mixin = ring_mixin_for(owner, parents.get(id(owner)))
         if mixin is None:
             continue
         ring_names = ("weight", "bias") if isinstance(owner, nn.Linear) else ("weight",)

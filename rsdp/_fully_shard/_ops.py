@@ -235,15 +235,39 @@ def _local(param: nn.Parameter | None, module: nn.Module, name: str) -> torch.Te
     return param.to_local()
 
 
+# The ring is a loop of point-to-point messages, which torch.compile cannot capture: each ring layer
+# is an explicit graph break, and the code around it compiles as usual.
+
+
+def _check_device(input: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> None:
+    if input.device != weight.device:
+        raise ValueError(
+            f"rsdp {type(module).__name__}: input is on {input.device} but the parameters are on "
+            f"{weight.device}; move the input there first (e.g. `batch.to('{weight.device}')`)."
+        )
+
+
 class RingLinear:
     """Mixed into an ``nn.Linear`` (by class swap) whose weight rotates on the ring."""
 
     _rsdp_ring: RingLayer
 
+    @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # Checked before the ring starts: a rank that failed half-way through a ring step would leave
+        # its peers waiting for the process group's timeout.
+        weight = _local(self.weight, self, "weight")
+        if not input.is_floating_point():
+            raise TypeError(f"rsdp {type(self).__name__}: input must be floating point, got {input.dtype}")
+        if input.dim() == 0 or input.shape[-1] != self.in_features:
+            raise ValueError(
+                f"rsdp {type(self).__name__}: input of shape {tuple(input.shape)} does not end in "
+                f"in_features={self.in_features}"
+            )
+        _check_device(input, weight, self)
         return _RingLinearFunction.apply(
             input,
-            _local(self.weight, self, "weight"),
+            weight,
             _local(self.bias, self, "bias"),
             self._rsdp_ring,
             self.out_features,
@@ -255,14 +279,20 @@ class RingEmbedding:
 
     _rsdp_ring: RingLayer
 
+    @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return _RingEmbeddingFunction.apply(
-            input, _local(self.weight, self, "weight"), self._rsdp_ring, self.num_embeddings, self.padding_idx
-        )
+        weight = _local(self.weight, self, "weight")
+        if input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"rsdp {type(self).__name__}: indices must be int32 or int64, got {input.dtype}")
+        _check_device(input, weight, self)
+        return _RingEmbeddingFunction.apply(input, weight, self._rsdp_ring, self.num_embeddings, self.padding_idx)
 
 
-def ring_mixin_for(module: nn.Module) -> type | None:
-    """The ring class for ``module`` if it is a Linear or Embedding whose forward is the stock one."""
+def ring_mixin_for(module: nn.Module, parent: nn.Module | None) -> type | None:
+    """The ring class for ``module`` if it is a Linear or Embedding whose forward is the stock one and
+    whose weight is only used through that forward."""
+    if isinstance(parent, nn.MultiheadAttention):
+        return None  # it passes out_proj.weight to F.multi_head_attention_forward itself
     if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
         return RingLinear
     if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:

@@ -79,6 +79,7 @@ class RSDPState(FSDPState):
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
 
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
@@ -94,6 +95,7 @@ class RSDPState(FSDPState):
             for owner, name, index in self._gathered_slots:
                 owner._parameters[name] = self.gathered.params[index]
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         self.restore_sharded_params()
         if self.mp_policy.output_dtype is not None:

@@ -1,0 +1,69 @@
+"""The benchmark scripts of benchmarks/rtp, run end to end as a user would, on a tiny config (2 CPU ranks)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks" / "rtp"
+TINY = [
+    "--nproc=2",
+    "--device=cpu",
+    "--vocab_size=64",
+    "--ninp=16",
+    "--nhid=32",
+    "--nhead=2",
+    "--num_decoder_layers=1",
+    "--seq_len=8",
+    "--batch_size=2",
+    "--max_batch=2",
+    "--warmup=1",
+]
+TIMEOUT_S = 180
+
+
+def run(script: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *flags], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def assert_succeeded(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "rtp"])
+def test_benchmark_reports_sane_figures(strategy, tmp_path):
+    out = tmp_path / "results.json"
+    done = run(f"{strategy}_benchmark.py", "--use_synthetic_data", *TINY, f"--json={out}")
+    assert_succeeded(done)
+    assert "batch 2/2" in done.stdout and "tokens/s" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["strategy"] == strategy and result["world_size"] == 2
+    assert result["data_parallel_size"] == (1 if strategy == "tp" else 2)
+    assert result["tokens_per_s"] > 0 and result["sequences_per_s"] > 0
+    assert math.isfinite(result["final_loss"])
+    assert len(result["peak_memory_bytes_per_rank"]) == 2
+    assert all(peak > 0 for peak in result["peak_memory_bytes_per_rank"])
+    assert all(sent > 0 for sent in result["bytes_sent_per_step_per_rank"])
+
+
+def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
+    chart, out = tmp_path / "compare.png", tmp_path / "compare.json"
+    done = run("compare.py", *TINY, "--strategies", "fsdp", "rtp", f"--chart={chart}", f"--json={out}")
+    assert_succeeded(done)
+    table_rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in table_rows] == ["strategy", "---", "fsdp", "rtp"]
+    assert chart.stat().st_size > 0
+    results = json.loads(out.read_text())
+    # Same initial model, same per-rank batches, gradients averaged: the same training run.
+    assert results["rtp"]["final_loss"] == pytest.approx(results["fsdp"]["final_loss"], rel=1e-5)
+
+
+def test_tp_rejects_heads_that_do_not_divide_over_ranks():
+    done = run("tp_benchmark.py", "--use_synthetic_data", *TINY, "--nproc=4")
+    assert done.returncode != 0
+    assert "--nhead 2 is not divisible by the 4 ranks" in done.stderr
