@@ -35,6 +35,11 @@ except ImportError:  # torch 2.4 and 2.5
     from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed._composable.fsdp._fsdp_state import FSDPState
 
+try:  # torch >= 2.9: the FSDP2-based replicate, whose parameters are Replicate DTensors
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+except ImportError:
+    replicate = None
+
 from torch.distributed._composable_state import _get_module_state, _insert_module_state
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
@@ -67,4 +72,5 @@ __all__ = [
     "insert_module_state",
     "is_traceable_wrapper_subclass",
     "reduce_scatter_flat",
+    "replicate",
 ]

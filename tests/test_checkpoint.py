@@ -14,19 +14,21 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import TinyLM, assert_close, full, lm_loss, local_rows, rank_and_world
 from rsdp import rsdp_shard
-from rsdp._compat import fully_shard
+from rsdp._compat import fully_shard, replicate
 
 VOCAB, DIM = 29, 10
 
 
 def build(strategy: str, seed: int):
-    """TinyLM sharded with ``strategy``: rsdp, fsdp, or mixed (rsdp blocks under a fully_shard root)."""
+    """TinyLM sharded with ``strategy``: rsdp, fsdp, or mixed (an rsdp block, a replicated block and a
+    fully_shard block under a fully_shard root)."""
     torch.manual_seed(seed)
-    model = TinyLM(vocab=VOCAB, dim=DIM, heads=2, hidden=14, layers=2)
+    model = TinyLM(vocab=VOCAB, dim=DIM, heads=2, hidden=14, layers=3 if strategy == "mixed" else 2)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if strategy == "mixed":
         rsdp_shard(model.layers[0], mesh=mesh)
-        fully_shard(model.layers[1], mesh=mesh)
+        replicate(model.layers[1], mesh=mesh)
+        fully_shard(model.layers[2], mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
     shard = rsdp_shard if strategy == "rsdp" else fully_shard
@@ -95,7 +97,7 @@ def load_and_continue_case(strategy, path, first_step, steps):
 
 @pytest.mark.parametrize(
     "saved, loaded",
-    [(("rsdp", 4), ("fsdp", 2)), (("fsdp", 4), ("rsdp", 2)), (("rsdp", 3), ("rsdp", 4)), (("mixed", 2), ("rsdp", 4))],
+    [(("rsdp", 4), ("fsdp", 2)), (("fsdp", 4), ("rsdp", 2)), (("rsdp", 3), ("rsdp", 4)), (("mixed", 2), ("mixed", 4))],
     ids=lambda side: f"{side[0]}x{side[1]}",
 )
 def test_checkpoint_loads_across_strategies_and_world_sizes(ranks, tmp_path, saved, loaded):
