@@ -2,10 +2,12 @@
 
 ``rsdp_shard`` is used like FSDP2's ``fully_shard`` but never all-gathers a layer's weights: shards of
 Linear and Embedding weights rotate between ranks, each rank computes with the shard it holds, and
-gradients reduce on the ring back to their owners.
+gradients reduce on the ring back to their owners. ``parallelize`` chooses replicate, FSDP or RSDP per
+module.
 """
 
 from ._compat import MixedPrecisionPolicy
 from ._fully_shard import RSDPModule, rsdp_shard
+from .policy import Strategy, parallelize
 
-__all__ = ["MixedPrecisionPolicy", "RSDPModule", "rsdp_shard"]
+__all__ = ["MixedPrecisionPolicy", "RSDPModule", "Strategy", "parallelize", "rsdp_shard"]

@@ -48,6 +48,11 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def flatten_mesh(mesh):
+    """A 1-D mesh over all ranks of ``mesh`` (the replicate strategy spans both dims of an HSDP mesh)."""
+    return mesh if mesh.ndim == 1 else mesh._flatten()
+
+
 def get_module_state(module: torch.nn.Module):
     """The composable state (FSDP2's, torch replicate's or rsdp's) that manages ``module``, or None."""
     return _get_module_state(module)
@@ -67,6 +72,7 @@ __all__ = [
     "Shard",
     "TorchDispatchMode",
     "all_gather_flat",
+    "flatten_mesh",
     "fully_shard",
     "get_module_state",
     "insert_module_state",
