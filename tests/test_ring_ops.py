@@ -36,14 +36,20 @@ def check_against_reference(model, reference, inputs, upstream):
     assert_param_grads_match(model, reference, 1 / world)
 
 
+def shard_and_check(model, inputs, upstream):
+    reference = twin(model)
+    rsdp_shard(model)
+    check_against_reference(model, reference, inputs, upstream)
+
+
 def linear_case(seed, in_features, out_features, bias, rows):
     torch.manual_seed(seed)
     _, world = rank_and_world()
-    model = nn.Linear(in_features, out_features, bias=bias, dtype=torch.float64)
-    reference = twin(model)
-    rsdp_shard(model)
-    inputs = torch.randn(world * rows, 3, in_features, dtype=torch.float64)
-    check_against_reference(model, reference, inputs, torch.randn(world * rows, 3, out_features, dtype=torch.float64))
+    shard_and_check(
+        nn.Linear(in_features, out_features, bias=bias, dtype=torch.float64),
+        torch.randn(world * rows, 3, in_features, dtype=torch.float64),
+        torch.randn(world * rows, 3, out_features, dtype=torch.float64),
+    )
 
 
 @given(world=worlds, in_features=sizes, out_features=sizes, bias=st.booleans(), rows=st.integers(1, 3))
@@ -54,11 +60,11 @@ def test_linear_matches_reference(ranks, world, in_features, out_features, bias,
 def embedding_case(seed, num_embeddings, dim, padding_idx, rows):
     torch.manual_seed(seed)
     _, world = rank_and_world()
-    model = nn.Embedding(num_embeddings, dim, padding_idx=padding_idx, dtype=torch.float64)
-    reference = twin(model)
-    rsdp_shard(model)
-    tokens = torch.randint(0, num_embeddings, (world * rows, 5))
-    check_against_reference(model, reference, tokens, torch.randn(world * rows, 5, dim, dtype=torch.float64))
+    shard_and_check(
+        nn.Embedding(num_embeddings, dim, padding_idx=padding_idx, dtype=torch.float64),
+        torch.randint(0, num_embeddings, (world * rows, 5)),
+        torch.randn(world * rows, 5, dim, dtype=torch.float64),
+    )
 
 
 @given(world=worlds, num_embeddings=sizes, dim=sizes, rows=st.integers(1, 3), data=st.data())
@@ -121,11 +127,11 @@ def multihead_attention_case(seed, embed_dim, heads, rows):
         def forward(self, x):
             return self.attn(x, x, x, need_weights=False)[0]
 
-    model = SelfAttention()
-    reference = twin(model)
-    rsdp_shard(model)
-    inputs = torch.randn(world * rows, 3, embed_dim, dtype=torch.float64)
-    check_against_reference(model, reference, inputs, torch.randn(world * rows, 3, embed_dim, dtype=torch.float64))
+    shard_and_check(
+        SelfAttention(),
+        torch.randn(world * rows, 3, embed_dim, dtype=torch.float64),
+        torch.randn(world * rows, 3, embed_dim, dtype=torch.float64),
+    )
 
 
 @given(world=worlds, heads=st.integers(1, 3), head_dim=st.integers(1, 3), rows=st.integers(1, 2))

@@ -33,6 +33,16 @@ def shard_lm(model, strategy_per_layer, mesh=None):
     return model
 
 
+def rsdp_lm(seed, *, mesh=None, **config):
+    """A TinyLM with rsdp_shard on every block and the root, and its fp64 reference."""
+    torch.manual_seed(seed)
+    model = TinyLM(**config).double()
+    reference = twin(model)
+    shard_lm(model, ["rsdp"] * len(model.layers), mesh=mesh)
+    rsdp_shard(model, mesh=mesh)
+    return model, reference
+
+
 def train_and_compare(model, reference, *, steps, rows, seq, micro_batches=1, sync_last_only=False, clip=None):
     """Train both with AdamW on the same global batches; compare losses, gradients and parameters."""
     rank, world = rank_and_world()
@@ -117,12 +127,8 @@ def test_rsdp_blocks_under_fully_shard_root(ranks, world):
 
 def hsdp_case(seed):
     """A 2x2 (replicate x shard) mesh: ring within each pair, all-reduce across pairs."""
-    torch.manual_seed(seed)
-    model = TinyLM(vocab=15, dim=6, heads=2, hidden=7, layers=2).double()
-    reference = twin(model)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    shard_lm(model, ["rsdp", "rsdp"], mesh=mesh)
-    rsdp_shard(model, mesh=mesh)
+    model, reference = rsdp_lm(seed, mesh=mesh, vocab=15, dim=6, heads=2, hidden=7, layers=2)
     train_and_compare(model, reference, steps=3, rows=1, seq=4)
 
 
@@ -132,12 +138,8 @@ def test_hsdp_two_by_two(ranks):
 
 def divide_factor_case(seed):
     """Factor 1 keeps the sum over ranks (torchtitan normalises the loss itself)."""
-    torch.manual_seed(seed)
     rank, world = rank_and_world()
-    model = TinyLM(vocab=9, dim=6, layers=1).double()
-    reference = twin(model)
-    shard_lm(model, ["rsdp"])
-    rsdp_shard(model)
+    model, reference = rsdp_lm(seed, vocab=9, dim=6, layers=1)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
@@ -153,12 +155,8 @@ def test_gradient_divide_factor(ranks):
 
 def eval_and_idle_forward_case(seed):
     """A forward under no_grad and a forward whose graph is dropped leave nothing behind."""
-    torch.manual_seed(seed)
     rank, world = rank_and_world()
-    model = TinyLM(vocab=11, dim=6, layers=2).double()
-    reference = twin(model)
-    shard_lm(model, ["rsdp", "rsdp"])
-    rsdp_shard(model)
+    model, reference = rsdp_lm(seed, vocab=11, dim=6, layers=2)
     tokens = torch.randint(0, 11, (world * 2, 4))
     mine = local_rows(tokens, rank, world)
     with torch.no_grad():

@@ -99,10 +99,12 @@ class _RingLinearFunction(torch.autograd.Function):
             if start == stop:
                 return
             views = packing.shard_views(flat, shard)
+            # A column block of a row-major matrix is a valid BLAS output (leading dimension
+            # out_features), so the product is written in place, with no temporary.
             if bias is None:
-                out[:, start:stop] = x2d @ views[0].t()
+                torch.mm(x2d, views[0].t(), out=out[:, start:stop])
             else:
-                out[:, start:stop] = torch.addmm(views[1], x2d, views[0].t())
+                torch.addmm(views[1], x2d, views[0].t(), out=out[:, start:stop])
 
         ring.rotate(packing.pack(shards, dtype), layer.tags[Phase.FORWARD_WEIGHTS], consume)
         ctx.save_for_backward(x2d, weight)
