@@ -113,6 +113,13 @@ def float_indices_case():
     _raises(TypeError, "int32 or int64", lambda: model(torch.zeros(2, 3)))
 
 
+def double_backward_case():
+    model = rsdp_shard(nn.Linear(3, 5))
+    x = torch.randn(2, 3, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(model(x).pow(2).sum(), x, create_graph=True)
+    _raises(RuntimeError, "trying to differentiate twice", lambda: grad_x.sum().backward())
+
+
 def input_on_wrong_device_case():
     model = rsdp_shard(nn.Linear(3, 5))
     _raises(ValueError, "input is on meta", lambda: model(torch.zeros(2, 3, device="meta")))
@@ -138,6 +145,7 @@ def input_on_wrong_device_case():
         (1, integer_input_to_linear_case),
         (1, float_indices_case),
         (1, input_on_wrong_device_case),
+        (2, double_backward_case),
     ],
     ids=lambda value: value.__name__.removesuffix("_case") if callable(value) else str(value),
 )

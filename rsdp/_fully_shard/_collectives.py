@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 from .._compat import all_gather_flat, reduce_scatter_flat
 from ._param import ShardLayout
@@ -62,6 +63,7 @@ class _AllGatherParams(torch.autograd.Function):
         )
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         gathered: GatheredParams = ctx.gathered
         state, world = gathered.state, gathered.state.ring.size

@@ -7,6 +7,7 @@ local shard is saved for backward. See design.md §1 for the algorithm.
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 from .._compat import DTensor
 from ._param import PackedShards, ShardLayout
@@ -113,6 +114,7 @@ class _RingLinearFunction(torch.autograd.Function):
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
         layer = ctx.layer
@@ -192,6 +194,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         return out.view(*indices.shape, *weight.shape[1:])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         if not ctx.needs_input_grad[1]:
             return None, None, None, None, None
