@@ -34,7 +34,8 @@ from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass
 def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     if is_traceable_wrapper_subclass(tensor):
         attrs, _ = tensor.__tensor_flatten__()
-        return [st for attr in attrs for st in _storages(getattr(tensor, attr))]
+        inner = (getattr(tensor, attr) for attr in attrs)  # DTensor also names its DeviceMesh here
+        return [st for t in inner if isinstance(t, torch.Tensor) for st in _storages(t)]
     if tensor.device.type == "meta":
         return []
     return [tensor.untyped_storage()]

@@ -62,6 +62,21 @@ def tracker_counts_what_it_should_case():
     assert tracker.current_bytes == 0
 
 
+def tracker_sees_dtensor_outputs_case():
+    """DTensor results are counted by their local storage (an optimizer step on DTensor params)."""
+    model = rsdp_shard(nn.Linear(64, 64, bias=False))
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with MemoryTracker() as tracker:
+        optimizer.step()  # creates exp_avg and exp_avg_sq: two DTensors of the local shard's size
+    local_bytes = model.weight.to_local().numel() * 4
+    assert tracker.current_bytes >= 2 * local_bytes, (tracker.current_bytes, local_bytes)
+
+
+def test_memory_tracker_counts_dtensor_results(ranks):
+    ranks.run(2, tracker_sees_dtensor_outputs_case)
+
+
 def test_memory_tracker_counts_allocations_views_and_resizes(ranks):
     ranks.run(1, tracker_counts_what_it_should_case)
 
