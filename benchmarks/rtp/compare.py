@@ -1,0 +1,125 @@
+"""Run the dp, fsdp, tp and rtp benchmarks on one config and world size, and compare them.
+
+Each strategy runs as a subprocess of its own script (``<name>_benchmark.py --json ...``), one after the
+other; this prints a markdown table with every figure also as a ratio to fsdp's, and draws a chart.
+
+    python benchmarks/rtp/compare.py                  # default: 4 CPU ranks, small model (~65 s, 2 cores)
+    python benchmarks/rtp/compare.py --batch_size 1 --vocab_size 32768 --chart img/wide_vocab.png
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+import common  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+STRATEGIES = ("dp", "fsdp", "tp", "rtp")
+BASELINE = "fsdp"
+# Small enough that all four strategies finish in a few minutes on 2 CPU cores with 4 ranks.
+DEFAULT_CONFIG = {
+    "vocab_size": 8192,
+    "ninp": 512,
+    "nhid": 2048,
+    "nhead": 8,
+    "num_decoder_layers": 2,
+    "seq_len": 64,
+    "batch_size": 2,
+    "max_batch": 10,
+    "warmup": 2,
+    "nproc": 4,
+    "device": "cpu",
+}
+# (label, results key, format, True when more is better); each becomes a table column and a chart panel
+METRICS = (
+    ("step time", "step_time_s", lambda s: f"{s * 1e3:.1f} ms", False),
+    ("throughput", "tokens_per_s", lambda t: f"{t:.0f} tokens/s", True),
+    ("peak memory", "peak_memory_bytes", common.format_bytes, False),
+    ("sent per step", "bytes_sent_per_step", common.format_bytes, False),
+)
+
+
+def run_strategy(name: str, args, workdir: Path) -> dict:
+    out = workdir / f"{name}.json"
+    command = [
+        sys.executable,
+        str(HERE / f"{name}_benchmark.py"),
+        "--use_synthetic_data",
+        *common.forwarded_flags(args),
+        f"--json={out}",
+    ]
+    print("$", " ".join(command), flush=True)
+    if subprocess.run(command).returncode != 0:
+        sys.exit(f"compare: {name}_benchmark.py failed; see its output above")
+    return json.loads(out.read_text())
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    baseline = results.get(BASELINE)
+    header = ["strategy"]
+    for label, *_ in METRICS:
+        header += [label] + ([f"× {BASELINE}"] if baseline else [])
+    header.append("final loss")
+    rows = [header, ["---"] * len(header)]
+    for name, result in results.items():
+        row = [name]
+        for _, key, fmt, _ in METRICS:
+            row.append(fmt(result[key]))
+            if baseline:
+                row.append(f"{result[key] / baseline[key]:.2f}")
+        row.append(f"{result['final_loss']:.4f}")
+        rows.append(row)
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def draw_chart(results: dict[str, dict], title: str, path: Path) -> None:
+    # Step times are not comparable when global batches differ (tp's is one rank's); throughput is.
+    panels = [metric for metric in METRICS if metric[1] != "step_time_s"]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True)
+    names = list(results)
+    colors = ["tab:red" if name == "rtp" else "tab:gray" if name == BASELINE else "tab:blue" for name in names]
+    for axis, (label, key, _, more_is_better) in zip(axes, panels):
+        values = [results[name][key] for name in names]
+        scale, unit = (2**20, "MiB") if "bytes" in key else (1, "tokens/s")
+        bars = axis.bar(names, [v / scale for v in values], color=colors)
+        if BASELINE in results:
+            baseline = results[BASELINE][key]
+            axis.bar_label(bars, labels=[f"{v / baseline:.2f}×" for v in values], padding=2)
+        axis.set_title(f"{label} ({'higher' if more_is_better else 'lower'} is better)")
+        axis.set_ylabel(unit)
+        axis.margins(y=0.15)
+    figure.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = common.build_parser(__doc__.split("\n\n")[0])
+    parser.set_defaults(**DEFAULT_CONFIG, use_synthetic_data=True)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--chart", type=Path, default=REPO / "img" / "compare.png", help="where to draw the chart")
+    args = common.parse_args(parser)  # --json: all strategies' results, keyed by strategy
+
+    with tempfile.TemporaryDirectory(prefix="rtp-compare-") as workdir:
+        results = {name: run_strategy(name, args, Path(workdir)) for name in args.strategies}
+
+    shape = ", ".join(f"{name} {getattr(args, name)}" for name in common.MODEL_FLAGS)
+    title = f"{args.nproc} ranks, {args.device}, {args.dtype}: {shape}"
+    print(f"\n### {title}\n\n{markdown_table(results)}\n")
+    draw_chart(results, title, args.chart)
+    print(f"chart: {args.chart}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
