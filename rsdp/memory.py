@@ -46,6 +46,7 @@ class _LiveStorages(TorchDispatchMode):
         super().__init__()
         self.current = 0
         self.peak = 0
+        self.peak_since_mark = 0
         self._bytes: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -72,6 +73,7 @@ class _LiveStorages(TorchDispatchMode):
     def _add(self, delta: int) -> None:
         self.current += delta
         self.peak = max(self.peak, self.current)
+        self.peak_since_mark = max(self.peak_since_mark, self.current)
 
 
 class MemoryTracker:
@@ -116,7 +118,7 @@ class MemoryTracker:
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self._cuda_peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+            self._cuda_peak = self.peak_bytes
             return
         self._live.__exit__(*exc)
         torch.UntypedStorage.resize_ = self._original_resize
@@ -124,10 +126,22 @@ class MemoryTracker:
     @property
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":
-            if self._cuda_peak:
-                return self._cuda_peak
-            return torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+            # ``mark`` resets the allocator's peak; the largest one seen before is kept here.
+            return max(self._cuda_peak, torch.cuda.max_memory_allocated(self.device) - self._cuda_base)
         return self._live.peak
+
+    def mark(self) -> tuple[int, int]:
+        """``(current bytes, peak bytes since the previous mark)``, both relative to entry; starts a
+        new interval. Splits one tracked region into phases (the planner's per-module timeline)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            current, peak = self.current_bytes, torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+            self._cuda_peak = max(self._cuda_peak, peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return current, peak
+        current, peak = self._live.current, self._live.peak_since_mark
+        self._live.peak_since_mark = current
+        return current, peak
 
     @property
     def current_bytes(self) -> int:

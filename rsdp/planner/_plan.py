@@ -1,0 +1,184 @@
+"""``rsdp.plan``: profile, search, and report a per-module plan that fits a memory budget."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._compat import MixedPrecisionPolicy
+from ..policy import Strategy, _default_mesh
+from ._profile import RootCost, UnitCost, find_units, profile
+from ._search import Partial, pareto_plans, predicted_peak
+
+MiB = 2**20
+# Plans run to check their peak before one is accepted as fitting (each run is one training step).
+MAX_VERIFICATIONS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    module: str  # "" is the root: every parameter no unit holds
+    strategy: Strategy
+    static_bytes: int  # parameters and optimizer state on one rank
+    activation_bytes: int  # what its forward leaves alive for backward
+    seconds: float  # forward, backward and its share of the optimizer step
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A strategy per module, the per-rank batch size, and what they are predicted to cost.
+
+    Pass it to :func:`rsdp.parallelize` as the policy.
+    """
+
+    rows: tuple[PlanRow, ...]
+    batch_size: int
+    data_parallel_size: int
+    predicted_peak_bytes: int
+    predicted_step_seconds: float
+    memory_budget: int
+    verified_peak_bytes: int | None = None  # the chosen plan's peak, measured by running it once
+
+    @property
+    def strategies(self) -> dict[str, Strategy]:
+        return {row.module: row.strategy for row in self.rows}
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.batch_size * self.data_parallel_size / self.predicted_step_seconds
+
+    def __str__(self) -> str:
+        lines = [
+            "| module | strategy | params + optimizer state | activations | time |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for row in self.rows:
+            lines.append(
+                f"| {row.module or '(root)'} | {row.strategy.value} | {row.static_bytes / MiB:.1f} MiB | "
+                f"{row.activation_bytes / MiB:.1f} MiB | {row.seconds * 1e3:.1f} ms |"
+            )
+        verified = "" if self.verified_peak_bytes is None else f" (measured {self.verified_peak_bytes / MiB:.2f} MiB)"
+        lines.append(
+            f"\nbatch {self.batch_size} per rank: predicted peak {self.predicted_peak_bytes / MiB:.2f} MiB{verified} "
+            f"of a {self.memory_budget / MiB:.2f} MiB budget, step {self.predicted_step_seconds * 1e3:.1f} ms, "
+            f"{self.samples_per_second:.2f} samples/s"
+        )
+        return "\n".join(lines)
+
+
+def _next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _resize_batch(sample: torch.Tensor, batch_size: int) -> torch.Tensor:
+    repeats = -(-batch_size // sample.shape[0])
+    return sample.repeat(repeats, *([1] * (sample.dim() - 1)))[:batch_size]
+
+
+def plan(
+    model: nn.Module,
+    *,
+    memory_budget: int,
+    sample_input: torch.Tensor,
+    mesh: DeviceMesh | None = None,
+    batch_sizes: Sequence[int] | None = None,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _next_token_loss,
+    optimizer_fn: Callable = torch.optim.AdamW,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    strategies: Sequence[Strategy] = tuple(Strategy),
+) -> Plan:
+    """The fastest plan per sample whose peak memory per rank fits ``memory_budget`` bytes.
+
+    Every rank must call it, with the unsharded ``model`` (it is not modified: every measurement runs
+    on a copy). Units are the modules the root calls (containers expanded); the root keeps the rest.
+
+    1. Profile: for each batch size, root strategy and unit strategy, one training step of the model
+       with that root and every unit under that strategy is measured on the actual ranks (memory with
+       :class:`rsdp.memory.MemoryTracker`, time with the clock), phase by phase.
+    2. Search: a mixed plan is predicted by replaying the measured phases; the search over plans is
+       exact for that prediction (see ``_search``), and minimises step time per sample.
+    3. Verify: the chosen plan itself is run once. Parallelisms interact at module boundaries in ways
+       a replay of uniform runs does not see (FSDP2 frees a module's all-gather buffers at the next
+       module's unshard), so a plan whose measured peak exceeds the budget is dropped and the next
+       fastest is tried.
+
+    Args:
+        memory_budget: bytes per rank for parameters, optimizer state, gradients, activations and
+            every transient buffer of one training step.
+        sample_input: one rank's batch; its first dimension is resized to each of ``batch_sizes``.
+        batch_sizes: per-rank batch sizes to consider (default: the sample's).
+        loss_fn: ``loss_fn(model, batch) -> loss`` (default: next-token cross-entropy on token ids).
+        optimizer_fn: builds the optimizer from parameters (its state is part of the budget).
+        strategies: the strategies a module may take.
+
+    Raises:
+        ValueError: no plan fits; the message gives the smallest budget that would.
+    """
+    mesh = mesh or _default_mesh()
+    units = find_units(model)
+    if not units:
+        raise ValueError(f"rsdp.plan: {type(model).__name__} has no submodule with parameters to plan for.")
+
+    def measure(batch_size: int, assignment: dict[str, Strategy]):
+        batch = _resize_batch(sample_input, batch_size)
+        return profile(model, assignment, batch, loss_fn, optimizer_fn, mesh, mp_policy, sample_input.device)
+
+    candidates = []  # (seconds per sample, predicted peak, Plan), every non-dominated plan
+    for batch_size in batch_sizes or [sample_input.shape[0]]:
+        for root_strategy in strategies:
+            runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
+            unit_costs = [{s: runs[s][0][name] for s in strategies} for name in units]
+            root = runs[root_strategy][1]
+            for partial in pareto_plans(unit_costs):
+                peak = predicted_peak(partial, root)
+                seconds = partial.seconds + root.seconds
+                built = _plan(units, unit_costs, partial, root_strategy, root, batch_size, mesh.size(), peak, seconds, memory_budget)
+                candidates.append((seconds / (batch_size * mesh.size()), peak, built))
+
+    too_big: dict[tuple, int] = {}  # plans whose measured peak exceeded the budget
+    for _ in range(MAX_VERIFICATIONS):
+        fitting = [c for c in candidates if c[1] <= memory_budget and _key(c[2]) not in too_big]
+        if not fitting:
+            break
+        chosen = min(fitting, key=lambda c: (c[0], c[1]))[2]
+        verified_peak = measure(chosen.batch_size, chosen.strategies)[2]
+        if verified_peak <= memory_budget:
+            return dataclasses.replace(chosen, verified_peak_bytes=verified_peak)
+        too_big[_key(chosen)] = verified_peak
+
+    smallest = min(candidates, key=lambda c: max(c[1], too_big.get(_key(c[2]), 0)))[2]
+    needed = max(smallest.predicted_peak_bytes, measure(smallest.batch_size, smallest.strategies)[2])
+    assignment = ", ".join(f"{name or '(root)'}={s.value}" for name, s in smallest.strategies.items())
+    raise ValueError(
+        f"rsdp.plan: no plan fits {memory_budget / MiB:.2f} MiB per rank; the smallest budget that fits "
+        f"is {needed / MiB:.2f} MiB ({needed} bytes, batch size {smallest.batch_size} per rank: {assignment})."
+    )
+
+
+def _key(plan_: Plan) -> tuple:
+    return (plan_.batch_size, tuple(plan_.strategies.items()))
+
+
+def _plan(
+    units: list[str],
+    unit_costs: list[dict[Strategy, UnitCost]],
+    partial: Partial,
+    root_strategy: Strategy,
+    root: RootCost,
+    batch_size: int,
+    data_parallel_size: int,
+    peak: float,
+    seconds: float,
+    budget: int,
+) -> Plan:
+    rows = [
+        PlanRow(name, strategy, costs[strategy].static_bytes, costs[strategy].forward.delta, costs[strategy].seconds)
+        for name, strategy, costs in zip(units, partial.choices, unit_costs)
+    ]
+    root_activations = root.before.delta + root.middle.delta
+    rows.insert(0, PlanRow("", root_strategy, root.static_bytes, root_activations, root.seconds))
+    return Plan(tuple(rows), batch_size, data_parallel_size, int(peak), seconds, budget)

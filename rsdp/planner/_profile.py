@@ -1,0 +1,283 @@
+"""Measure what every unit of a model costs under each strategy, on the ranks the model will train on.
+
+One training step of the model with *every* unit under one strategy gives, through hooks at each unit's
+forward and backward boundaries, a timeline: the live bytes at each boundary, the peak between
+boundaries (``MemoryTracker.mark``) and the time. The timeline is cut into contiguous phases — the root's
+work before the first unit, each unit's forward, the root's work between the last unit's forward and
+its backward (head, loss), each unit's backward, and the root's work after (optimizer step) — so that
+replaying phases measured under different strategies predicts a mixed plan, and reproduces a uniform one
+exactly.
+"""
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._compat import DTensor
+from ..memory import MemoryTracker
+from ..policy import Strategy, parallelize
+
+
+@contextlib.contextmanager
+def without_cyclic_gc():
+    """Measure deterministically: collect earlier garbage first, and let no collection run inside.
+
+    Autograd graphs and hooks form reference cycles; when the cyclic collector happens to run inside a
+    step (which depends on the whole process's allocation history) it frees some of them early. Without
+    it the measured peak is reproducible, and an upper bound for a run in which the collector does run.
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    delta: int  # live bytes at its end minus at its start
+    peak: int  # highest live bytes during it, above the level at its start
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    """One unit under one strategy at one batch size."""
+
+    static_bytes: int  # its parameters and their optimizer state, on one rank
+    forward: Phase
+    backward: Phase
+    optimizer_seconds: float  # its share of the optimizer step
+
+    @property
+    def seconds(self) -> float:
+        return self.forward.seconds + self.backward.seconds + self.optimizer_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class RootCost:
+    """The root's own parameters and work, under one strategy at one batch size."""
+
+    static_bytes: int
+    before: Phase  # step start -> first unit's forward
+    middle: Phase  # last unit's forward -> its backward: head, loss and their backward
+    after: Phase  # first unit's backward done -> step end, optimizer step included
+    optimizer_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.before.seconds + self.middle.seconds + self.after.seconds + self.optimizer_seconds
+
+
+def find_units(model: nn.Module) -> list[str]:
+    """The modules the root calls, expanding containers. A module whose parameters are tied to another
+    candidate or to the root stays with the root: FSDP and replicate need a tied parameter in one unit."""
+    candidates = []
+
+    def expand(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                expand(f"{path}.", child)
+            elif any(True for _ in child.parameters()):
+                candidates.append(path)
+
+    expand("", model)
+    holders = collections.Counter(id(p) for path in candidates for p in model.get_submodule(path).parameters())
+    holders.update(id(p) for p in model.parameters(recurse=False))
+    return [
+        path
+        for path in candidates
+        if all(holders[id(p)] == 1 for p in model.get_submodule(path).parameters())
+    ]
+
+
+class _Timeline:
+    """Boundary events of one step: (label, live bytes, peak since previous event, time)."""
+
+    def __init__(self, tracker: MemoryTracker):
+        self.tracker = tracker
+        self.events: dict[str, tuple[int, int, float]] = {}
+        self.order: list[str] = []
+
+    def mark(self, label: str) -> None:
+        if label in self.events:
+            raise RuntimeError(f"rsdp.plan: {label} happened twice in one step; a unit may run once per step")
+        current, peak = self.tracker.mark()
+        self.events[label] = (current, peak, time.perf_counter())
+        self.order.append(label)
+
+    def phase(self, start: str, end: str) -> Phase:
+        first, last = self.order.index(start), self.order.index(end)
+        level = self.events[start][0]
+        peak = max((self.events[label][1] for label in self.order[first + 1 : last + 1]), default=level)
+        return Phase(self.events[end][0] - level, max(peak, level) - level, self.events[end][2] - self.events[start][2])
+
+
+def _first_tensor(value) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(_first_tensor, value) if t is not None), None)
+    return None
+
+
+class _BackwardBoundary(torch.autograd.Function):
+    """Identity that marks the timeline when the gradient of a unit's output arrives: wrapped around
+    the output, it runs before any hook a parallelism put on that output (FSDP2's unshard)."""
+
+    @staticmethod
+    def forward(ctx, timeline, label, tensor):
+        ctx.timeline, ctx.label = timeline, label
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.timeline.mark(ctx.label)
+        return None, None, grad
+
+
+def _hook_boundaries(model: nn.Module, units: list[str], timeline: _Timeline) -> list:
+    """Marks at each unit's boundaries, outside whatever the parallelism does at them: before its
+    pre-forward work (prepended hook), after its post-forward work, before its pre-backward work and
+    after its post-backward work (a hook on the input as the caller passed it)."""
+    handles = []
+    for name in units:
+        module = model.get_submodule(name)
+
+        def before_forward(module, args, name=name):
+            timeline.mark(f"forward:{name}")
+            first = _first_tensor(args)
+            if first is not None and first.requires_grad:
+                first.register_hook(lambda grad: timeline.mark(f"backward-done:{name}"))
+
+        def after_forward(module, args, output, name=name):
+            timeline.mark(f"forward-done:{name}")
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                return _BackwardBoundary.apply(timeline, f"backward:{name}", output)
+            raise ValueError(
+                f"rsdp.plan: unit {name} must return one tensor that requires grad (got {type(output).__name__})"
+            )
+
+        handles.append(module.register_forward_pre_hook(before_forward, prepend=True))
+        handles.append(module.register_forward_hook(after_forward))
+    return handles
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _static_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
+    total = 0
+    for param in params:
+        total += _local_bytes(param)
+        total += sum(_local_bytes(t) for t in optimizer.state.get(param, {}).values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def profile(
+    model: nn.Module,
+    strategies: dict[str, Strategy],
+    batch,
+    loss_fn: Callable,
+    optimizer_fn: Callable,
+    mesh: DeviceMesh,
+    mp_policy,
+    device: torch.device,
+) -> tuple[dict[str, UnitCost], RootCost, int]:
+    """Train a copy of ``model`` parallelized with ``strategies`` (unit name -> strategy, ``""`` the
+    root) for a warm-up step and a measured one. Returns every unit's cost, the root's, and the step's
+    peak bytes (parameters and optimizer state included), each the maximum over the ranks so that every
+    rank plans alike."""
+    units = [name for name in strategies if name]
+    copy_ = parallelize(copy.deepcopy(model), strategies, mesh=mesh, mp_policy=mp_policy)
+    optimizer = optimizer_fn(copy_.parameters())
+
+    def step(timeline: _Timeline | None = None) -> None:
+        loss_fn(copy_, batch).backward()
+        if timeline is not None:
+            timeline.mark("backward-done")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: optimizer state exists from here on, as in every later step
+    with without_cyclic_gc(), MemoryTracker(device) as tracker:
+        timeline = _Timeline(tracker)
+        handles = _hook_boundaries(copy_, units, timeline)
+        timeline.mark("start")
+        step(timeline)
+        timeline.mark("end")
+        for handle in handles:
+            handle.remove()
+
+    first, last = units[0], units[-1]
+    unit_params = {name: list(copy_.get_submodule(name).parameters()) for name in units}
+    in_units = {id(p) for params in unit_params.values() for p in params}
+    root_params = [p for p in copy_.parameters() if id(p) not in in_units]
+    total_static = _static_bytes(list(copy_.parameters()), optimizer) or 1
+
+    end_of_backward = f"backward-done:{first}" if f"backward-done:{first}" in timeline.events else "backward-done"
+    after = timeline.phase(end_of_backward, "end")
+    optimizer_seconds = timeline.phase("backward-done", "end").seconds
+
+    costs = {}
+    for index, name in enumerate(units):
+        forward_end = f"forward:{units[index + 1]}" if index + 1 < len(units) else f"forward-done:{last}"
+        backward_end = f"backward:{units[index - 1]}" if index > 0 else end_of_backward
+        static = _static_bytes(unit_params[name], optimizer)
+        costs[name] = UnitCost(
+            static,
+            timeline.phase(f"forward:{name}", forward_end),
+            timeline.phase(f"backward:{name}", backward_end),
+            optimizer_seconds * static / total_static,
+        )
+    root_static = _static_bytes(root_params, optimizer)
+    root = RootCost(
+        root_static,
+        timeline.phase("start", f"forward:{first}"),
+        timeline.phase(f"forward-done:{last}", f"backward:{last}"),
+        dataclasses.replace(after, seconds=after.seconds - optimizer_seconds),
+        optimizer_seconds * root_static / total_static,
+    )
+    return _agree(costs, root, total_static + tracker.peak_bytes)
+
+
+def _agree(costs: dict[str, UnitCost], root: RootCost, peak: int) -> tuple[dict[str, UnitCost], RootCost, int]:
+    flat = [dataclasses.astuple(cost) for cost in (*costs.values(), root)]
+    numbers = [peak] + [value for record in flat for value in _flatten(record)]
+    tensor = torch.tensor(numbers, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    values = iter(tensor.tolist())
+    peak = int(next(values))
+    rebuilt = [_rebuild(type(cost), values) for cost in (*costs.values(), root)]
+    return dict(zip(costs, rebuilt[:-1])), rebuilt[-1], peak
+
+
+def _flatten(record) -> list[float]:
+    return [v for item in record for v in (_flatten(item) if isinstance(item, tuple) else [item])]
+
+
+def _rebuild(cls, values):
+    fields = []
+    for field in dataclasses.fields(cls):
+        if field.type in ("Phase", Phase):
+            fields.append(Phase(int(next(values)), int(next(values)), next(values)))
+        else:
+            value = next(values)
+            fields.append(int(value) if field.type in ("int", int) else value)
+    return cls(*fields)

@@ -1,0 +1,117 @@
+"""The planner: exact search, predictions against measured peaks, budgets, and plans that train."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from models import TinyLM, twin
+from rsdp import Strategy, parallelize, plan
+from rsdp.memory import MemoryTracker
+from rsdp.planner._plan import _next_token_loss
+from rsdp.planner._profile import Phase, RootCost, UnitCost, _static_bytes, find_units, without_cyclic_gc
+from rsdp.planner._search import Partial, pareto_plans, predicted_peak
+from test_training import train_and_compare
+
+MiB = 2**20
+
+phases = st.builds(Phase, st.integers(-50, 50), st.integers(0, 80), st.floats(0.1, 5.0))
+unit_costs = st.builds(UnitCost, st.integers(0, 60), phases, phases, st.floats(0.0, 1.0))
+roots = st.builds(RootCost, st.integers(0, 30), phases, phases, phases, st.floats(0.0, 1.0))
+
+
+def brute_force_best(options, root, budget):
+    best = None
+    for choice in itertools.product(*(list(o.items()) for o in options)):
+        partial = Partial(float("-inf"), 0.0, float("-inf"), 0.0, 0.0, 0.0, ())
+        for strategy, cost in reversed(choice):
+            partial = partial.extend(strategy, cost)
+        if predicted_peak(partial, root) <= budget and (best is None or partial.seconds < best):
+            best = partial.seconds
+    return best
+
+
+@given(
+    options=st.lists(st.dictionaries(st.sampled_from(list(Strategy)), unit_costs, min_size=1), min_size=1, max_size=5),
+    root=roots,
+    budget=st.integers(0, 400),
+)
+def test_search_is_exact(options, root, budget):
+    """The dominance-pruned search finds the fastest fitting plan that enumerating all plans finds."""
+    fitting = [p.seconds for p in pareto_plans(options) if predicted_peak(p, root) <= budget]
+    expected = brute_force_best(options, root, budget)
+    assert (min(fitting) if fitting else None) == pytest.approx(expected)
+
+
+def test_units_keep_tied_modules_with_the_root():
+    model = TinyLM(layers=2)  # embed and lm_head share their weight
+    assert find_units(model) == ["layers.0", "layers.1", "norm"]
+
+
+def lm():
+    torch.manual_seed(0)
+    return TinyLM(vocab=512, dim=64, heads=4, hidden=256, layers=4)
+
+
+def measured_peak(model, tokens):
+    """Peak bytes of a steady-state training step: parameters and optimizer state plus the step."""
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        _next_token_loss(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    with without_cyclic_gc(), MemoryTracker() as tracker:
+        _next_token_loss(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    peak = torch.tensor(float(_static_bytes(list(model.parameters()), optimizer) + tracker.peak_bytes))
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+def budgets_case(budgets_mib):
+    model, tokens = lm(), torch.randint(0, 512, (4, 32))
+    results = []
+    for budget in budgets_mib:
+        chosen = plan(model, memory_budget=int(budget * MiB), sample_input=tokens)
+        peak = measured_peak(parallelize(copy.deepcopy(model), chosen), tokens[: chosen.batch_size])
+        results.append((budget, chosen.predicted_peak_bytes, peak, str(chosen)))
+    return results
+
+
+def test_planned_peak_fits_budget_and_prediction_on_4_ranks(ranks):
+    for budget, predicted, measured, table in ranks.run(4, budgets_case, [8.0, 4.0, 3.6])[0]:
+        print(f"budget {budget} MiB: predicted {predicted / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB\n{table}")
+        assert measured <= budget * MiB, table
+        assert abs(measured - predicted) <= 0.1 * predicted, table
+
+
+def infeasible_case():
+    model, tokens = lm(), torch.randint(0, 512, (4, 32))
+    with pytest.raises(ValueError, match="smallest budget that fits is") as error:
+        plan(model, memory_budget=MiB, sample_input=tokens)
+    smallest = int(str(error.value).split("(")[1].split(" bytes")[0])
+    assert plan(model, memory_budget=smallest, sample_input=tokens).predicted_peak_bytes <= smallest
+
+
+def test_infeasible_budget_names_the_smallest_that_fits(ranks):
+    ranks.run(2, infeasible_case)
+
+
+def planned_training_case():
+    """A plan is a policy: the planned model trains like the single-process reference, and larger
+    batches are considered."""
+    model = TinyLM(vocab=31, dim=8, heads=2, hidden=12, layers=3).double()
+    reference = twin(model)
+    chosen = plan(model, memory_budget=64 * MiB, sample_input=torch.randint(0, 31, (1, 6)), batch_sizes=[1, 2])
+    assert set(chosen.strategies) == {"", "layers.0", "layers.1", "layers.2", "norm"}
+    assert chosen.batch_size in (1, 2) and "(root)" in str(chosen)
+    train_and_compare(parallelize(model, chosen), reference, steps=2, rows=1, seq=5)
+
+
+def test_plan_trains_like_reference(ranks):
+    ranks.run(2, planned_training_case)
