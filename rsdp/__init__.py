@@ -8,7 +8,7 @@ module.
 
 from ._compat import MixedPrecisionPolicy
 from ._fully_shard import RSDPModule, rsdp_shard
-from .planner import Plan, plan
+from .planner import CostModel, Plan, plan
 from .policy import Strategy, parallelize
 
-__all__ = ["MixedPrecisionPolicy", "Plan", "RSDPModule", "Strategy", "parallelize", "plan", "rsdp_shard"]
+__all__ = ["CostModel", "MixedPrecisionPolicy", "Plan", "RSDPModule", "Strategy", "parallelize", "plan", "rsdp_shard"]

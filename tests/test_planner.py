@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from models import TinyLM, twin
-from rsdp import Strategy, parallelize, plan
+from rsdp import CostModel, Strategy, parallelize, plan
 from rsdp.memory import MemoryTracker
 from rsdp.planner._plan import _next_token_loss
 from rsdp.planner._profile import Phase, RootCost, UnitCost, _static_bytes, find_units, without_cyclic_gc
@@ -35,16 +35,42 @@ def brute_force_best(options, root, budget):
     return best
 
 
+def exactness_case(options, root, budget):
+    fitting = [p.seconds for p in pareto_plans(options) if predicted_peak(p, root) <= budget]
+    expected = brute_force_best(options, root, budget)
+    assert (min(fitting) if fitting else None) == pytest.approx(expected)
+
+
 @given(
     options=st.lists(st.dictionaries(st.sampled_from(list(Strategy)), unit_costs, min_size=1), min_size=1, max_size=5),
     root=roots,
     budget=st.integers(0, 400),
 )
-def test_search_is_exact(options, root, budget):
+def test_search_is_exact(ranks, options, root, budget):
     """The dominance-pruned search finds the fastest fitting plan that enumerating all plans finds."""
-    fitting = [p.seconds for p in pareto_plans(options) if predicted_peak(p, root) <= budget]
-    expected = brute_force_best(options, root, budget)
-    assert (min(fitting) if fitting else None) == pytest.approx(expected)
+    ranks.run(1, exactness_case, options, root, budget)
+
+
+def cost_model_case():
+    """Plans for clusters this machine cannot run, from a meta-device step and a cost model."""
+    model = TinyLM(vocab=32000, dim=256, heads=4, hidden=1024, layers=6)
+    tokens = torch.randint(0, 32000, (1, 256))
+    for world in (8, 1024):
+        cluster = CostModel(world, flops_per_s=300e12, bandwidth_bytes_per_s=100e9, latency_s=10e-6)
+        plans = [
+            plan(model, memory_budget=budget * MiB, sample_input=tokens, batch_sizes=[1, 4], cost_model=cluster)
+            for budget in (1000, 400, 200)
+        ]
+        per_sample = [p.predicted_step_seconds / (p.batch_size * world) for p in plans]
+        assert per_sample == sorted(per_sample), "a larger budget gave a slower plan"
+        assert all(p.predicted_peak_bytes <= p.memory_budget and p.verified_peak_bytes is None for p in plans)
+        assert set(plans[0].strategies.values()) != {Strategy.RSDP}  # plenty of memory: not the lightest
+        with pytest.raises(ValueError, match="smallest budget that fits"):
+            plan(model, memory_budget=MiB, sample_input=tokens, cost_model=cluster)
+
+
+def test_cost_model_plans_for_8_and_1024_gpus(ranks):
+    ranks.run(1, cost_model_case)
 
 
 def test_units_keep_tied_modules_with_the_root():

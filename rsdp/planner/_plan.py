@@ -1,6 +1,7 @@
 """``rsdp.plan``: profile, search, and report a per-module plan that fits a memory budget."""
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -10,12 +11,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import MixedPrecisionPolicy
 from ..policy import Strategy, _default_mesh
+from ._cost_model import CostModel, count, estimate
 from ._profile import RootCost, UnitCost, find_units, profile
-from ._search import Partial, pareto_plans, predicted_peak
+from ._search import FrontierTooLarge, Partial, pareto_plans, predicted_peak
 
 MiB = 2**20
 # Plans run to check their peak before one is accepted as fitting (each run is one training step).
 MAX_VERIFICATIONS = 8
+# The search rounds byte figures up to memory_budget / SEARCH_GRID_STEPS (see _search).
+SEARCH_GRID_STEPS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +94,7 @@ def plan(
     optimizer_fn: Callable = torch.optim.AdamW,
     mp_policy: MixedPrecisionPolicy | None = None,
     strategies: Sequence[Strategy] = tuple(Strategy),
+    cost_model: CostModel | None = None,
 ) -> Plan:
     """The fastest plan per sample whose peak memory per rank fits ``memory_budget`` bytes.
 
@@ -98,10 +103,12 @@ def plan(
 
     1. Profile: for each batch size, root strategy and unit strategy, one training step of the model
        with that root and every unit under that strategy is measured on the actual ranks (memory with
-       :class:`rsdp.memory.MemoryTracker`, time with the clock), phase by phase.
+       :class:`rsdp.memory.MemoryTracker`, time with the clock), phase by phase. With ``cost_model``,
+       the phases are estimated instead, from a meta-device step and the stated FLOP/s, bandwidth and
+       latency, for a cluster of ``cost_model.world_size`` devices; no process group is needed.
     2. Search: a mixed plan is predicted by replaying the measured phases; the search over plans is
        exact for that prediction (see ``_search``), and minimises step time per sample.
-    3. Verify: the chosen plan itself is run once. Parallelisms interact at module boundaries in ways
+    3. Verify (measured plans only): the chosen plan itself is run once. Parallelisms interact at module boundaries in ways
        a replay of uniform runs does not see (FSDP2 frees a module's all-gather buffers at the next
        module's unshard), so a plan whose measured peak exceeds the budget is dropped and the next
        fastest is tried.
@@ -114,30 +121,56 @@ def plan(
         loss_fn: ``loss_fn(model, batch) -> loss`` (default: next-token cross-entropy on token ids).
         optimizer_fn: builds the optimizer from parameters (its state is part of the budget).
         strategies: the strategies a module may take.
+        cost_model: estimate for another cluster instead of measuring on this one.
 
     Raises:
         ValueError: no plan fits; the message gives the smallest budget that would.
     """
-    mesh = mesh or _default_mesh()
     units = find_units(model)
     if not units:
         raise ValueError(f"rsdp.plan: {type(model).__name__} has no submodule with parameters to plan for.")
+    if cost_model is None:
+        mesh = mesh or _default_mesh()
+    world = cost_model.world_size if cost_model else mesh.size()
 
     def measure(batch_size: int, assignment: dict[str, Strategy]):
         batch = _resize_batch(sample_input, batch_size)
         return profile(model, assignment, batch, loss_fn, optimizer_fn, mesh, mp_policy, sample_input.device)
 
-    candidates = []  # (seconds per sample, predicted peak, Plan), every non-dominated plan
+    counted = {}  # batch size -> meta-device counts, for the cost model
+
+    def costs(batch_size: int, root_strategy: Strategy) -> tuple[dict[Strategy, dict[str, UnitCost]], RootCost]:
+        """Every unit's cost under every strategy, and the root's, with the root under ``root_strategy``."""
+        if cost_model is not None:
+            if batch_size not in counted:
+                counted[batch_size] = count(model, units, _resize_batch(sample_input, batch_size), loss_fn)
+            estimates = {s: estimate(counted[batch_size], s, cost_model) for s in strategies}
+            return {s: estimates[s][0] for s in strategies}, estimates[root_strategy][1]
+        runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
+        return {s: runs[s][0] for s in strategies}, runs[root_strategy][1]
+
+    candidates = []  # (seconds per sample, predicted peak, Plan), the best plan per (batch, root) for each peak
     for batch_size in batch_sizes or [sample_input.shape[0]]:
         for root_strategy in strategies:
-            runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
-            unit_costs = [{s: runs[s][0][name] for s in strategies} for name in units]
-            root = runs[root_strategy][1]
-            for partial in pareto_plans(unit_costs):
+            by_strategy, root = costs(batch_size, root_strategy)
+            unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
+            for partial in _search(unit_costs, memory_budget):
                 peak = predicted_peak(partial, root)
                 seconds = partial.seconds + root.seconds
-                built = _plan(units, unit_costs, partial, root_strategy, root, batch_size, mesh.size(), peak, seconds, memory_budget)
-                candidates.append((seconds / (batch_size * mesh.size()), peak, built))
+                candidates.append(
+                    (seconds / (batch_size * world), peak, _Candidate(units, unit_costs, partial, root_strategy, root, batch_size))
+                )
+    candidates = [
+        (per_sample, peak, candidate.build(world, peak, per_sample * candidate.batch_size * world, memory_budget))
+        for per_sample, peak, candidate in _useful(candidates)
+    ]
+
+    if cost_model is not None:
+        fitting = [c for c in candidates if c[1] <= memory_budget]
+        if fitting:
+            return min(fitting, key=lambda c: (c[0], c[1]))[2]
+        smallest = min(candidates, key=lambda c: c[1])[2]
+        _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
 
     too_big: dict[tuple, int] = {}  # plans whose measured peak exceeded the budget
     for _ in range(MAX_VERIFICATIONS):
@@ -151,11 +184,16 @@ def plan(
         too_big[_key(chosen)] = verified_peak
 
     smallest = min(candidates, key=lambda c: max(c[1], too_big.get(_key(c[2]), 0)))[2]
-    needed = max(smallest.predicted_peak_bytes, measure(smallest.batch_size, smallest.strategies)[2])
+    _raise_infeasible(
+        memory_budget, smallest, max(smallest.predicted_peak_bytes, measure(smallest.batch_size, smallest.strategies)[2])
+    )
+
+
+def _raise_infeasible(budget: int, smallest: Plan, needed: int) -> None:
     assignment = ", ".join(f"{name or '(root)'}={s.value}" for name, s in smallest.strategies.items())
     raise ValueError(
-        f"rsdp.plan: no plan fits {memory_budget / MiB:.2f} MiB per rank; the smallest budget that fits "
-        f"is {needed / MiB:.2f} MiB ({needed} bytes, batch size {smallest.batch_size} per rank: {assignment})."
+        f"rsdp.plan: no plan fits {budget / MiB:.2f} MiB per rank; the smallest budget that fits is "
+        f"{needed / MiB:.2f} MiB ({needed} bytes, batch size {smallest.batch_size} per rank: {assignment})."
     )
 
 
@@ -163,22 +201,40 @@ def _key(plan_: Plan) -> tuple:
     return (plan_.batch_size, tuple(plan_.strategies.items()))
 
 
-def _plan(
-    units: list[str],
-    unit_costs: list[dict[Strategy, UnitCost]],
-    partial: Partial,
-    root_strategy: Strategy,
-    root: RootCost,
-    batch_size: int,
-    data_parallel_size: int,
-    peak: float,
-    seconds: float,
-    budget: int,
-) -> Plan:
-    rows = [
-        PlanRow(name, strategy, costs[strategy].static_bytes, costs[strategy].forward.delta, costs[strategy].seconds)
-        for name, strategy, costs in zip(units, partial.choices, unit_costs)
-    ]
-    root_activations = root.before.delta + root.middle.delta
-    rows.insert(0, PlanRow("", root_strategy, root.static_bytes, root_activations, root.seconds))
-    return Plan(tuple(rows), batch_size, data_parallel_size, int(peak), seconds, budget)
+def _search(unit_costs: list[dict[Strategy, UnitCost]], budget: int) -> list[Partial]:
+    """The non-dominated plans, on the finest grid whose frontier stays within bounds."""
+    grid = max(1, budget // SEARCH_GRID_STEPS)
+    while True:
+        try:
+            return pareto_plans(unit_costs, grid)
+        except FrontierTooLarge:
+            grid *= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    units: list[str]
+    unit_costs: list[dict[Strategy, UnitCost]]
+    partial: Partial
+    root_strategy: Strategy
+    root: RootCost
+    batch_size: int
+
+    def build(self, world: int, peak: float, seconds: float, budget: int) -> Plan:
+        rows = [
+            PlanRow(name, strategy, costs[strategy].static_bytes, costs[strategy].forward.delta, costs[strategy].seconds)
+            for name, strategy, costs in zip(self.units, self.partial.choices, self.unit_costs)
+        ]
+        root = self.root
+        rows.insert(0, PlanRow("", self.root_strategy, root.static_bytes, root.before.delta + root.middle.delta, root.seconds))
+        return Plan(tuple(rows), self.batch_size, world, int(peak), seconds, budget)
+
+
+def _useful(candidates: list[tuple]) -> list[tuple]:
+    """Only plans faster per sample than every plan with a smaller or equal peak can ever be chosen."""
+    kept, fastest = [], math.inf
+    for candidate in sorted(candidates, key=lambda c: (c[1], c[0])):
+        if candidate[0] < fastest:
+            kept.append(candidate)
+            fastest = candidate[0]
+    return kept

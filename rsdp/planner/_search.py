@@ -14,14 +14,19 @@ with each of them:
 - ``seconds``.
 
 A partial plan no better than another in all six can be dropped without losing the optimum (dominance
-pruning), which makes this a multiple-choice knapsack solved exactly over the memory timeline.
+pruning), which makes this a multiple-choice knapsack solved exactly over the memory timeline. Byte
+figures are first rounded up to a grid (``grid_bytes``, the planner uses 1/4096 of the budget): the
+search is exact for the rounded figures, which overstate a plan's peak by at most one grid step per
+unit, and the rounding keeps the number of distinct partial plans small for models with many layers.
 """
 
 import dataclasses
 import math
 
+import torch
+
 from ..policy import Strategy
-from ._profile import RootCost, UnitCost
+from ._profile import Phase, RootCost, UnitCost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,22 +69,51 @@ def predicted_peak(partial: Partial, root: RootCost) -> float:
     )
 
 
+class FrontierTooLarge(Exception):
+    """More non-dominated partial plans than ``max_partials``: search again on a coarser grid."""
+
+
 def _without_dominated(partials: list[Partial]) -> list[Partial]:
-    unique = {partial.key(): partial for partial in partials}.values()
-    ordered = sorted(unique, key=Partial.key)
-    kept: list[Partial] = []
-    for candidate in ordered:
-        point = candidate.key()
-        if not any(all(k <= p for k, p in zip(other.key(), point)) for other in kept):
-            kept.append(candidate)
-    return kept
+    unique = sorted({partial.key(): partial for partial in partials}.values(), key=Partial.key)
+    keys = torch.tensor([partial.key() for partial in unique], dtype=torch.float64)
+    kept: list[int] = []
+    kept_keys = keys[:0]
+    for index in range(len(unique)):
+        # Sorted lexicographically, a partial can only be dominated by one that comes before it.
+        if kept and bool((kept_keys <= keys[index]).all(dim=1).any()):
+            continue
+        kept.append(index)
+        kept_keys = keys[kept]
+    return [unique[index] for index in kept]
 
 
-def pareto_plans(unit_costs: list[dict[Strategy, UnitCost]]) -> list[Partial]:
-    """Every plan not dominated in (peak-relevant quantities, static bytes, time); units in forward order."""
+def _rounded_up(cost: UnitCost, grid: int) -> UnitCost:
+    def up(value: int) -> int:
+        return math.ceil(value / grid) * grid
+
+    def phase(p: Phase) -> Phase:
+        return Phase(up(p.delta), up(p.peak), p.seconds)
+
+    return UnitCost(up(cost.static_bytes), phase(cost.forward), phase(cost.backward), cost.optimizer_seconds)
+
+
+def pareto_plans(
+    unit_costs: list[dict[Strategy, UnitCost]], grid_bytes: int = 1, max_partials: int = 4096
+) -> list[Partial]:
+    """Every plan not dominated in (peak-relevant quantities, static bytes, time); units in forward order.
+
+    Raises:
+        FrontierTooLarge: when more than ``max_partials`` remain after some unit.
+    """
     partials = [Partial(-math.inf, 0.0, -math.inf, 0.0, 0.0, 0.0, ())]
     for options in reversed(unit_costs):
         partials = _without_dominated(
-            [partial.extend(strategy, cost) for partial in partials for strategy, cost in options.items()]
+            [
+                partial.extend(strategy, _rounded_up(cost, grid_bytes))
+                for partial in partials
+                for strategy, cost in options.items()
+            ]
         )
+        if len(partials) > max_partials:
+            raise FrontierTooLarge(len(partials))
     return partials
