@@ -121,7 +121,7 @@ def infeasible_case():
     with pytest.raises(ValueError, match="smallest budget that fits is") as error:
         plan(model, memory_budget=MiB, sample_input=tokens)
     smallest = int(str(error.value).split("(")[1].split(" bytes")[0])
-    assert plan(model, memory_budget=smallest, sample_input=tokens).predicted_peak_bytes <= smallest
+    assert plan(model, memory_budget=smallest, sample_input=tokens).verified_peak_bytes <= smallest
 
 
 def test_infeasible_budget_names_the_smallest_that_fits(ranks):
@@ -141,3 +141,25 @@ def planned_training_case():
 
 def test_plan_trains_like_reference(ranks):
     ranks.run(2, planned_training_case)
+
+
+def cli_case():
+    import contextlib
+    import io
+
+    from rsdp.planner.cli import main, parse_bytes
+
+    assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("2048") == 2048
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["plan", "--budget", "64MiB", "--world-size", "64", "--vocab_size", "2048", "--ninp", "128",
+              "--nhid", "256", "--nhead", "4", "--num_decoder_layers", "2", "--seq_len", "32", "--batch-sizes", "1", "2"])
+    with pytest.raises(SystemExit, match="smallest budget that fits"):
+        main(["plan", "--budget", "1KiB", "--vocab_size", "2048", "--ninp", "128", "--nhid", "256", "--nhead", "4",
+              "--num_decoder_layers", "2", "--seq_len", "32"])
+    return out.getvalue()
+
+
+def test_rsdp_plan_command(ranks):
+    printed = ranks.run(1, cli_case)[0]
+    assert "plan for 64 devices (cost model)" in printed and "| layers.1 |" in printed, printed

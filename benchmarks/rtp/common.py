@@ -148,25 +148,31 @@ def main(strategy: Strategy) -> None:
         f"Train fairscale's transformer LM with {strategy.name}; report speed, peak memory and bytes sent."
     )
     args = parse_args(parser)
-    under_torchrun = _launched_by_torchrun()
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     try:
-        strategy.check_config(args, world_size)
+        strategy.check_config(args, world_size(args))
     except ValueError as error:
         parser.error(f"{strategy.name}: {error}")
+    launch(_run_benchmark, args, strategy)
 
-    if under_torchrun:
-        _run_rank(int(os.environ["LOCAL_RANK"]), strategy, args, world_size)
+
+def world_size(args: argparse.Namespace) -> int:
+    return int(os.environ["WORLD_SIZE"]) if _launched_by_torchrun() else args.nproc
+
+
+def launch(run: Callable[..., None], args: argparse.Namespace, *extra) -> None:
+    """Call ``run(worker, *extra)`` on every rank: torchrun's, or ``--nproc`` local ones started here."""
+    if _launched_by_torchrun():
+        _run_rank(int(os.environ["LOCAL_RANK"]), run, args, extra)
         return
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     # fork is ~0.2 s a rank where spawn re-imports torch (~3 s); CUDA cannot be forked, so GPUs spawn.
     start_method = "spawn" if args.device == "cuda" else "fork"
-    mp.start_processes(_run_rank, args=(strategy, args, world_size), nprocs=world_size, start_method=start_method)
+    mp.start_processes(_run_rank, args=(run, args, extra), nprocs=args.nproc, start_method=start_method)
 
 
-def _run_rank(local_rank: int, strategy: Strategy, args: argparse.Namespace, world_size: int) -> None:
-    rank = int(os.environ.get("RANK", local_rank))
+def _run_rank(local_rank: int, run: Callable[..., None], args: argparse.Namespace, extra: tuple) -> None:
+    rank, world = int(os.environ.get("RANK", local_rank)), world_size(args)
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -178,19 +184,22 @@ def _run_rank(local_rank: int, strategy: Strategy, args: argparse.Namespace, wor
     dist.init_process_group(
         "nccl" if args.device == "cuda" else "gloo",
         rank=rank,
-        world_size=world_size,
+        world_size=world,
         timeout=COLLECTIVE_TIMEOUT,
     )
     try:
-        mesh = init_device_mesh(args.device, (world_size,))
-        results = _benchmark(strategy, Worker(args, rank, world_size, device, mesh))
-        if rank == 0:
-            _print_summary(results)
-            if args.json:
-                with open(args.json, "w") as out:
-                    json.dump(results, out, indent=2)
+        run(Worker(args, rank, world, device, init_device_mesh(args.device, (world,))), *extra)
     finally:
         dist.destroy_process_group()
+
+
+def _run_benchmark(worker: Worker, strategy: Strategy) -> None:
+    results = _benchmark(strategy, worker)
+    if worker.rank == 0:
+        _print_summary(results)
+        if worker.args.json:
+            with open(worker.args.json, "w") as out:
+                json.dump(results, out, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@ from ._profile import RootCost, UnitCost, find_units, profile
 from ._search import FrontierTooLarge, Partial, pareto_plans, predicted_peak
 
 MiB = 2**20
-# Plans run to check their peak before one is accepted as fitting (each run is one training step).
+# How many of the fastest plans are run to check them (each run is one training step).
 MAX_VERIFICATIONS = 8
+# A plan whose measured peak is within this fraction of its prediction is preferred.
+PREDICTION_TOLERANCE = 0.1
 # The search rounds byte figures up to memory_budget / SEARCH_GRID_STEPS (see _search).
 SEARCH_GRID_STEPS = 4096
 
@@ -110,8 +112,9 @@ def plan(
        exact for that prediction (see ``_search``), and minimises step time per sample.
     3. Verify (measured plans only): the chosen plan itself is run once. Parallelisms interact at module boundaries in ways
        a replay of uniform runs does not see (FSDP2 frees a module's all-gather buffers at the next
-       module's unshard), so a plan whose measured peak exceeds the budget is dropped and the next
-       fastest is tried.
+       module's unshard), so the fastest plans (up to 8) are run: the first that fits and whose
+       measured peak is within 10% of its prediction is returned; failing that, the first that fits
+       (its table shows prediction and measurement); failing that, the plan predicted smallest.
 
     Args:
         memory_budget: bytes per rank for parameters, optimizer state, gradients, activations and
@@ -172,21 +175,35 @@ def plan(
         smallest = min(candidates, key=lambda c: c[1])[2]
         _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
 
-    too_big: dict[tuple, int] = {}  # plans whose measured peak exceeded the budget
-    for _ in range(MAX_VERIFICATIONS):
-        fitting = [c for c in candidates if c[1] <= memory_budget and _key(c[2]) not in too_big]
-        if not fitting:
-            break
-        chosen = min(fitting, key=lambda c: (c[0], c[1]))[2]
-        verified_peak = measure(chosen.batch_size, chosen.strategies)[2]
-        if verified_peak <= memory_budget:
-            return dataclasses.replace(chosen, verified_peak_bytes=verified_peak)
-        too_big[_key(chosen)] = verified_peak
+    measured: dict[tuple, int] = {}
 
-    smallest = min(candidates, key=lambda c: max(c[1], too_big.get(_key(c[2]), 0)))[2]
-    _raise_infeasible(
-        memory_budget, smallest, max(smallest.predicted_peak_bytes, measure(smallest.batch_size, smallest.strategies)[2])
-    )
+    def verified(candidate: Plan) -> Plan:
+        if _key(candidate) not in measured:
+            measured[_key(candidate)] = measure(candidate.batch_size, candidate.strategies)[2]
+        return dataclasses.replace(candidate, verified_peak_bytes=measured[_key(candidate)])
+
+    fitting = [c[2] for c in sorted(candidates, key=lambda c: (c[0], c[1])) if c[1] <= memory_budget]
+    unconfirmed = None  # the fastest that fits though running it did not confirm its prediction
+    for candidate in map(verified, fitting[:MAX_VERIFICATIONS]):
+        if candidate.verified_peak_bytes <= memory_budget:
+            if _confirmed(candidate):
+                return candidate
+            unconfirmed = unconfirmed or candidate
+    if unconfirmed is not None:
+        return unconfirmed
+    smallest = verified(min((c[2] for c in candidates), key=lambda c: c.predicted_peak_bytes))
+    if smallest.verified_peak_bytes <= memory_budget:
+        return smallest
+    _raise_infeasible(memory_budget, smallest, max(smallest.predicted_peak_bytes, smallest.verified_peak_bytes))
+
+
+def _confirmed(candidate: Plan) -> bool:
+    error = abs(candidate.verified_peak_bytes - candidate.predicted_peak_bytes)
+    return error <= PREDICTION_TOLERANCE * candidate.predicted_peak_bytes
+
+
+def _key(plan_: Plan) -> tuple:
+    return (plan_.batch_size, tuple(plan_.strategies.items()))
 
 
 def _raise_infeasible(budget: int, smallest: Plan, needed: int) -> None:
@@ -195,10 +212,6 @@ def _raise_infeasible(budget: int, smallest: Plan, needed: int) -> None:
         f"rsdp.plan: no plan fits {budget / MiB:.2f} MiB per rank; the smallest budget that fits is "
         f"{needed / MiB:.2f} MiB ({needed} bytes, batch size {smallest.batch_size} per rank: {assignment})."
     )
-
-
-def _key(plan_: Plan) -> tuple:
-    return (plan_.batch_size, tuple(plan_.strategies.items()))
 
 
 def _search(unit_costs: list[dict[Strategy, UnitCost]], budget: int) -> list[Partial]:
