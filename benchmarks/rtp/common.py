@@ -93,6 +93,14 @@ def mixed_precision(worker: Worker) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=worker.dtype, reduce_dtype=torch.float32)
 
 
+def shard_layers_then_root(shard: Callable, model: nn.Module, worker: Worker) -> nn.Module:
+    """Apply ``shard`` (``fully_shard`` or ``rsdp_shard``) to every decoder layer, then to the root."""
+    policy = mixed_precision(worker)
+    for layer in model.layers:
+        shard(layer, mesh=worker.mesh, mp_policy=policy)
+    return shard(model, mesh=worker.mesh, mp_policy=policy)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Flags and launching
 

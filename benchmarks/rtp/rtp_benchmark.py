@@ -4,18 +4,11 @@
     python benchmarks/rtp/rtp_benchmark.py --use_synthetic_data [--nproc 4 --device cpu ...]
 """
 
-import torch.nn as nn
+import functools
 
-import common
 from rsdp import rsdp_shard
 
-
-def parallelize(model: nn.Module, worker: common.Worker) -> nn.Module:
-    policy = common.mixed_precision(worker)
-    for layer in model.layers:
-        rsdp_shard(layer, mesh=worker.mesh, mp_policy=policy)
-    return rsdp_shard(model, mesh=worker.mesh, mp_policy=policy)
-
+import common
 
 if __name__ == "__main__":
-    common.main(common.Strategy("rtp", parallelize))
+    common.main(common.Strategy("rtp", functools.partial(common.shard_layers_then_root, rsdp_shard)))
