@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from models import TinyLM, twin
 from rsdp import CostModel, Strategy, parallelize, plan
-from rsdp.memory import MemoryTracker
 from rsdp.planner._plan import _next_token_loss
-from rsdp.planner._profile import Phase, RootCost, UnitCost, _static_bytes, find_units, without_cyclic_gc
+from rsdp.planner import measure_peak
+from rsdp.planner._profile import Phase, RootCost, UnitCost, find_units
 from rsdp.planner._search import Partial, pareto_plans, predicted_peak
 from test_training import train_and_compare
 
@@ -83,28 +83,12 @@ def lm():
     return TinyLM(vocab=512, dim=64, heads=4, hidden=256, layers=4)
 
 
-def measured_peak(model, tokens):
-    """Peak bytes of a steady-state training step: parameters and optimizer state plus the step."""
-    optimizer = torch.optim.AdamW(model.parameters())
-    for _ in range(2):
-        _next_token_loss(model, tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    with without_cyclic_gc(), MemoryTracker() as tracker:
-        _next_token_loss(model, tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    peak = torch.tensor(float(_static_bytes(list(model.parameters()), optimizer) + tracker.peak_bytes))
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak)
-
-
 def budgets_case(budgets_mib):
     model, tokens = lm(), torch.randint(0, 512, (4, 32))
     results = []
     for budget in budgets_mib:
         chosen = plan(model, memory_budget=int(budget * MiB), sample_input=tokens)
-        peak = measured_peak(parallelize(copy.deepcopy(model), chosen), tokens[: chosen.batch_size])
+        peak = measure_peak(parallelize(copy.deepcopy(model), chosen), tokens[: chosen.batch_size], _next_token_loss)
         results.append((budget, chosen.predicted_peak_bytes, peak, str(chosen)))
     return results
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 import common
 from rsdp import Strategy, parallelize, plan
-from rsdp.memory import MemoryTracker
-from rsdp.planner._profile import _static_bytes, find_units, without_cyclic_gc
+from rsdp.planner import measure_peak
+from rsdp.planner._profile import find_units
 from rsdp.planner.cli import sequence_first_loss
 from transformer_lm import TransformerLM
 
@@ -29,18 +29,6 @@ def _train_step(model, optimizer, batch) -> None:
     sequence_first_loss(model, batch).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def measured_peak(model, batch) -> int:
-    """Parameters and optimizer state plus the peak of a steady-state step, the maximum over ranks."""
-    optimizer = torch.optim.AdamW(model.parameters())
-    for _ in range(2):
-        _train_step(model, optimizer, batch)
-    with without_cyclic_gc(), MemoryTracker(batch.device) as tracker:
-        _train_step(model, optimizer, batch)
-    peak = torch.tensor(float(_static_bytes(list(model.parameters()), optimizer) + tracker.peak_bytes))
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak)
 
 
 def samples_per_second(models: dict, batches: dict, rounds: int) -> dict[str, float]:
@@ -66,7 +54,7 @@ def check(worker: common.Worker) -> None:
     tokens = torch.randint(args.vocab_size, (4 * args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
     batch = tokens[: args.batch_size]
     fsdp_everywhere = {"": Strategy.FSDP, **dict.fromkeys(find_units(model), Strategy.FSDP)}
-    fsdp_peak = measured_peak(parallelize(copy.deepcopy(model), fsdp_everywhere), batch)
+    fsdp_peak = measure_peak(parallelize(copy.deepcopy(model), fsdp_everywhere), batch, sequence_first_loss)
     say = print if worker.rank == 0 else (lambda *a, **k: None)
     say(f"FSDP everywhere, batch {args.batch_size}: measured peak {fsdp_peak / MiB:.2f} MiB\n")
 
@@ -75,9 +63,13 @@ def check(worker: common.Worker) -> None:
     plans = {}
     for factor in (1.5, 1.0, 0.8):
         budget = int(fsdp_peak * factor)
-        chosen = plan(model, memory_budget=budget, sample_input=batch, batch_sizes=[args.batch_size, 2 * args.batch_size], loss_fn=sequence_first_loss)
+        try:
+            chosen = plan(model, memory_budget=budget, sample_input=batch, batch_sizes=[args.batch_size, 2 * args.batch_size], loss_fn=sequence_first_loss)
+        except ValueError as infeasible:
+            say(f"| {budget / MiB:.2f} MiB | {infeasible} | | | | | |")
+            continue
         plans[factor] = chosen
-        peak = measured_peak(parallelize(copy.deepcopy(model), chosen), tokens[: chosen.batch_size])
+        peak = measure_peak(parallelize(copy.deepcopy(model), chosen), tokens[: chosen.batch_size], sequence_first_loss)
         assignment = ", ".join(f"{name or 'root'}={s.value}" for name, s in chosen.strategies.items())
         say(
             f"| {budget / MiB:.2f} MiB | {assignment} | {chosen.batch_size} | {chosen.predicted_peak_bytes / MiB:.2f} MiB | "

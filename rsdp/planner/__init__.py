@@ -2,5 +2,6 @@
 
 from ._cost_model import CostModel
 from ._plan import Plan, PlanRow, plan
+from ._profile import measure_peak
 
-__all__ = ["CostModel", "Plan", "PlanRow", "plan"]
+__all__ = ["CostModel", "Plan", "PlanRow", "measure_peak", "plan"]

@@ -47,6 +47,7 @@ class Plan:
     predicted_step_seconds: float
     memory_budget: int
     verified_peak_bytes: int | None = None  # the chosen plan's peak, measured by running it once
+    verified_step_seconds: float | None = None  # and its step time in that run
 
     @property
     def strategies(self) -> dict[str, Strategy]:
@@ -115,6 +116,8 @@ def plan(
        module's unshard), so the fastest plans (up to 8) are run: the first that fits and whose
        measured peak is within 10% of its prediction is returned; failing that, the first that fits
        (its table shows prediction and measurement); failing that, the plan predicted smallest.
+    4. Never slower than a uniform plan: phase times are noisy, so a uniform plan (measured outright in
+       step 1) that fits and ran faster per sample than the chosen plan's verification run wins.
 
     Args:
         memory_budget: bytes per rank for parameters, optimizer state, gradients, activations and
@@ -141,6 +144,7 @@ def plan(
         return profile(model, assignment, batch, loss_fn, optimizer_fn, mesh, mp_policy, sample_input.device)
 
     counted = {}  # batch size -> meta-device counts, for the cost model
+    measured_uniform: list[Plan] = []  # every uniform run, as a plan
 
     def costs(batch_size: int, root_strategy: Strategy) -> tuple[dict[Strategy, dict[str, UnitCost]], RootCost]:
         """Every unit's cost under every strategy, and the root's, with the root under ``root_strategy``."""
@@ -150,6 +154,12 @@ def plan(
             estimates = {s: estimate(counted[batch_size], s, cost_model) for s in strategies}
             return {s: estimates[s][0] for s in strategies}, estimates[root_strategy][1]
         runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
+        unit_costs_, root_, peak = runs[root_strategy]  # measured outright: a plan whose numbers are facts
+        seconds = sum(c.seconds for c in unit_costs_.values()) + root_.seconds
+        rows = _rows(root_strategy, root_, [(name, root_strategy, cost) for name, cost in unit_costs_.items()])
+        measured_uniform.append(
+            Plan(rows, batch_size, world, peak, seconds, memory_budget, verified_peak_bytes=peak, verified_step_seconds=seconds)
+        )
         return {s: runs[s][0] for s in strategies}, runs[root_strategy][1]
 
     candidates = []  # (seconds per sample, predicted peak, Plan), the best plan per (batch, root) for each peak
@@ -175,22 +185,33 @@ def plan(
         smallest = min(candidates, key=lambda c: c[1])[2]
         _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
 
-    measured: dict[tuple, int] = {}
+    measured: dict[tuple, tuple[int, float]] = {}
 
     def verified(candidate: Plan) -> Plan:
         if _key(candidate) not in measured:
-            measured[_key(candidate)] = measure(candidate.batch_size, candidate.strategies)[2]
-        return dataclasses.replace(candidate, verified_peak_bytes=measured[_key(candidate)])
+            unit_costs, root, peak = measure(candidate.batch_size, candidate.strategies)
+            measured[_key(candidate)] = (peak, sum(c.seconds for c in unit_costs.values()) + root.seconds)
+        peak, seconds = measured[_key(candidate)]
+        return dataclasses.replace(candidate, verified_peak_bytes=peak, verified_step_seconds=seconds)
+
+    def no_slower_than_uniform(chosen: Plan) -> Plan:
+        """Phase times are noisy; a uniform plan that fits and ran faster per sample wins."""
+        best = chosen
+        for uniform in measured_uniform:
+            per_sample = uniform.verified_step_seconds / uniform.batch_size
+            if uniform.verified_peak_bytes <= memory_budget and per_sample < best.verified_step_seconds / best.batch_size:
+                best = uniform
+        return best
 
     fitting = [c[2] for c in sorted(candidates, key=lambda c: (c[0], c[1])) if c[1] <= memory_budget]
     unconfirmed = None  # the fastest that fits though running it did not confirm its prediction
     for candidate in map(verified, fitting[:MAX_VERIFICATIONS]):
         if candidate.verified_peak_bytes <= memory_budget:
             if _confirmed(candidate):
-                return candidate
+                return no_slower_than_uniform(candidate)
             unconfirmed = unconfirmed or candidate
     if unconfirmed is not None:
-        return unconfirmed
+        return no_slower_than_uniform(unconfirmed)
     smallest = verified(min((c[2] for c in candidates), key=lambda c: c.predicted_peak_bytes))
     if smallest.verified_peak_bytes <= memory_budget:
         return smallest
@@ -234,13 +255,17 @@ class _Candidate:
     batch_size: int
 
     def build(self, world: int, peak: float, seconds: float, budget: int) -> Plan:
-        rows = [
-            PlanRow(name, strategy, costs[strategy].static_bytes, costs[strategy].forward.delta, costs[strategy].seconds)
+        assignments = [
+            (name, strategy, costs[strategy])
             for name, strategy, costs in zip(self.units, self.partial.choices, self.unit_costs)
         ]
-        root = self.root
-        rows.insert(0, PlanRow("", self.root_strategy, root.static_bytes, root.before.delta + root.middle.delta, root.seconds))
-        return Plan(tuple(rows), self.batch_size, world, int(peak), seconds, budget)
+        return Plan(_rows(self.root_strategy, self.root, assignments), self.batch_size, world, int(peak), seconds, budget)
+
+
+def _rows(root_strategy: Strategy, root: RootCost, assignments: list[tuple[str, Strategy, UnitCost]]) -> tuple[PlanRow, ...]:
+    rows = [PlanRow("", root_strategy, root.static_bytes, root.before.delta + root.middle.delta, root.seconds)]
+    rows += [PlanRow(name, s, cost.static_bytes, cost.forward.delta, cost.seconds) for name, s, cost in assignments]
+    return tuple(rows)
 
 
 def _useful(candidates: list[tuple]) -> list[tuple]:

@@ -181,12 +181,32 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _static_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
+def parameter_and_optimizer_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> int:
     total = 0
     for param in params:
         total += _local_bytes(param)
         total += sum(_local_bytes(t) for t in optimizer.state.get(param, {}).values() if isinstance(t, torch.Tensor))
     return total
+
+
+def measure_peak(model: nn.Module, batch, loss_fn: Callable, optimizer_fn: Callable = torch.optim.AdamW) -> int:
+    """Peak bytes per rank of a steady-state training step of an already parallelized ``model``:
+    parameters and optimizer state plus the step's peak, the maximum over ranks. To check a plan."""
+    optimizer = optimizer_fn(model.parameters())
+
+    def step() -> None:
+        loss_fn(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    with without_cyclic_gc(), MemoryTracker(batch.device) as tracker:
+        step()
+    peak = torch.tensor(float(parameter_and_optimizer_bytes(list(model.parameters()), optimizer) + tracker.peak_bytes))
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
 
 
 def profile(
@@ -228,7 +248,7 @@ def profile(
     unit_params = {name: list(copy_.get_submodule(name).parameters()) for name in units}
     in_units = {id(p) for params in unit_params.values() for p in params}
     root_params = [p for p in copy_.parameters() if id(p) not in in_units]
-    total_static = _static_bytes(list(copy_.parameters()), optimizer) or 1
+    total_static = parameter_and_optimizer_bytes(list(copy_.parameters()), optimizer) or 1
 
     end_of_backward = f"backward-done:{first}" if f"backward-done:{first}" in timeline.events else "backward-done"
     after = timeline.phase(end_of_backward, "end")
@@ -238,14 +258,14 @@ def profile(
     for index, name in enumerate(units):
         forward_end = f"forward:{units[index + 1]}" if index + 1 < len(units) else f"forward-done:{last}"
         backward_end = f"backward:{units[index - 1]}" if index > 0 else end_of_backward
-        static = _static_bytes(unit_params[name], optimizer)
+        static = parameter_and_optimizer_bytes(unit_params[name], optimizer)
         costs[name] = UnitCost(
             static,
             timeline.phase(f"forward:{name}", forward_end),
             timeline.phase(f"backward:{name}", backward_end),
             optimizer_seconds * static / total_static,
         )
-    root_static = _static_bytes(root_params, optimizer)
+    root_static = parameter_and_optimizer_bytes(root_params, optimizer)
     root = RootCost(
         root_static,
         timeline.phase("start", f"forward:{first}"),
