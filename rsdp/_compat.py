@@ -24,9 +24,9 @@ if _release(torch.__version__) < MIN_TORCH:
     )
 
 try:  # torch >= 2.5
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch 2.4
-    from torch.distributed._tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed._tensor import DTensor, Replicate, Shard
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -67,7 +67,6 @@ __all__ = [
     "FSDPModule",
     "FSDPState",
     "MixedPrecisionPolicy",
-    "Partial",
     "Replicate",
     "Shard",
     "TorchDispatchMode",
