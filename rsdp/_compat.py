@@ -41,6 +41,7 @@ except ImportError:
     replicate = None
 
 from torch.distributed._composable_state import _get_module_state, _insert_module_state
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` were renamed ``*_single`` (the old names warn).
@@ -53,6 +54,14 @@ def flatten_mesh(mesh):
     return mesh if mesh.ndim == 1 else mesh._flatten()
 
 
+def unwrap_activation_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``checkpoint_wrapper`` wraps (torchtitan's activation checkpointing), else ``module``:
+    recomputation in backward calls the wrapped module, so hooks that must run then go there."""
+    while isinstance(module, ActivationWrapper):
+        module = module._checkpoint_wrapped_module
+    return module
+
+
 def get_module_state(module: torch.nn.Module):
     """The composable state (FSDP2's, torch replicate's or rsdp's) that manages ``module``, or None."""
     return _get_module_state(module)
@@ -63,6 +72,7 @@ def insert_module_state(module: torch.nn.Module, state) -> None:
 
 
 __all__ = [
+    "ActivationWrapper",
     "DTensor",
     "FSDPModule",
     "FSDPState",

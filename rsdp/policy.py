@@ -18,7 +18,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ._compat import MixedPrecisionPolicy, flatten_mesh, fully_shard, get_module_state, replicate
+from ._compat import (
+    MixedPrecisionPolicy,
+    flatten_mesh,
+    fully_shard,
+    get_module_state,
+    replicate,
+    unwrap_activation_checkpoint,
+)
 from ._fully_shard import RSDPModule, rsdp_shard
 
 
@@ -176,5 +183,5 @@ def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *
             for param in sub.parameters()
         }
         replicate(module, mesh=flatten_mesh(mesh), mp_policy=mp_policy, ignored_params=nested_rsdp or None)
-    if get_module_state(module) is None:
+    if get_module_state(module) is None and get_module_state(unwrap_activation_checkpoint(module)) is None:
         raise AssertionError(f"{strategy.value} left {type(module).__name__} unmanaged")

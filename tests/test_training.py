@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import (
@@ -77,11 +78,15 @@ def train_and_compare(model, reference, *, steps, rows, seq, micro_batches=1, sy
     assert_params_match(model, reference, rtol=TRAJECTORY_RTOL, atol=1e-9)
 
 
-def lm_training_case(seed, layers, dim, vocab, strategies, checkpointing=False, **train):
+def lm_training_case(seed, layers, dim, vocab, strategies, checkpointing=False, checkpoint_wrapped=False, **train):
     torch.manual_seed(seed)
     model = TinyLM(vocab=vocab, dim=dim, heads=2, hidden=dim + 3, layers=layers, checkpointing=checkpointing)
     model = model.double()
     reference = twin(model)
+    if checkpoint_wrapped:  # torchtitan's way: wrap each block, then shard the wrapper
+        for lm in (model, reference):  # both, so parameter names match
+            for i, layer in enumerate(lm.layers):
+                lm.layers[i] = checkpoint_wrapper(layer)
     shard_lm(model, strategies)
     rsdp_shard(model)
     train_and_compare(model, reference, **train)
@@ -108,6 +113,13 @@ def test_accumulation_without_sync_until_last_micro_batch(ranks, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_activation_checkpointing(ranks, world):
     ranks.run(world, lm_training_case, 6, 2, 6, 9, ["rsdp", "rsdp"], checkpointing=True, steps=3, rows=1, seq=4)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_checkpoint_wrapped_blocks(ranks, world):
+    """rsdp_shard on a checkpoint_wrapper shards the wrapped block, whose hooks run again in the
+    recomputation (they would not on the wrapper: its norms would meet sharded weights)."""
+    ranks.run(world, lm_training_case, 6, 2, 6, 9, ["rsdp", "fsdp"], checkpoint_wrapped=True, steps=3, rows=1, seq=4)
 
 
 def mixed_with_fully_shard_case(seed):

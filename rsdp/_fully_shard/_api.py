@@ -6,7 +6,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._compat import DTensor, FSDPModule, MixedPrecisionPolicy, get_module_state, insert_module_state
+from .._compat import (
+    DTensor,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    get_module_state,
+    insert_module_state,
+    unwrap_activation_checkpoint,
+)
 from ._ops import RingLayer, ring_mixin_for
 from ._param import shard_parameter
 from ._ring import new_layer_tags
@@ -32,6 +39,10 @@ def rsdp_shard(
     ``replicate`` already manages. Every managed parameter becomes ``nn.Parameter(DTensor)`` with
     ``Shard(0)`` placement (``(Replicate(), Shard(0))`` on a 2-D mesh) under its original name.
 
+    A module wrapped by ``checkpoint_wrapper`` (activation checkpointing, as torchtitan applies it) is
+    sharded through its wrapped module, which becomes the :class:`RSDPModule`: recomputation in
+    backward calls the wrapped module, and the gathered parameters must be installed then too.
+
     Args:
         module: the module to shard; its class becomes a subclass of :class:`RSDPModule`.
         mesh: 1-D (shard) or 2-D (replicate x shard) device mesh. ``None``: a 1-D mesh over the
@@ -41,9 +52,13 @@ def rsdp_shard(
             keep their own dtype.
 
     Returns:
-        ``module``, now an :class:`RSDPModule`.
+        ``module``, now an :class:`RSDPModule` (or the checkpoint wrapper around one).
     """
     mesh = _validated_mesh(mesh)
+    wrapper, module = module, unwrap_activation_checkpoint(module)
+    if wrapper is not module:
+        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy)
+        return wrapper
     _check_not_managed(module)
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
     managed, nested = _managed_and_nested_modules(module)
