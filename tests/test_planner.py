@@ -13,6 +13,7 @@ from models import TinyLM, twin
 from rsdp import CostModel, Strategy, parallelize, plan
 from rsdp.planner._plan import _next_token_loss
 from rsdp.planner import measure_peak
+from rsdp.planner._cost_model import count
 from rsdp.planner._profile import Phase, RootCost, UnitCost, find_units
 from rsdp.planner._search import Partial, pareto_plans, predicted_peak
 from test_training import train_and_compare
@@ -71,6 +72,13 @@ def cost_model_case():
 
 def test_cost_model_plans_for_8_and_1024_gpus(ranks):
     ranks.run(1, cost_model_case)
+
+
+def test_cost_model_counts_saved_activations_not_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    per_unit, _, _ = count(model, ["0", "1"], torch.zeros(3, 8), lambda m, x: m(x).sum())
+    # Each Linear saves its input for the weight gradient; the weight it also saves is a parameter.
+    assert (per_unit["0"].saved_bytes, per_unit["1"].saved_bytes) == (3 * 8 * 4, 3 * 16 * 4)
 
 
 def test_units_keep_tied_modules_with_the_root():

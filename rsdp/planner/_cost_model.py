@@ -94,8 +94,12 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> t
         if id(module) not in in_units and any(True for _ in module.parameters(recurse=False)):
             handles.append(module.register_forward_pre_hook(lambda m, args: current["section"].add_layer(m, seen)))
 
+    # Autograd saves parameters (and views of them) for backward too; they are not activations.
+    parameter_storages = {param.untyped_storage()._cdata for param in meta.parameters()}
+
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        current["section"].saved_bytes += tensor.numel() * tensor.element_size()
+        if tensor.untyped_storage()._cdata not in parameter_storages:
+            current["section"].saved_bytes += tensor.numel() * tensor.element_size()
         return tensor
 
     with flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
