@@ -1,0 +1,90 @@
+"""The torchtitan config with a data-parallel strategy per module.
+
+``ParallelismConfig`` adds four flags to torchtitan's (``--parallelism.<name>`` on the command line):
+
+- ``dp_strategy``: ``rsdp``, ``fsdp``, ``replicate``, or ``auto`` (the planner picks per module);
+- ``dp_overrides``: per-module exceptions, ``"layers.0=replicate,lm_head=fsdp"`` (module names as in
+  ``named_modules()``, globs as in :func:`rsdp.parallelize`; the root is ``root``);
+- ``dp_memory_budget``: bytes per rank for ``auto``, e.g. ``"60GiB"``;
+- ``dp_flops_per_s`` / ``dp_bandwidth_bytes_per_s`` / ``dp_latency_s``: the cost model ``auto`` plans
+  with (the model is still on the meta device when the plan is made, so it is estimated, not measured).
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from torchtitan.config import ParallelismConfig as TorchTitanParallelismConfig
+from torchtitan.trainer import Trainer
+
+from ..planner.cli import parse_bytes
+from ..policy import Strategy
+
+ROOT = "root"
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismConfig(TorchTitanParallelismConfig):
+    dp_strategy: Literal["rsdp", "fsdp", "replicate", "auto"] = "rsdp"
+    """Data parallelism for every module: rsdp, fsdp, replicate, or auto (planned per module to fit
+    dp_memory_budget)."""
+
+    dp_overrides: str = ""
+    """Per-module strategies that win over dp_strategy, comma-separated: "layers.0=replicate,lm_head=fsdp"."""
+
+    dp_memory_budget: str = ""
+    """Bytes per rank for dp_strategy=auto: parameters, gradients, optimizer state and activations ("60GiB")."""
+
+    dp_flops_per_s: float = 400e12
+    """auto's cost model: achieved FLOP/s per device."""
+
+    dp_bandwidth_bytes_per_s: float = 100e9
+    """auto's cost model: data-parallel bandwidth per device."""
+
+    dp_latency_s: float = 10e-6
+    """auto's cost model: seconds per message."""
+
+    def __post_init__(self):
+        TorchTitanParallelismConfig.__post_init__(self)
+        self.overrides()  # fail at parse time, not after the model is built
+        if self.dp_strategy == "auto" and not self.dp_memory_budget:
+            raise ValueError(
+                "parallelism.dp_strategy=auto plans against a memory budget: pass "
+                "--parallelism.dp_memory_budget, e.g. 60GiB."
+            )
+        if self.dp_memory_budget:
+            self.memory_budget_bytes()
+
+    def overrides(self) -> dict[str, Strategy]:
+        """``dp_overrides`` as module name -> strategy (the root as ``""``), in the order given."""
+        rules: dict[str, Strategy] = {}
+        for item in filter(None, (part.strip() for part in self.dp_overrides.split(","))):
+            name, sep, strategy = (text.strip() for text in item.partition("="))
+            if not sep or not name or strategy not in [s.value for s in Strategy]:
+                raise ValueError(
+                    f"parallelism.dp_overrides: {item!r} is not module=strategy with a strategy in "
+                    f"{[s.value for s in Strategy]}; example: layers.0=replicate,lm_head=fsdp"
+                )
+            rules["" if name == ROOT else name] = Strategy(strategy)
+        return rules
+
+    def memory_budget_bytes(self) -> int:
+        try:
+            return parse_bytes(self.dp_memory_budget)
+        except Exception as error:  # argparse's error type carries the message we want
+            raise ValueError(f"parallelism.dp_memory_budget: {error}") from None
+
+
+class RSDPTrainer(Trainer):
+    """torchtitan's Trainer, configured with :class:`ParallelismConfig`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+
+
+def from_torchtitan(config: Trainer.Config, **parallelism) -> "RSDPTrainer.Config":
+    """The same config with this package's parallelism fields (``parallelism`` sets them)."""
+    base = config.parallelism
+    values = {f.name: getattr(base, f.name) for f in fields(base) if f.init} | parallelism
+    rebuilt = {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name != "parallelism"}
+    return RSDPTrainer.Config(**rebuilt, parallelism=ParallelismConfig(**values))

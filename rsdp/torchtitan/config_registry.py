@@ -1,0 +1,40 @@
+"""Configs for ``--module rsdp.torchtitan --config <name>``: torchtitan's own, with the data-parallel
+strategy flags of :class:`rsdp.torchtitan.config.ParallelismConfig` (default ``dp_strategy=rsdp``).
+
+    torchrun --nproc_per_node 8 -m torchtitan.train --module rsdp.torchtitan --config llama3_8b_rsdp \\
+        --parallelism.dp_overrides "lm_head=fsdp"
+"""
+
+import dataclasses
+
+from torchtitan.models.llama3 import config_registry as llama3
+from torchtitan.models.qwen3 import config_registry as qwen3
+
+from .config import RSDPTrainer, from_torchtitan
+from .parallelize import parallelize_decoder
+
+
+def _rsdp(config) -> RSDPTrainer.Config:
+    config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=parallelize_decoder)
+    # rsdp's data-parallel step works on DTensor parameters, which the spmd_types backend does not use.
+    return from_torchtitan(config, spmd_backend="partial_dtensor", dp_strategy="rsdp")
+
+
+def llama3_debugmodel_rsdp() -> RSDPTrainer.Config:
+    return _rsdp(llama3.llama3_debugmodel())
+
+
+def llama3_8b_rsdp() -> RSDPTrainer.Config:
+    return _rsdp(llama3.llama3_8b())
+
+
+def llama3_70b_rsdp() -> RSDPTrainer.Config:
+    return _rsdp(llama3.llama3_70b())
+
+
+def qwen3_debugmodel_rsdp() -> RSDPTrainer.Config:
+    return _rsdp(qwen3.qwen3_debugmodel())
+
+
+def qwen3_14b_rsdp() -> RSDPTrainer.Config:
+    return _rsdp(qwen3.qwen3_14b())

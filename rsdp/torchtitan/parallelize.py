@@ -1,0 +1,174 @@
+"""torchtitan parallelize functions: torchtitan's own TP, activation checkpointing and compile steps,
+then a data-parallel step that takes rsdp, FSDP or replication per module.
+
+They read like torchtitan's ``parallelize_llama`` because they are it, with ``apply_fsdp_to_decoder``
+replaced by :func:`apply_data_parallel`.
+"""
+
+import copy
+
+import torch
+import torch.nn as nn
+from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.tools.logging import logger
+
+from .._compat import FSDPModule, MixedPrecisionPolicy
+from .._fully_shard import RSDPModule
+from ..planner import CostModel, plan
+from ..policy import Strategy, name_matches, parallelize
+from .config import ROOT, ParallelismConfig
+
+
+def parallelize_decoder(
+    model: nn.Module,
+    *,
+    parallel_dims: ParallelDims,
+    training: TrainingConfig,
+    parallelism: ParallelismConfig,
+    compile_config: CompileConfig,
+    ac_config: ActivationCheckpointingConfig | None,
+    dump_folder: str,
+) -> nn.Module:
+    """The ``parallelize_fn`` for torchtitan's dense decoders (llama3, qwen3)."""
+    _check_supported(model, parallel_dims, parallelism)
+    rules = data_parallel_rules(model, parallel_dims, training, parallelism)
+
+    if parallel_dims.tp_enabled:
+        model.parallelize(parallel_dims)
+
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+
+    if compile_config.enable and "model" in compile_config.components:
+        apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+
+    apply_data_parallel(model, rules, parallel_dims, training)
+    return model
+
+
+def data_parallel_rules(
+    model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig, parallelism: ParallelismConfig
+) -> dict[str, Strategy]:
+    """Module name -> strategy, the root as ``""``: the overrides first (the first matching name wins),
+    then the planner's choice (``auto``) or ``dp_strategy`` for the embeddings, every block and the head.
+
+    torchtitan's chunked loss calls ``lm_head`` after the model's forward, and calls FSDP's
+    ``set_reshard_after_forward``/``unshard`` on it when it is an FSDP module, which torch's replicate
+    module is but does not implement. So a replicated ``lm_head`` joins the root, as does a tied one
+    (it must stay with its embedding; torchtitan groups them too), and the root takes the head's
+    strategy: only FSDP's and replicate's root parameters stay usable after the forward.
+    """
+    if parallelism.dp_strategy == "auto":
+        chosen = _plan(model, parallel_dims, training, parallelism)
+        logger.info(
+            "rsdp: dp_strategy=auto planned with the cost model, counting activations in training.dtype and "
+            f"without activation checkpointing (an overestimate when either is on); it chose\n{chosen}"
+        )
+        defaults = chosen.strategies
+    else:
+        defaults = dict.fromkeys(["", "tok_embeddings", "layers.*", "lm_head"], Strategy(parallelism.dp_strategy))
+    overrides = parallelism.overrides()
+    rules = {**overrides, **{name: s for name, s in defaults.items() if name not in overrides}}
+
+    head = next(s for name, s in rules.items() if name_matches(name, "lm_head"))
+    if not model.enable_weight_tying and head is not Strategy.REPLICATE:
+        return rules
+    if model.enable_weight_tying and head is Strategy.RSDP:
+        head = Strategy.FSDP
+    in_root = ["lm_head", "tok_embeddings"] if model.enable_weight_tying else ["lm_head"]
+    if overrides.get("") is Strategy.RSDP:
+        raise ValueError(
+            f"rsdp.torchtitan: {' and '.join(in_root)} must join the root here (see data_parallel_rules), "
+            f"and the root cannot be rsdp then; drop root=rsdp from --parallelism.dp_overrides."
+        )
+    root = overrides.get("", head if rules[""] is Strategy.RSDP else rules[""])
+    kept = {name: s for name, s in rules.items() if name and not any(name_matches(name, m) for m in in_root)}
+    return {"": root, **kept}
+
+
+def apply_data_parallel(
+    model: nn.Module, rules: dict[str, Strategy], parallel_dims: ParallelDims, training: TrainingConfig
+) -> None:
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        cast_forward_inputs=False,
+    )
+    parallelize(model, {name: s for name, s in rules.items() if name}, default=rules.get("", Strategy.RSDP),
+                mesh=parallel_dims.get_mesh(names), mp_policy=mp_policy)
+    # torchtitan divides the loss by the global token count: gradients must be summed, not averaged.
+    for module in model.modules():
+        if isinstance(module, (FSDPModule, RSDPModule)):
+            module.set_gradient_divide_factor(1.0)
+    summary = ", ".join(f"{name or ROOT}={s.value}" for name, s in rules.items())
+    logger.info(f"rsdp: applied data parallelism ({summary}) on mesh {names}")
+
+
+def _plan(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig, parallelism: ParallelismConfig):
+    world = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]).size()
+    cost_model = CostModel(
+        world_size=world,
+        flops_per_s=parallelism.dp_flops_per_s,
+        bandwidth_bytes_per_s=parallelism.dp_bandwidth_bytes_per_s,
+        latency_s=parallelism.dp_latency_s,
+    )
+    sample = torch.zeros(training.local_batch_size, training.seq_len + 1, dtype=torch.long, device="meta")
+    counted = copy.deepcopy(model)  # on the meta device: no memory
+    for name, _ in list(counted.named_modules()):
+        if name.rsplit(".", 1)[-1] == "inner_attention":
+            counted.set_submodule(name, _FlashAttentionCount())
+    return plan(
+        counted, memory_budget=parallelism.memory_budget_bytes(), sample_input=sample, cost_model=cost_model,
+        loss_fn=_next_token_loss,
+    )
+
+
+class _FlashAttentionCount(nn.Module):
+    """Stands in for the inner attention while the planner counts on the meta device: FlexAttention
+    cannot run there, and SDPA's meta kernel is the math one, which saves the L x L scores. This one
+    has FlashAttention's FLOPs and saved tensors (q, k, v, output, log-sum-exp), as FlexAttention does;
+    with GQA it counts k and v expanded to every head, a small overestimate."""
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale=None, enable_gqa=False, **kwargs):
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        if enable_gqa:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True, scale=scale)[0]
+        return out.transpose(1, 2)
+
+
+def _next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The planner's training step: torchtitan's decoders take at most ``seq_len`` tokens (RoPE cache)."""
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _check_supported(model: nn.Module, parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> None:
+    if parallelism.spmd_backend != "partial_dtensor":
+        raise ValueError(
+            f"rsdp.torchtitan needs --parallelism.spmd_backend partial_dtensor (got {parallelism.spmd_backend!r}): "
+            "its data-parallel step shards plain and TP DTensor parameters, not spmd_types local tensors."
+        )
+    uses = {Strategy(parallelism.dp_strategy)} if parallelism.dp_strategy != "auto" else set(Strategy)
+    uses |= set(parallelism.overrides().values())
+    for enabled, what in (
+        (parallel_dims.tp_enabled, "tensor parallelism"),
+        (parallel_dims.cp_enabled, "context parallelism"),
+        (parallel_dims.pp_enabled, "pipeline parallelism"),
+        (parallel_dims.ep_enabled or any(getattr(b, "moe_enabled", False) for b in model.layers.values()), "MoE"),
+    ):
+        if enabled and uses != {Strategy.FSDP}:
+            raise ValueError(
+                f"rsdp.torchtitan: {what} composes with dp_strategy=fsdp only (asked for "
+                f"{sorted(s.value for s in uses)}); set --parallelism.dp_strategy fsdp with no rsdp or "
+                "replicate overrides, or turn it off."
+            )
+    if model.enable_weight_tying and parallelism.dp_strategy == "auto":
+        raise ValueError(
+            "rsdp.torchtitan: dp_strategy=auto plans untied models only (a tied lm_head joins the root); "
+            "pick a dp_strategy and overrides by hand."
+        )

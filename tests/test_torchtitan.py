@@ -1,0 +1,186 @@
+"""torchtitan integration: its llama3 debug model, started with the CPU launcher on 2 gloo ranks, trains
+the same under every strategy as under torchtitan's own FSDP, and resumes across strategies.
+
+Every run starts from one seed checkpoint (torchtitan's way to give differently sharded runs the same
+initial weights) and reads a tokenizer and dataset generated here. Each run is a real
+``python -m rsdp.torchtitan.train`` process tree (~10 s), so the runs are few and shared.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from rsdp.torchtitan import _cpu
+from rsdp.torchtitan.assets import write_assets
+
+_cpu.prepare_imports()  # this module imports torchtitan below, without triton or a GPU
+
+from torchtitan.distributed import ParallelDims  # noqa: E402
+from torchtitan.models.llama3 import model_registry as llama3_model  # noqa: E402
+from torchtitan.models.qwen3 import model_registry as qwen3_model  # noqa: E402
+
+from rsdp import Strategy  # noqa: E402
+from rsdp.torchtitan.config import ParallelismConfig  # noqa: E402
+from rsdp.torchtitan.parallelize import _check_supported, data_parallel_rules  # noqa: E402
+
+STEPS = 3
+# Losses and gradient norms are printed with 5 significant digits; fp32 runs that differ only in
+# sharding agree to about 1e-6. The gradient norm is what catches a wrong reduction (mean instead of
+# torchtitan's sum): AdamW's steps, and so the losses, barely change when every gradient halves.
+RTOL = 2e-4
+BF16_RTOL = 5e-4  # bf16 compute; the measured gap is under 1e-4
+STEP_LOG = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
+
+
+def train(workdir, name: str, *flags: str, nproc: int = 2, steps: int = STEPS, module: str = "rsdp.torchtitan",
+          config: str = "llama3_debugmodel_rsdp") -> dict[int, tuple[float, float]]:
+    """Run the CPU launcher in ``workdir`` with dump folder ``name``; (loss, grad norm) per step."""
+    command = [
+        sys.executable, "-m", "rsdp.torchtitan.train", f"--nproc={nproc}", "--module", module, "--config", config,
+        "--hf_assets_path", "assets/tokenizer", "--dataloader.dataset_path", "assets/dataset",
+        "--dump_folder", name, f"--training.steps={steps}", "--training.seq_len=64",
+        "--training.local_batch_size=2", "--metrics.disable_color_printing", *flags,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited {done.returncode}:\n{output[-6000:]}")
+    logged: dict[int, tuple[float, float]] = {}
+    for step, loss, grad_norm in STEP_LOG.findall(output):
+        # every rank logs the global values; they must agree
+        values = (float(loss), float(grad_norm))
+        assert logged.setdefault(int(step), values) == values, output[-3000:]
+    return logged
+
+
+def from_seed(workdir) -> list[str]:
+    return ["--checkpoint.enable", f"--checkpoint.initial_load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("torchtitan")
+    write_assets(folder / "assets")
+    train(folder, "seed", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--debug.seed=0", nproc=1)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def torchtitan_fsdp(workdir) -> dict[int, tuple[float, float]]:
+    """Stock torchtitan: its llama3 config and its own parallelize_llama / apply_fsdp_to_decoder."""
+    losses = train(workdir, "stock", *from_seed(workdir), module="llama3", config="llama3_debugmodel")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def assert_losses_match(logged: dict[int, tuple], expected: dict[int, tuple]) -> None:
+    assert logged and logged.keys() <= expected.keys(), (logged, expected)
+    for step, values in logged.items():
+        assert values == pytest.approx(expected[step], rel=RTOL), f"step {step} (loss, grad norm): {logged} vs {expected}"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--parallelism.dp_strategy=fsdp"],
+        ["--parallelism.dp_strategy=rsdp"],
+        ["--parallelism.dp_strategy=replicate"],
+        ["--parallelism.dp_overrides=layers.0=replicate,layers.1=fsdp,lm_head=fsdp"],
+        ["--parallelism.dp_strategy=auto", "--parallelism.dp_memory_budget=100MiB"],
+    ],
+    ids=["fsdp", "rsdp", "replicate", "mixed", "auto"],
+)
+def test_strategy_trains_like_torchtitan_fsdp(workdir, torchtitan_fsdp, flags):
+    losses = train(workdir, "run-" + "-".join(f.split(".")[-1] for f in flags), *from_seed(workdir), *flags)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert_losses_match(losses, torchtitan_fsdp)
+
+
+def test_checkpoint_saved_under_rsdp_resumes_under_replicate(workdir, torchtitan_fsdp):
+    """torchtitan's checkpoint manager saves the rsdp run's Shard(0) parameters and optimizer state at
+    step 2; the replicate run in the same folder loads them as Replicate and trains step 3."""
+    saved = train(workdir, "resume", *from_seed(workdir), "--parallelism.dp_strategy=rsdp", steps=STEPS - 1)
+    assert_losses_match(saved, torchtitan_fsdp)
+    resumed = train(workdir, "resume", "--checkpoint.enable", "--parallelism.dp_strategy=replicate")
+    assert sorted(resumed) == [STEPS]
+    assert_losses_match(resumed, torchtitan_fsdp)
+
+
+def test_bf16_rsdp_matches_fsdp_with_the_same_policy(workdir):
+    """torchtitan's default mixed precision (bf16 parameters, fp32 reduction) under rsdp and FSDP2."""
+    bf16 = [*from_seed(workdir), "--training.mixed_precision_param=bfloat16"]
+    fsdp = train(workdir, "bf16-fsdp", *bf16, "--parallelism.dp_strategy=fsdp")
+    rsdp = train(workdir, "bf16-rsdp", *bf16, "--parallelism.dp_strategy=rsdp")
+    assert sorted(rsdp) == sorted(fsdp) == list(range(1, STEPS + 1))
+    for step in fsdp:
+        assert rsdp[step] == pytest.approx(fsdp[step], rel=BF16_RTOL), f"step {step}: {rsdp} vs {fsdp}"
+
+
+# Configuration errors, without processes.
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(dp_overrides="layers.0"), "not module=strategy"),
+        (dict(dp_overrides="layers.0=zero3"), "not module=strategy"),
+        (dict(dp_strategy="auto"), "dp_memory_budget"),
+        (dict(dp_strategy="auto", dp_memory_budget="lots"), "not a size"),
+    ],
+)
+def test_bad_parallelism_flags_are_named(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelismConfig(spmd_backend="partial_dtensor", **fields)
+
+
+def meta_model(registry, flavor="debugmodel"):
+    import torch
+
+    with torch.device("meta"):
+        return registry(flavor, attn_backend="varlen").model.build()
+
+
+def rules(model, **fields):
+    return data_parallel_rules(model, None, None, ParallelismConfig(spmd_backend="partial_dtensor", **fields))
+
+
+def test_rules_shard_embeddings_blocks_and_head_and_put_overrides_first():
+    model = meta_model(llama3_model)
+    assert rules(model, dp_overrides="layers.0=replicate,root=fsdp") == {
+        "layers.0": Strategy.REPLICATE, "": Strategy.FSDP, "tok_embeddings": Strategy.RSDP,
+        "layers.*": Strategy.RSDP, "lm_head": Strategy.RSDP,
+    }
+
+
+def test_replicated_or_tied_head_joins_the_root():
+    assert rules(meta_model(llama3_model), dp_strategy="replicate") == {
+        "": Strategy.REPLICATE, "tok_embeddings": Strategy.REPLICATE, "layers.*": Strategy.REPLICATE,
+    }
+    assert rules(meta_model(llama3_model), dp_overrides="lm_head=replicate") == {
+        "": Strategy.REPLICATE, "tok_embeddings": Strategy.RSDP, "layers.*": Strategy.RSDP,
+    }
+    tied = meta_model(qwen3_model)
+    assert rules(tied) == {"": Strategy.FSDP, "layers.*": Strategy.RSDP}
+    with pytest.raises(ValueError, match="root cannot be rsdp"):
+        rules(tied, dp_overrides="root=rsdp")
+
+
+def test_unsupported_combinations_are_named():
+    model = meta_model(llama3_model)
+    with pytest.raises(ValueError, match="spmd_backend partial_dtensor"):
+        _check_supported(model, _dims(), ParallelismConfig())
+    for degrees, what in ((dict(tp=2), "tensor parallelism"), (dict(cp=2), "context parallelism"), (dict(pp=2), "pipeline")):
+        with pytest.raises(ValueError, match=what):
+            _check_supported(model, _dims(**degrees), ParallelismConfig(spmd_backend="partial_dtensor"))
+        _check_supported(model, _dims(**degrees), ParallelismConfig(spmd_backend="partial_dtensor", dp_strategy="fsdp"))
+    with pytest.raises(ValueError, match="untied models only"):
+        _check_supported(meta_model(qwen3_model), _dims(), ParallelismConfig(
+            spmd_backend="partial_dtensor", dp_strategy="auto", dp_memory_budget="1GiB"))
+
+
+def _dims(tp=1, cp=1, pp=1):
+    return ParallelDims(dp_replicate=1, dp_shard=2, cp=cp, tp=tp, pp=pp, ep=1, world_size=2 * tp * cp * pp)
