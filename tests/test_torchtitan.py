@@ -120,6 +120,16 @@ def test_bf16_rsdp_matches_fsdp_with_the_same_policy(workdir):
         assert rsdp[step] == pytest.approx(fsdp[step], rel=BF16_RTOL), f"step {step}: {rsdp} vs {fsdp}"
 
 
+def test_tensor_parallel_with_fsdp_matches_torchtitan(workdir):
+    """torchtitan's TP step is kept: TP 2 with fsdp data parallelism (degree 1 on 2 ranks) trains like
+    stock torchtitan with TP 2."""
+    tp = [*from_seed(workdir), "--parallelism.tensor_parallel_degree=2"]
+    stock = train(workdir, "tp-stock", *tp, module="llama3", config="llama3_debugmodel")
+    ours = train(workdir, "tp-fsdp", *tp, "--parallelism.dp_strategy=fsdp")
+    assert sorted(stock) == list(range(1, STEPS + 1))
+    assert_losses_match(ours, stock)
+
+
 # Configuration errors, without processes.
 
 
