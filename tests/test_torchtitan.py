@@ -121,8 +121,8 @@ def test_bf16_rsdp_matches_fsdp_with_the_same_policy(workdir):
 
 
 def test_tensor_parallel_with_fsdp_matches_torchtitan(workdir):
-    """torchtitan's TP step is kept: TP 2 with fsdp data parallelism (degree 1 on 2 ranks) trains like
-    stock torchtitan with TP 2."""
+    """TP 2 (data-parallel degree 1 on 2 ranks) through this package's config trains like stock
+    torchtitan with TP 2: with fsdp everywhere the family's own parallelize function runs."""
     tp = [*from_seed(workdir), "--parallelism.tensor_parallel_degree=2"]
     stock = train(workdir, "tp-stock", *tp, module="llama3", config="llama3_debugmodel")
     ours = train(workdir, "tp-fsdp", *tp, "--parallelism.dp_strategy=fsdp")

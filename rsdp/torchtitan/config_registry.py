@@ -11,11 +11,12 @@ from torchtitan.models.llama3 import config_registry as llama3
 from torchtitan.models.qwen3 import config_registry as qwen3
 
 from .config import RSDPTrainer, from_torchtitan
-from .parallelize import parallelize_decoder
+from .parallelize import with_data_parallel_strategies
 
 
 def _rsdp(config) -> RSDPTrainer.Config:
-    config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=parallelize_decoder)
+    spec = config.model_spec
+    config.model_spec = dataclasses.replace(spec, parallelize_fn=with_data_parallel_strategies(spec.parallelize_fn))
     # rsdp's data-parallel step works on DTensor parameters, which the spmd_types backend does not use.
     return from_torchtitan(config, spmd_backend="partial_dtensor", dp_strategy="rsdp")
 

@@ -1,11 +1,14 @@
 """torchtitan parallelize functions: torchtitan's own TP, activation checkpointing and compile steps,
 then a data-parallel step that takes rsdp, FSDP or replication per module.
 
-They read like torchtitan's ``parallelize_llama`` because they are it, with ``apply_fsdp_to_decoder``
-replaced by :func:`apply_data_parallel`.
+:func:`parallelize_decoder` reads like torchtitan's ``parallelize_llama`` because it is it, with
+``apply_fsdp_to_decoder`` replaced by :func:`apply_data_parallel`. When every module is FSDP, the
+model family's own function runs instead (:func:`with_data_parallel_strategies`), so ``fsdp`` is
+exactly torchtitan, with everything it composes with.
 """
 
 import copy
+import functools
 
 import torch
 import torch.nn as nn
@@ -22,6 +25,23 @@ from ..policy import Strategy, name_matches, parallelize
 from .config import ROOT, ParallelismConfig
 
 
+def with_data_parallel_strategies(torchtitan_parallelize):
+    """The ``parallelize_fn`` for a dense decoder family whose own function is ``torchtitan_parallelize``."""
+
+    @functools.wraps(torchtitan_parallelize)
+    def parallelize_fn(model: nn.Module, *, parallelism: ParallelismConfig, **kwargs) -> nn.Module:
+        if strategies_in_use(parallelism) == {Strategy.FSDP}:
+            return torchtitan_parallelize(model, parallelism=parallelism, **kwargs)
+        return parallelize_decoder(model, parallelism=parallelism, **kwargs)
+
+    return parallelize_fn
+
+
+def strategies_in_use(parallelism: ParallelismConfig) -> set[Strategy]:
+    uses = set(Strategy) if parallelism.dp_strategy == "auto" else {Strategy(parallelism.dp_strategy)}
+    return uses | set(parallelism.overrides().values())
+
+
 def parallelize_decoder(
     model: nn.Module,
     *,
@@ -32,7 +52,8 @@ def parallelize_decoder(
     ac_config: ActivationCheckpointingConfig | None,
     dump_folder: str,
 ) -> nn.Module:
-    """The ``parallelize_fn`` for torchtitan's dense decoders (llama3, qwen3)."""
+    """torchtitan's ``parallelize_llama`` (qwen3's is the same for dense models) with rsdp, FSDP or
+    replication per module as its data-parallel step."""
     _check_supported(model, parallel_dims, parallelism)
     rules = data_parallel_rules(model, parallel_dims, training, parallelism)
 
@@ -150,11 +171,10 @@ def _next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> None:
     if parallelism.spmd_backend != "partial_dtensor":
         raise ValueError(
-            f"rsdp.torchtitan needs --parallelism.spmd_backend partial_dtensor (got {parallelism.spmd_backend!r}): "
-            "its data-parallel step shards plain and TP DTensor parameters, not spmd_types local tensors."
+            f"rsdp.torchtitan: rsdp and replicate modules need --parallelism.spmd_backend partial_dtensor (got "
+            f"{parallelism.spmd_backend!r}): they shard DTensor parameters, not spmd_types local tensors."
         )
-    uses = {Strategy(parallelism.dp_strategy)} if parallelism.dp_strategy != "auto" else set(Strategy)
-    uses |= set(parallelism.overrides().values())
+    uses = strategies_in_use(parallelism)
     for enabled, what in (
         (parallel_dims.tp_enabled, "tensor parallelism"),
         (parallel_dims.cp_enabled, "context parallelism"),
