@@ -9,6 +9,7 @@ and runs ``torchtitan.train``. ``--module`` defaults to ``rsdp.torchtitan``; sto
 ``--dataloader.dataset_path`` it uses a tokenizer and dataset generated in ``./outputs/assets``.
 """
 
+import argparse
 import os
 import sys
 
@@ -16,15 +17,13 @@ ASSETS = os.path.join("outputs", "assets")
 
 
 def _split(argv: list[str]) -> tuple[int, list[str]]:
-    nproc, rest, i = 2, [], 0
-    while i < len(argv):
-        if argv[i] == "--nproc":
-            nproc, i = int(argv[i + 1]), i + 2
-        elif argv[i].startswith("--nproc="):
-            nproc, i = int(argv[i].split("=", 1)[1]), i + 1
-        else:
-            rest, i = rest + [argv[i]], i + 1
-    return nproc, rest
+    """``--nproc`` for the launcher; everything else for torchtitan."""
+    parser = argparse.ArgumentParser(prog="python -m rsdp.torchtitan.train", allow_abbrev=False, add_help=False)
+    parser.add_argument("--nproc", type=int, default=2, help="CPU ranks to start")
+    known, rest = parser.parse_known_args(argv)
+    if known.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {known.nproc}")
+    return known.nproc, rest
 
 
 def _with_defaults(args: list[str]) -> list[str]:
