@@ -62,6 +62,12 @@ def unwrap_activation_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (activation checkpointing
+    recomputes forwards there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def get_module_state(module: torch.nn.Module):
     """The composable state (FSDP2's, torch replicate's or rsdp's) that manages ``module``, or None."""
     return _get_module_state(module)
@@ -84,6 +90,7 @@ __all__ = [
     "flatten_mesh",
     "fully_shard",
     "get_module_state",
+    "in_backward",
     "insert_module_state",
     "is_traceable_wrapper_subclass",
     "reduce_scatter_flat",

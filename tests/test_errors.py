@@ -67,8 +67,13 @@ def scalar_parameter_case():
 
 
 def index_out_of_range_case():
+    """Only rank 1 has a bad token; every rank raises (the verdict travels the ring with the table),
+    so none is left waiting for the others."""
     model = rsdp_shard(nn.Embedding(5, 3))
-    _raises(IndexError, "num_embeddings is 5", lambda: model(torch.tensor([[1, 5]])))
+    tokens = torch.tensor([[1, 5]]) if dist.get_rank() == 1 else torch.tensor([[1, 2]])
+    _raises(RuntimeError, r"out of range \[0, 5\) on at least one rank", lambda: model(tokens))
+    _raises(RuntimeError, "out of range", lambda: model(torch.tensor([[-1]])))
+    assert model(torch.tensor([[4, 0]])).shape == (1, 2, 3)  # the ring is still in step
 
 
 def reassigned_parameter_case():
@@ -190,8 +195,8 @@ def peer_dies_mid_ring_case(victim):
         real_exchange = Ring.exchange
         calls = []
 
-        def exchange_then_die(self, transfers):
-            in_flight = real_exchange(self, transfers)
+        def exchange_then_die(self, send, receive, tag):
+            in_flight = real_exchange(self, send, receive, tag)
             calls.append(None)
             if len(calls) == 2:
                 os.kill(os.getpid(), signal.SIGKILL)

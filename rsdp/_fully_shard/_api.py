@@ -80,6 +80,7 @@ def rsdp_shard(
             replacement[id(param)] = _sharded(param, mesh, state.device, owner, name)
 
     parents = {id(child): parent for parent in managed for child in parent.children()}
+    names = {id(submodule): name or type(module).__name__ for name, submodule in module.named_modules()}
     ring_slots = set()
     for owner in managed:
         mixin = ring_mixin_for(owner, parents.get(id(owner)))
@@ -88,7 +89,8 @@ def rsdp_shard(
         ring_names = ("weight", "bias") if isinstance(owner, nn.Linear) else ("weight",)
         ring_slots.update((id(owner), name) for name in ring_names)
         _swap_class(owner, mixin, "Ring")
-        owner._rsdp_ring = RingLayer(state, new_layer_tags())
+        owner._rsdp_ring = RingLayer(state, new_layer_tags(), names.get(id(owner), type(owner).__name__))
+        state.ring_modules.append(owner)
 
     gathered_params: list[nn.Parameter] = []
     gathered_index: dict[int, int] = {}
@@ -129,7 +131,7 @@ class RSDPModule:
             # A forward that raises skips the post-forward hook. Non-reentrant activation
             # checkpointing does so on purpose (it stops recomputation early), so the sharded
             # parameters must be put back here.
-            self._get_rsdp_state().restore_sharded_params()
+            self._get_rsdp_state().end_forward()
             raise
 
     def _get_rsdp_state(self) -> RSDPState:

@@ -1,168 +1,230 @@
 """Ring autograd functions for Linear and Embedding, and the module classes that call them.
 
-Each function receives the *local* shard (``param.to_local()``) and returns the gradient of that shard,
-so autograd accumulates micro-batches into the ``Shard(0)`` DTensor ``.grad`` by itself, and only the
-local shard is saved for backward. See design.md §1 for the algorithm.
+Each function receives the *local* shards (``param.to_local()``) and returns the gradients of those
+shards, so autograd accumulates micro-batches into the ``Shard(0)`` DTensor ``.grad`` by itself, and
+only the local shards are saved for backward. See design.md §1 for the algorithm.
+
+One Linear function serves a *group* of Linears that consume the same input (q/k/v, gate/up; see
+``_fusion.py``): their shards travel as one message, so the group costs one ring per pass, and a lone
+Linear is a group of one. In backward the weights and the gradient partials travel in one message
+(``_ring.py``); the GEMMs on the weights held and the contribution to the next partial run while it is
+in flight, and only the addition of that contribution waits for its arrival.
+
+Pitfalls:
+- Nothing on the ring path reads a device value on the host (no ``nonzero``, ``item`` or data-dependent
+  shapes): on CUDA each would stall the stream. The Embedding selects rows with precomputed masks, and
+  validates indices on the device; the verdict travels with the table, so every rank raises, not one.
+- The ring's buffers are reused by the next ring: results are written into fresh tensors or copied out.
+- Outputs are returned as fresh tensors, not views, so in-place ops on them work as on stock layers.
 """
+
+import math
 
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
+from torch.profiler import record_function
 
 from .._compat import DTensor
-from ._param import PackedShards, ShardLayout
+from ._param import Message, Segment, ShardLayout
 from ._ring import Phase
 
 
 class RingLayer:
     """What one ring-rotated module needs at run time: the rsdp state whose settings (mesh, mixed
-    precision, gradient reduction) it follows, its message tags, and the gradients it accumulated
-    while gradient synchronisation was off."""
+    precision, gradient reduction) it follows, its message tags, and a name for profiles."""
 
-    def __init__(self, state, tags: dict[Phase, int]):
+    def __init__(self, state, tags: dict[Phase, int], name: str):
         self.state = state
         self.tags = tags
-        self.unsynced: torch.Tensor | None = None
-
-    def unsynced_for(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """One full-size gradient, ``[world, padded shard]``: the memory cost of skipping sync."""
-        if self.unsynced is None:
-            self.unsynced = torch.zeros(self.state.ring.size, numel, dtype=dtype, device=device)
-        return self.unsynced
+        self.name = name
 
 
-def _write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``dst = a @ b`` when ``first``, else ``dst += a @ b``, in ``dst``'s dtype."""
-    if dst.dtype == a.dtype:
-        if first:
-            torch.mm(a, b, out=dst)
-        else:
-            dst.addmm_(a, b)
-    else:
-        _write(dst, a @ b, first)
+def _finished_gradients(state, message: Message, first: int, final: torch.Tensor, dtype: torch.dtype):
+    """This rank's reduced shards of the gradient segments ``first:`` of the last message, copied out of
+    the ring buffer and finished (HSDP all-reduce, division) in one piece."""
+    own = final[message.offsets[first] :].clone()
+    state.finish_gradient(own.view(dtype))
+    return message.tail(first).views(own, state.ring.rank)
 
 
-def _write(dst: torch.Tensor, value: torch.Tensor, first: bool) -> None:
-    if first:
-        dst.copy_(value)
-    else:
-        dst.add_(value)
+def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, grad_keys: list, pack_weights, use_weights, contribute):
+    """The backward ring shared by Linear groups and Embedding: the weights (segments
+    ``:weight_segments`` of ``message``, for the input gradient) and the gradient partials (the rest,
+    one per key of ``grad_keys``) travel together. ``pack_weights(views)`` writes this rank's weight
+    shards, ``use_weights(shard, views)`` adds their input-gradient terms, ``contribute(shard, views)``
+    writes this rank's contribution to shard ``shard`` of every gradient.
 
-
-def _reduce_to_owner(layer: RingLayer, packing: PackedShards, contribute, rotate_payload, consume, dtype):
-    """The gradient half of a ring backward, shared by Linear and Embedding.
-
-    With synchronisation on, partials travel the ring (fused with the weight rotation for the input
-    gradient, when there is one) and the owner's reduced shard is returned. With it off, every shard's
-    contribution is added to the layer's local full-size accumulator, which the next synchronised
-    backward feeds into the ring; None is returned so ``.grad`` stays untouched, as with FSDP2.
+    Returns this rank's reduced gradient shards, or None when gradient synchronisation is off: then
+    each contribution is added to a local accumulator for every shard (one full-size gradient, as with
+    FSDP2), which the next synchronised backward adds into the travelling partials.
     """
     state, ring = layer.state, layer.state.ring
-    device = state.device
-    if not state.requires_gradient_sync:
-        unsynced = layer.unsynced_for(packing.numel, dtype, device)
+    grads = message.tail(weight_segments)
+    weights = Message(message.segments[:weight_segments])
+    scratch = torch.empty(grads.nbytes, dtype=torch.uint8, device=ring.device)
+
+    def unsynced_views(accumulators: list[torch.Tensor], shard: int) -> list[torch.Tensor]:
+        return [
+            None if total is None else total[shard, : view.numel()].view(view.shape)
+            for total, view in zip(accumulators, grads.views(scratch, shard))
+        ]
+
+    has_grads = len(grad_keys) > 0
+    if has_grads and not state.requires_gradient_sync:
+        accumulators = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
         for shard in range(ring.size):
-            contribute(shard, unsynced[shard], False)
-        if rotate_payload is not None:
-            ring.rotate(rotate_payload, layer.tags[Phase.BACKWARD_WEIGHTS], consume)
+            contribute(shard, grads.views(scratch, shard))
+            for total, part in zip(unsynced_views(accumulators, shard), grads.views(scratch, shard)):
+                total.add_(part)
+        has_grads, message = False, weights
+    if not has_grads:
+        if weight_segments:
+            ring.circulate(
+                message.nbytes,
+                layer.tags[Phase.BACKWARD],
+                lambda buffer: pack_weights(message.views(buffer, ring.rank)),
+                lambda step, buffer: use_weights(ring.weight_shard_at(step), message.views(buffer, ring.weight_shard_at(step))),
+            )
         return None
 
-    unsynced, layer.unsynced = layer.unsynced, None
+    unsynced = [state.take_unsynced(key) for key in grad_keys]
 
-    def contribute_with_unsynced(shard: int, partial: torch.Tensor, first: bool) -> None:
-        contribute(shard, partial, first)
-        if unsynced is not None:
-            partial.add_(unsynced[shard])
+    def contribute_to(shard: int, views: list[torch.Tensor]) -> None:
+        contribute(shard, views)
+        for view, earlier in zip(views, unsynced_views(unsynced, shard)):
+            if earlier is not None:
+                view.add_(earlier)
 
-    partial = ring.rotate_and_reduce(
-        rotate_payload,
-        consume,
-        contribute_with_unsynced,
-        lambda: torch.empty(packing.numel, dtype=dtype, device=device),
-        layer.tags,
-    )
-    return state.finish_gradient(partial)
+    def start(buffer: torch.Tensor) -> None:
+        if weight_segments:
+            pack_weights(message.views(buffer, ring.rank)[:weight_segments])
+        contribute_to(ring.partial_shard_at(0), message.views(buffer, ring.partial_shard_at(0), weight_segments))
+
+    def during(step: int, buffer: torch.Tensor) -> None:
+        if weight_segments:
+            shard = ring.weight_shard_at(step)
+            use_weights(shard, message.views(buffer, shard)[:weight_segments])
+        if step + 1 < ring.size:  # the contribution the next message's partial needs, while it travels
+            contribute_to(ring.partial_shard_at(step + 1), grads.views(scratch, ring.partial_shard_at(step + 1)))
+
+    def on_arrival(step: int, buffer: torch.Tensor) -> None:
+        shard = ring.partial_shard_at(step)
+        for partial, mine in zip(message.views(buffer, shard, weight_segments), grads.views(scratch, shard)):
+            partial.add_(mine)
+
+    final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival)
+    return _finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
+
+
+def _write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``dst = a @ b`` in ``dst``'s dtype."""
+    if dst.dtype == a.dtype:
+        torch.mm(a, b, out=dst)
+    else:
+        dst.copy_(a @ b)
 
 
 class _RingLinearFunction(torch.autograd.Function):
+    """``y_i = x W_i^T + b_i`` for a group of Linears sharing the input ``x``; params are
+    ``W_0, b_0, W_1, b_1, ...`` (``b_i`` may be None)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: RingLayer, out_features: int):
+    def forward(ctx, x, layer: RingLayer, modules: tuple[nn.Module, ...], *params):
         state, ring = layer.state, layer.state.ring
-        dtype = state.compute_dtype(weight.dtype)
-        layout = ShardLayout(out_features, ring.size)
-        shards = [weight] if bias is None else [weight, bias]
-        packing = PackedShards(layout, [shard.shape[1:] for shard in shards])
+        out_features = tuple(module.out_features for module in modules)
+        weights = params[0::2]
+        dtype = state.compute_dtype(weights[0].dtype)
+        layouts = [ShardLayout(rows, ring.size) for rows in out_features]
+        present = [(index, param) for index, param in enumerate(params) if param is not None]
+        message = Message([Segment(layouts[index // 2], param.shape[1:], dtype) for index, param in present])
+        slot = {index: position for position, (index, _) in enumerate(present)}
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        out = x2d.new_empty(x2d.shape[0], out_features)
+        outs = [x2d.new_empty(*x.shape[:-1], rows) for rows in out_features]
+        outs2d = [out.view(-1, rows) for out, rows in zip(outs, out_features)]
 
-        def consume(shard: int, flat: torch.Tensor) -> None:
-            start, stop = layout.start(shard), layout.stop(shard)
-            if start == stop:
-                return
-            views = packing.shard_views(flat, shard)
-            # A column block of a row-major matrix is a valid BLAS output (leading dimension
-            # out_features), so the product is written in place, with no temporary.
-            if bias is None:
-                torch.mm(x2d, views[0].t(), out=out[:, start:stop])
-            else:
-                torch.addmm(views[1], x2d, views[0].t(), out=out[:, start:stop])
+        def during(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.weight_shard_at(step)
+            views = message.views(buffer, shard)
+            for member, (layout, out) in enumerate(zip(layouts, outs2d)):
+                start, stop = layout.start(shard), layout.stop(shard)
+                if start == stop:
+                    continue
+                weight = views[slot[2 * member]]
+                # A column block of a row-major matrix is a valid BLAS output (leading dimension
+                # out_features), so the product is written in place, with no temporary.
+                if 2 * member + 1 in slot:
+                    torch.addmm(views[slot[2 * member + 1]], x2d, weight.t(), out=out[:, start:stop])
+                else:
+                    torch.mm(x2d, weight.t(), out=out[:, start:stop])
 
-        ring.rotate(packing.pack(shards, dtype), layer.tags[Phase.FORWARD_WEIGHTS], consume)
-        ctx.save_for_backward(x2d, weight)
-        ctx.layer, ctx.out_features, ctx.has_bias = layer, out_features, bias is not None
+        tensors = [param for _, param in present]
+        start = message.as_is(tensors)
+        if start is None:
+            start = lambda buffer: message.pack(buffer, ring.rank, tensors)  # noqa: E731
+        with record_function(f"rsdp::ring_forward ({layer.name})"):
+            ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+        ctx.save_for_backward(x2d, *weights)
+        ctx.layer, ctx.modules, ctx.out_features = layer, modules, out_features
+        ctx.has_bias = [p is not None for p in params[1::2]]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        return out.view(*x.shape[:-1], out_features)
+        return tuple(outs)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
-        x2d, weight = ctx.saved_tensors
+    def backward(ctx, *grad_outs):
+        x2d, *weights = ctx.saved_tensors
         layer = ctx.layer
         state, ring = layer.state, layer.state.ring
-        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        need_bias = need_bias and ctx.has_bias
-        dtype = state.compute_dtype(weight.dtype)
-        layout = ShardLayout(ctx.out_features, ring.size)
-        dy = grad_out.reshape(-1, ctx.out_features).to(dtype)
+        need_x = ctx.needs_input_grad[0]
+        need_params = ctx.needs_input_grad[3:]
+        dtype = state.compute_dtype(weights[0].dtype)
+        reduce_dtype = state.reduce_dtype(weights[0].dtype)
+        layouts = [ShardLayout(rows, ring.size) for rows in ctx.out_features]
+        dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
 
+        # Gradients in the message: (member, is_bias) for every parameter that needs one.
+        wanted = [
+            (index // 2, index % 2 == 1)
+            for index, need in enumerate(need_params)
+            if need and (index % 2 == 0 or ctx.has_bias[index // 2])
+        ]
+        weight_segments = [Segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
+        grad_segments = [
+            Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
+            for member, is_bias in wanted
+        ]
+        message = Message(weight_segments + grad_segments)
         grad_x = torch.zeros_like(x2d) if need_x else None
-        weight_packing = PackedShards(layout, [weight.shape[1:]])
-        payload = weight_packing.pack([weight], dtype) if need_x else None
 
-        def consume(shard: int, flat: torch.Tensor) -> None:
-            start, stop = layout.start(shard), layout.stop(shard)
-            if start < stop:
-                (w,) = weight_packing.shard_views(flat, shard)
-                grad_x.addmm_(dy[:, start:stop], w)
+        def pack_weights(views: list[torch.Tensor]) -> None:
+            for view, weight in zip(views, weights):
+                view.copy_(weight)
 
-        grad_weight = grad_bias = None
-        if need_weight or need_bias:
-            trailing = ([weight.shape[1:]] if need_weight else []) + ([torch.Size()] if need_bias else [])
-            grad_packing = PackedShards(layout, trailing)
+        def use_weights(shard: int, views: list[torch.Tensor]) -> None:
+            for layout, dy, weight in zip(layouts, dys, views):
+                if layout.rows_of(shard):
+                    grad_x.addmm_(dy[:, layout.start(shard) : layout.stop(shard)], weight)
 
-            def contribute(shard: int, partial: torch.Tensor, first: bool) -> None:
-                views = iter(grad_packing.shard_views(partial, shard))
-                dy_shard = dy[:, layout.start(shard) : layout.stop(shard)]
-                if need_weight:
-                    _write_product(next(views), dy_shard.t(), x2d, first)
-                if need_bias:
-                    _write(next(views), dy_shard.sum(0), first)
+        def contribute(shard: int, views: list[torch.Tensor]) -> None:
+            for (member, is_bias), view in zip(wanted, views):
+                layout = layouts[member]
+                dy_shard = dys[member][:, layout.start(shard) : layout.stop(shard)]
+                if is_bias:
+                    view.copy_(dy_shard.sum(0))
+                else:
+                    _write_product(view, dy_shard.t(), x2d)
 
-            reduced = _reduce_to_owner(
-                layer, grad_packing, contribute, payload, consume, state.reduce_dtype(weight.dtype)
-            )
-            if reduced is not None:
-                views = iter(grad_packing.shard_views(reduced, ring.rank))
-                if need_weight:
-                    grad_weight = next(views).to(weight.dtype)
-                if need_bias:
-                    grad_bias = next(views).to(weight.dtype)
-        elif need_x:
-            ring.rotate(payload, layer.tags[Phase.BACKWARD_WEIGHTS], consume)
-
+        with record_function(f"rsdp::ring_backward ({layer.name})"):
+            keys = [(id(ctx.modules[member]), "bias" if is_bias else "weight") for member, is_bias in wanted]
+            reduced = _ring_backward(layer, message, len(weight_segments), keys, pack_weights, use_weights, contribute)
+        grads = [None] * len(need_params)
+        if reduced is not None:
+            for (member, is_bias), grad in zip(wanted, reduced):
+                grads[2 * member + is_bias] = grad.to(weights[member].dtype)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, None, None, *grads
 
 
 class _RingEmbeddingFunction(torch.autograd.Function):
@@ -171,27 +233,43 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         state, ring = layer.state, layer.state.ring
         dtype = state.compute_dtype(weight.dtype)
         layout = ShardLayout(num_embeddings, ring.size)
-        packing = PackedShards(layout, [weight.shape[1:]])
+        # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
+        message = Message([Segment(layout, weight.shape[1:], dtype), Segment(ShardLayout(ring.size, ring.size), torch.Size(), torch.uint8)])
         flat_indices = indices.reshape(-1)
-        if flat_indices.numel() and (flat_indices.min() < 0 or flat_indices.max() >= num_embeddings):
-            raise IndexError(
-                f"rsdp Embedding: index out of range: indices span [{int(flat_indices.min())}, "
-                f"{int(flat_indices.max())}] but num_embeddings is {num_embeddings}"
-            )
-        owners = flat_indices.div(layout.chunk, rounding_mode="floor")
-        out = torch.empty(flat_indices.numel(), *weight.shape[1:], dtype=dtype, device=weight.device)
+        out_of_range = ((flat_indices < 0) | (flat_indices >= num_embeddings)).any()
+        selects, rows_in = _shard_selection(flat_indices, layout, None)
+        out = torch.zeros(*indices.shape, *weight.shape[1:], dtype=dtype, device=weight.device)
+        out2d = out.view(flat_indices.numel(), math.prod(weight.shape[1:]))
+        scratch = torch.empty_like(out2d)
 
-        def consume(shard: int, flat: torch.Tensor) -> None:
-            positions = (owners == shard).nonzero().squeeze(1)
-            if positions.numel():
-                (rows,) = packing.shard_views(flat, shard)
-                out.index_copy_(0, positions, rows.index_select(0, flat_indices[positions] - layout.start(shard)))
+        def start(buffer: torch.Tensor) -> None:
+            rows, flag = message.views(buffer, ring.rank)
+            rows.copy_(weight)
+            flag.copy_(out_of_range)
 
-        ring.rotate(packing.pack([weight], dtype), layer.tags[Phase.FORWARD_WEIGHTS], consume)
+        def during(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.weight_shard_at(step)
+            rows, _ = message.views(buffer, shard)
+            if layout.rows_of(shard):
+                torch.index_select(rows.reshape(rows.shape[0], -1), 0, rows_in[shard], out=scratch)
+                out2d.add_(scratch.masked_fill_(~selects[shard].unsqueeze(1), 0))
+
+        def on_arrival(step: int, buffer: torch.Tensor) -> None:
+            _, flag = message.views(buffer, ring.weight_shard_at(step))
+            flag.bitwise_or_(out_of_range)
+
+        with record_function(f"rsdp::ring_forward ({layer.name})"):
+            final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival)
+        _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
+        torch._assert_async(
+            (flag | out_of_range) == 0,
+            f"rsdp Embedding: an index is out of range [0, {num_embeddings}) on at least one rank "
+            "(every rank raises this; check the token ids against num_embeddings)",
+        )
         ctx.save_for_backward(flat_indices)
         ctx.layer, ctx.num_embeddings, ctx.padding_idx = layer, num_embeddings, padding_idx
         ctx.weight_dtype, ctx.trailing = weight.dtype, weight.shape[1:]
-        return out.view(*indices.shape, *weight.shape[1:])
+        return out
 
     @staticmethod
     @once_differentiable
@@ -201,34 +279,42 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         (flat_indices,) = ctx.saved_tensors
         layer = ctx.layer
         ring = layer.state.ring
+        reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
         layout = ShardLayout(ctx.num_embeddings, ring.size)
-        packing = PackedShards(layout, [ctx.trailing])
-        dy = grad_out.reshape(flat_indices.numel(), -1)
-        owners = flat_indices.div(layout.chunk, rounding_mode="floor")
-        if ctx.padding_idx is not None:
-            owners = owners.masked_fill(flat_indices == ctx.padding_idx, -1)
+        message = Message([Segment(layout, ctx.trailing, reduce_dtype)])
+        selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
+        dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
+        masked = torch.empty(dy.shape, dtype=reduce_dtype, device=dy.device)
 
-        def contribute(shard: int, partial: torch.Tensor, first: bool) -> None:
-            (rows,) = packing.shard_views(partial, shard)
-            if first:
-                rows.zero_()
-            positions = (owners == shard).nonzero().squeeze(1)
-            if positions.numel():
-                rows.view(rows.shape[0], -1).index_add_(
-                    0, flat_indices[positions] - layout.start(shard), dy[positions].to(rows.dtype)
-                )
+        def contribute(shard: int, views: list[torch.Tensor]) -> None:
+            (rows,) = views
+            rows.zero_()
+            if layout.rows_of(shard):
+                masked.copy_(dy).masked_fill_(~selects[shard].unsqueeze(1), 0)
+                rows.view(rows.shape[0], dy.shape[1]).index_add_(0, rows_in[shard], masked)
 
-        reduced = _reduce_to_owner(
-            layer, packing, contribute, None, None, layer.state.reduce_dtype(ctx.weight_dtype)
-        )
-        grad_weight = None
-        if reduced is not None:
-            (grad_weight,) = packing.shard_views(reduced, ring.rank)
-            grad_weight = grad_weight.to(ctx.weight_dtype)
+        with record_function(f"rsdp::ring_backward ({layer.name})"):
+            reduced = _ring_backward(layer, message, 0, [(id(layer), "weight")], None, None, contribute)
+        grad_weight = None if reduced is None else reduced[0].to(ctx.weight_dtype)
         return None, grad_weight, None, None, None
 
 
-def _local(param: nn.Parameter | None, module: nn.Module, name: str) -> torch.Tensor | None:
+def _shard_selection(flat_indices: torch.Tensor, layout: ShardLayout, padding_idx: int | None):
+    """For every shard: which tokens it serves (``[W, N]`` bool; padding tokens excluded when
+    ``padding_idx`` is given) and their row in it (``[W, N]``, clamped into the shard so that the
+    others index a valid row too) — computed on the device, with no data-dependent shape."""
+    world = layout.world
+    starts = torch.tensor([layout.start(s) for s in range(world)], device=flat_indices.device)
+    last_rows = torch.tensor([max(layout.rows_of(s) - 1, 0) for s in range(world)], device=flat_indices.device)
+    rows_in = flat_indices.unsqueeze(0) - starts.unsqueeze(1)
+    selects = (rows_in >= 0) & (rows_in <= last_rows.unsqueeze(1))
+    if padding_idx is not None:
+        selects &= flat_indices.unsqueeze(0) != padding_idx
+    rows_in = torch.minimum(rows_in.clamp_(min=0), last_rows.unsqueeze(1))
+    return selects, rows_in
+
+
+def local_shard(param: nn.Parameter | None, module: nn.Module, name: str) -> torch.Tensor | None:
     if param is None:
         return None
     if not isinstance(param, DTensor):
@@ -238,6 +324,14 @@ def _local(param: nn.Parameter | None, module: nn.Module, name: str) -> torch.Te
             "`with torch.no_grad(): param.copy_(value)`, or load them with load_state_dict."
         )
     return param.to_local()
+
+
+def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs of ``modules`` (ring Linears of one rsdp module) on one input, in one ring."""
+    params = []
+    for module in modules:
+        params += [local_shard(module.weight, module, "weight"), local_shard(module.bias, module, "bias")]
+    return _RingLinearFunction.apply(input, layer, tuple(modules), *params)
 
 
 # The ring is a loop of point-to-point messages, which torch.compile cannot capture: each ring layer
@@ -261,7 +355,7 @@ class RingLinear:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Checked before the ring starts: a rank that failed half-way through a ring step would leave
         # its peers waiting for the process group's timeout.
-        weight = _local(self.weight, self, "weight")
+        weight = local_shard(self.weight, self, "weight")
         if not input.is_floating_point():
             raise TypeError(f"rsdp {type(self).__name__}: input must be floating point, got {input.dtype}")
         if input.dim() == 0 or input.shape[-1] != self.in_features:
@@ -270,13 +364,7 @@ class RingLinear:
                 f"in_features={self.in_features}"
             )
         _check_device(input, weight, self)
-        return _RingLinearFunction.apply(
-            input,
-            weight,
-            _local(self.bias, self, "bias"),
-            self._rsdp_ring,
-            self.out_features,
-        )
+        return self._rsdp_ring.state.fusion.linear(self, input)
 
 
 class RingEmbedding:
@@ -286,7 +374,7 @@ class RingEmbedding:
 
     @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = _local(self.weight, self, "weight")
+        weight = local_shard(self.weight, self, "weight")
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"rsdp {type(self).__name__}: indices must be int32 or int64, got {input.dtype}")
         _check_device(input, weight, self)
@@ -318,4 +406,3 @@ def ring_mixin_for(module: nn.Module, parent: nn.Module | None) -> type | None:
             )
         return RingEmbedding
     return None
-

@@ -66,46 +66,68 @@ def shard_parameter(param: nn.Parameter, mesh: DeviceMesh, device: torch.device)
     return nn.Parameter(sharded, requires_grad=param.requires_grad)
 
 
-class PackedShards:
-    """The wire format of one ring step: shard ``s`` of several tensors sharing dim 0, in one flat buffer.
+@dataclass(frozen=True)
+class Segment:
+    """One tensor in a ring message: its row split, the shape of one row, and its dtype on the wire."""
 
-    A Linear's weight and bias travel together as ``[weight rows | bias rows]``, each padded to
-    ``chunk`` rows, so a ring step is one message rather than one per tensor.
-    """
-
-    def __init__(self, layout: ShardLayout, trailing_shapes: list[torch.Size]):
-        self.layout = layout
-        self.trailing_shapes = trailing_shapes
-        self._inner = [math.prod(shape) for shape in trailing_shapes]
-        self._offsets = [0]
-        for inner in self._inner:
-            self._offsets.append(self._offsets[-1] + layout.chunk * inner)
+    layout: ShardLayout
+    trailing: torch.Size
+    dtype: torch.dtype
 
     @property
-    def numel(self) -> int:
-        return self._offsets[-1]
+    def padded_nbytes(self) -> int:
+        return self.layout.chunk * math.prod(self.trailing) * self.dtype.itemsize
 
-    def pack(self, shards: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shards as one padded buffer; no copy when a single full shard already fits."""
-        only = shards[0]
-        if (
-            len(shards) == 1
-            and only.dtype == dtype
-            and only.is_contiguous()
-            and only.numel() == self.numel
-        ):
-            return only.view(-1)
-        flat = torch.empty(self.numel, dtype=dtype, device=only.device)
-        for view, shard in zip(self.views(flat, shards[0].shape[0]), shards):
-            view.copy_(shard)
-        return flat
 
-    def views(self, flat: torch.Tensor, rows: int) -> list[torch.Tensor]:
-        """The first ``rows`` rows of each packed tensor, shaped ``[rows, *trailing]``."""
-        return [
-            flat[offset : offset + rows * inner].view(rows, *shape)
-            for offset, inner, shape in zip(self._offsets, self._inner, self.trailing_shapes)
-        ]
+class Message:
+    """The wire format of one ring step: shard ``s`` of several tensors in one flat byte buffer.
 
-    def shard_views(self, flat: torch.Tensor, shard: int) -> list[torch.Tensor]:
-        return self.views(flat, self.layout.rows_of(shard))
+    A message is ``[segment 0 | segment 1 | ...]``, each segment holding the rows of one tensor's shard
+    ``s`` padded to that tensor's ``chunk`` rows, in its own dtype. The weights and biases of Linears
+    that share an input travel as one message, and in backward the weights travel together with the
+    gradient partials (in ``reduce_dtype``), so one ring step is one message whatever it carries.
+    Padding rows are never read: views cover the shard's real rows only.
+    """
+
+    def __init__(self, segments: list[Segment]):
+        self.segments = segments
+        self.offsets = []
+        offset = 0
+        for segment in segments:
+            # Aligned to the segment's element size only, for its typed view: wider alignment would
+            # put gap bytes on the wire.
+            offset = -(-offset // segment.dtype.itemsize) * segment.dtype.itemsize
+            self.offsets.append(offset)
+            offset += segment.padded_nbytes
+        self.nbytes = offset
+
+    def views(self, buffer: torch.Tensor, shard: int, first: int = 0) -> list[torch.Tensor]:
+        """Segments ``first:`` of ``buffer`` (a byte tensor holding one message) as shard ``shard``'s
+        rows, shaped ``[rows, *trailing]``."""
+        views = []
+        for segment, offset in zip(self.segments[first:], self.offsets[first:]):
+            rows = segment.layout.rows_of(shard)
+            nbytes = rows * math.prod(segment.trailing) * segment.dtype.itemsize
+            views.append(buffer[offset : offset + nbytes].view(segment.dtype).view(rows, *segment.trailing))
+        return views
+
+    def tail(self, first: int) -> "Message":
+        """The message made of segments ``first:``, laid out as they are here (offsets shifted)."""
+        return Message(self.segments[first:])
+
+    def pack(self, buffer: torch.Tensor, shard: int, tensors: list[torch.Tensor]) -> None:
+        """Write ``tensors`` (shard ``shard`` of the first segments) into ``buffer``."""
+        for view, tensor in zip(self.views(buffer, shard), tensors):
+            view.copy_(tensor)
+
+    def as_is(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """``tensors`` themselves as the message, with no copy, when a single tensor is exactly one
+        full, contiguous segment in the wire dtype; else None."""
+        if len(tensors) != 1 or len(self.segments) != 1:
+            return None
+        (tensor,), (segment,) = tensors, self.segments
+        if tensor.dtype != segment.dtype or not tensor.is_contiguous():
+            return None
+        if tensor.numel() * tensor.element_size() != self.nbytes:
+            return None
+        return tensor.view(-1).view(torch.uint8)

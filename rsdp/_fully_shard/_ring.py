@@ -1,17 +1,30 @@
-"""The ring: which shard a rank holds at each step, who it talks to, and the double-buffered exchange.
+"""The ring: which shard a rank holds at each step, who it talks to, and the one schedule every ring runs.
 
-Weight shards travel "down" (rank r receives from r+1 and sends to r-1), so at step k rank r holds
-shard (r + k) mod W. Gradient partials travel "up" (r sends to r+1): the partial for shard t starts at
-rank t+1 and reaches its owner t after W-1 hops, collecting every rank's contribution on the way.
+Every message travels "down" (rank r receives from r+1 and sends to r-1), so at step k rank r holds
+weight shard (r + k) mod W. In backward the gradient partials ride in the same message as the weights:
+the partial for shard t starts at rank t+1 and collects every rank's contribution on its way down to
+its owner t, which it reaches after W-1 hops, so at step k rank r holds the partial of shard
+(r + 1 + k) mod W. One message per step, forward and backward: W-1 synchronising exchanges per ring
+and pass, the fewest a ring can do.
+
+``Ring.circulate`` is the only schedule. At each step it starts sending the message it holds and
+receiving the next one, runs ``during`` (the GEMMs on the weights held, the next gradient contribution)
+while they travel, waits, and gives the arrived message to ``on_arrival`` (add the contribution
+computed meanwhile) before it is forwarded.
+
+Messages live in two byte buffers shared by every ring of the process (``RING_BUFFERS``, ping-pong,
+grown to the largest message and then reused), so a ring step allocates nothing; on CUDA this also
+keeps NCCL's stream from pinning a freed block per step in the caching allocator. They are resident
+memory: ``release_ring_buffers()`` frees them (and memory figures should be taken after it).
 
 Pitfalls this file exists to contain (design.md §3):
 - ``P2POp`` peers are global ranks, so group ranks are translated once here.
-- gloo matches messages on (peer, tag): with W = 2 both neighbours are one rank, so the weight and the
-  partial streams of one backward need distinct tags. Every ring layer also gets its own tags, so that
-  ranks that disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
-- NCCL ignores tags and needs every rank to issue P2P ops in the same order: ``exchange`` always issues
-  sends and receives in the order of its arguments and has no data-dependent branches.
+- gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
+  disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
+- NCCL ignores tags and needs every rank to issue P2P ops in the same order: ``circulate`` issues one
+  send and one receive per step in a fixed order, with no data-dependent branches.
 - Waiting twice on a completed gloo send blocks until the timeout, so each work is waited exactly once.
+- A buffer is received into only after the send that last read it was waited for (ping-pong).
 - On CUDA, ProcessGroupNCCL runs P2P on its own stream, orders it after the compute that produced the
   buffers, and ``wait()`` makes the compute stream wait for the received data.
 """
@@ -24,15 +37,9 @@ import torch
 import torch.distributed as dist
 
 
-class Direction(enum.Enum):
-    WEIGHTS = "weights"  # r+1 -> r -> r-1
-    PARTIALS = "partials"  # r-1 -> r -> r+1
-
-
 class Phase(enum.IntEnum):
-    FORWARD_WEIGHTS = 0
-    BACKWARD_WEIGHTS = 1
-    BACKWARD_PARTIALS = 2
+    FORWARD = 0
+    BACKWARD = 1
 
 
 _next_layer_id = itertools.count()
@@ -44,98 +51,99 @@ def new_layer_tags() -> dict[Phase, int]:
     return {phase: layer * len(Phase) + phase for phase in Phase}
 
 
-class InFlight:
-    """Sends and receives of one ring step; ``wait`` blocks until all of them are done, once."""
+class RingBuffers:
+    """Two flat byte buffers per device, shared by every ring of the process and grown on demand.
 
-    def __init__(self, works: list):
-        self._works = works
+    Rings never run concurrently on one rank (a ring layer's computation calls no other ring), so one
+    pair serves them all; its size is the largest message seen, about 2/W of the largest ring layer.
+    """
 
-    def wait(self) -> None:
-        works, self._works = self._works, []
-        for work in works:
-            work.wait()
+    def __init__(self):
+        self._pairs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = self._pairs.get(device)
+        if pair is None or pair[0].numel() < nbytes:
+            # Zeroed once, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
+            pair = tuple(torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
+            self._pairs[device] = pair
+        return pair[0][:nbytes], pair[1][:nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() for pair in self._pairs.values() for buffer in pair)
+
+    def release(self) -> None:
+        self._pairs.clear()
+
+
+RING_BUFFERS = RingBuffers()
+
+
+def release_ring_buffers() -> int:
+    """Free the ring's message buffers (they are reallocated by the next ring step); returns the bytes
+    they held. Useful before measuring memory, or to hand their memory to something else for a while."""
+    nbytes = RING_BUFFERS.nbytes
+    RING_BUFFERS.release()
+    return nbytes
 
 
 class Ring:
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group
+        self.device = device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._peer = {
-            "down": dist.get_global_rank(group, (self.rank - 1) % self.size),
-            "up": dist.get_global_rank(group, (self.rank + 1) % self.size),
-        }
+        self._down = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self._up = dist.get_global_rank(group, (self.rank + 1) % self.size)
 
     def weight_shard_at(self, step: int) -> int:
         return (self.rank + step) % self.size
 
     def partial_shard_at(self, step: int) -> int:
-        return (self.rank - 1 - step) % self.size
+        return (self.rank + 1 + step) % self.size
 
-    def exchange(self, transfers: list[tuple[Direction, torch.Tensor, torch.Tensor, int]]) -> InFlight:
-        """Start sending each ``send`` to the next rank of its direction and receiving ``recv`` from the
-        previous one. Returns at once; the caller computes, then waits."""
-        ops = []
-        for direction, send, recv, tag in transfers:
-            to, frm = ("down", "up") if direction is Direction.WEIGHTS else ("up", "down")
-            ops.append(dist.P2POp(dist.isend, send, self._peer[to], self.group, tag))
-            ops.append(dist.P2POp(dist.irecv, recv, self._peer[frm], self.group, tag))
-        return InFlight(dist.batch_isend_irecv(ops) if ops else [])
+    def exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int) -> list:
+        """Start sending ``send`` down and receiving ``receive`` from up, as one batch; returns the works."""
+        return dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, send, self._down, self.group, tag),
+                dist.P2POp(dist.irecv, receive, self._up, self.group, tag),
+            ]
+        )
 
-    def rotate(self, payload: torch.Tensor, tag: int, consume: Callable[[int, torch.Tensor], None]) -> None:
-        """Call ``consume(shard, buffer)`` for every shard, each while the next one is in flight.
-
-        Besides its own ``payload`` a rank holds at most two shards: the one it computes with (and
-        forwards) and the one it receives.
-        """
-        current = payload
-        for step in range(self.size):
-            in_flight = None
-            if step + 1 < self.size:
-                incoming = torch.empty_like(payload)
-                in_flight = self.exchange([(Direction.WEIGHTS, current, incoming, tag)])
-            consume(self.weight_shard_at(step), current)
-            if in_flight is not None:
-                in_flight.wait()
-                current = incoming
-
-    def rotate_and_reduce(
+    def circulate(
         self,
-        payload: torch.Tensor | None,
-        consume: Callable[[int, torch.Tensor], None],
-        contribute: Callable[[int, torch.Tensor, bool], None],
-        new_partial: Callable[[], torch.Tensor],
-        tags: dict[Phase, int],
+        nbytes: int,
+        tag: int,
+        start: torch.Tensor | Callable[[torch.Tensor], None],
+        during: Callable[[int, torch.Tensor], None],
+        on_arrival: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """Backward: rotate the weights again (``consume`` computes the input gradient with each shard)
-        while gradient partials travel to their owners (``contribute(shard, partial, first)`` adds this
-        rank's share to the partial of ``shard``, or writes it when ``first``).
+        """Pass a message of ``nbytes`` bytes W-1 times down the ring; return the one held last.
 
-        Returns this rank's own shard of the gradient summed over the ring. A full-size gradient never
-        exists: a rank holds two weight shards and two partials at a time.
+        ``start`` is this rank's first message: a byte tensor sent as it is, or a function that writes
+        it into the buffer it is given. At step k, ``during(k, message)`` runs while the message held is
+        sent on and the next one received; ``on_arrival(k + 1, message)`` then sees the next message
+        before it is forwarded. The returned buffer is reused by the next ring: copy out what you keep.
         """
-        weights = payload
-        partial = new_partial()
+        buffers = RING_BUFFERS.pair(nbytes, self.device)
+        if callable(start):
+            current = buffers[0]
+            start(current)
+            receive_into = (buffers[1], buffers[0])
+        else:
+            current, receive_into = start, buffers
         for step in range(self.size):
-            contribute(self.partial_shard_at(step), partial, step == 0)
-            in_flight = None
+            works = []
             if step + 1 < self.size:
-                transfers = []
-                if weights is not None:
-                    incoming_weights = torch.empty_like(weights)
-                    transfers.append(
-                        (Direction.WEIGHTS, weights, incoming_weights, tags[Phase.BACKWARD_WEIGHTS])
-                    )
-                incoming_partial = torch.empty_like(partial)
-                transfers.append(
-                    (Direction.PARTIALS, partial, incoming_partial, tags[Phase.BACKWARD_PARTIALS])
-                )
-                in_flight = self.exchange(transfers)
-            if weights is not None:
-                consume(self.weight_shard_at(step), weights)
-            if in_flight is not None:
-                in_flight.wait()
-                partial = incoming_partial
-                if weights is not None:
-                    weights = incoming_weights
-        return partial
+                incoming = receive_into[step % 2]
+                works = self.exchange(current, incoming, tag)
+            during(step, current)
+            if works:
+                for work in works:
+                    work.wait()
+                current = incoming
+                if on_arrival is not None:
+                    on_arrival(step + 1, current)
+        return current

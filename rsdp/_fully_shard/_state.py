@@ -3,10 +3,12 @@
 Rotation needs no hooks: the Linear and Embedding modules run their ring inside their own forward and
 backward. The hooks only (1) cast forward inputs under a mixed-precision policy, (2) install the
 gathered non-rotating parameters for the duration of the module's forward and (3) cast its output.
-Backward is driven entirely by autograd, so there is no final callback and nothing to finish.
+The post-forward hook also ends the forward for ``SharedInputFusion`` (``_fusion.py``). Backward is
+driven entirely by autograd, so there is no final callback and nothing to finish.
 """
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from torch.distributed.utils import _apply_to_tensors
 
 from .._compat import FSDPState, MixedPrecisionPolicy
 from ._collectives import GatheredParams
+from ._fusion import SharedInputFusion
 from ._ring import Ring
 
 
@@ -41,13 +44,17 @@ class RSDPState(FSDPState):
         self._modules = (module,)
         self.mesh = mesh
         self.mp_policy = mp_policy
-        self.ring = Ring(mesh.get_group(mesh.ndim - 1))
-        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.device = (
             torch.device(mesh.device_type, torch.cuda.current_device())
             if mesh.device_type == "cuda"
             else torch.device(mesh.device_type)
         )
+        self.ring = Ring(mesh.get_group(mesh.ndim - 1), self.device)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.ring_modules: list[nn.Module] = []
+        self.fusion = SharedInputFusion(self)
+        # Per ring parameter: its contributions while gradient sync was off.
+        self._unsynced: dict[tuple[int, str], torch.Tensor] = {}
         self.gradient_divide_factor: float | None = None
         self.requires_gradient_sync = True
         self.gathered: GatheredParams | None = None
@@ -68,6 +75,18 @@ class RSDPState(FSDPState):
         if factor != 1:
             reduced.div_(factor)
         return reduced
+
+    def unsynced_gradient(self, key, segment) -> torch.Tensor:
+        """The full-size gradient (every shard, ``[W, padded shard]``) accumulated for one parameter of a
+        ring while gradient sync is off: the memory cost of skipping sync, as with FSDP2. Keyed per
+        parameter, so it survives a change of grouping between micro-batches."""
+        if key not in self._unsynced:
+            numel = segment.layout.chunk * math.prod(segment.trailing)
+            self._unsynced[key] = torch.zeros(self.ring.size, numel, dtype=segment.dtype, device=self.device)
+        return self._unsynced[key]
+
+    def take_unsynced(self, key) -> torch.Tensor | None:
+        return self._unsynced.pop(key, None)
 
     def set_gathered(self, params: list[nn.Parameter], slots: list[tuple[nn.Module, str, int]]) -> None:
         """``slots`` lists (module, attribute, index into ``params``) for every place a gathered
@@ -90,6 +109,11 @@ class RSDPState(FSDPState):
                 owner._parameters[name] = full[index]
         return args, kwargs
 
+    def end_forward(self) -> None:
+        """Put the sharded parameters back and close the forward (also when it raised)."""
+        self.fusion.end_forward()
+        self.restore_sharded_params()
+
     def restore_sharded_params(self) -> None:
         if self.gathered is not None:
             for owner, name, index in self._gathered_slots:
@@ -97,7 +121,7 @@ class RSDPState(FSDPState):
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self.restore_sharded_params()
+        self.end_forward()
         if self.mp_policy.output_dtype is not None:
             output = _apply_to_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
         return output
