@@ -42,7 +42,7 @@ except ImportError:
 
 from torch.distributed._composable_state import _get_module_state, _insert_module_state
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, is_traceable_wrapper_subclass
 
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` were renamed ``*_single`` (the old names warn).
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -68,6 +68,12 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def dispatch_mode_active() -> bool:
+    """Whether a Python dispatch mode sees ops now: selective activation checkpointing's, which needs
+    a recomputation to issue exactly the ops of the original forward, or a measuring tool's."""
+    return _get_current_dispatch_mode() is not None
+
+
 def get_module_state(module: torch.nn.Module):
     """The composable state (FSDP2's, torch replicate's or rsdp's) that manages ``module``, or None."""
     return _get_module_state(module)
@@ -88,6 +94,7 @@ __all__ = [
     "TorchDispatchMode",
     "all_gather_flat",
     "flatten_mesh",
+    "dispatch_mode_active",
     "fully_shard",
     "get_module_state",
     "in_backward",

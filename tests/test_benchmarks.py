@@ -53,14 +53,19 @@ def test_benchmark_reports_sane_figures(strategy, tmp_path):
 
 def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
     chart, out = tmp_path / "compare.png", tmp_path / "compare.json"
-    done = run("compare.py", *TINY, "--strategies", "fsdp", "rtp", f"--chart={chart}", f"--json={out}")
+    done = run("compare.py", *TINY, "--strategies", "fsdp", "rtp", "--repeats=2", f"--chart={chart}", f"--json={out}")
     assert_succeeded(done)
+    assert "step time × fsdp per round, rtp: " in done.stdout and "/proc/loadavg" in done.stdout
     table_rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert [row.split("|")[1].strip() for row in table_rows] == ["strategy", "---", "fsdp", "rtp"]
     assert chart.stat().st_size > 0
     results = json.loads(out.read_text())
     # Same initial model, same per-rank batches, gradients averaged: the same training run.
     assert results["rtp"]["final_loss"] == pytest.approx(results["fsdp"]["final_loss"], rel=1e-5)
+    assert len(results["rtp"]["step_time_rounds_s"]) == 2
+    # One decoder layer and the root at W=2: rtp's rings (4 per layer and pass, 2 at the root) and
+    # the gathered norms' collectives; fsdp's all-gathers and reduce-scatters.
+    assert results["rtp"]["exchanges_per_step"] == 2 * (4 + 2) + 2, results["rtp"]["exchanges_per_step"]
 
 
 def test_tp_rejects_heads_that_do_not_divide_over_ranks():

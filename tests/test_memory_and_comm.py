@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from rsdp import rsdp_shard
+from rsdp import release_ring_buffers, rsdp_shard
 from rsdp._compat import fully_shard
 from rsdp.memory import CommCounter, MemoryTracker
 
@@ -26,21 +26,29 @@ def linear_stack_peak(strategy, dim, layers, rows):
     for param in model.parameters():
         param.grad = None
     x.grad = None
+    release_ring_buffers()  # resident between steps: counted in the measured one
     with MemoryTracker() as tracker:
         model(x).sum().backward()
-    return tracker.peak_bytes
+    return tracker.peak_bytes, release_ring_buffers()
 
 
 def memory_case(dim, layers, rows):
     return {strategy: linear_stack_peak(strategy, dim, layers, rows) for strategy in ("fsdp", "rsdp")}
 
 
-def test_peak_memory_at_most_half_of_fsdp2_on_4_ranks(ranks):
-    peaks = ranks.run(4, memory_case, 512, 6, 8)
-    for rank, peak in enumerate(peaks):
-        ratio = peak["rsdp"] / peak["fsdp"]
-        print(f"rank {rank}: fsdp {peak['fsdp'] / 2**20:.2f} MiB, rsdp {peak['rsdp'] / 2**20:.2f} MiB, ratio {ratio:.3f}")
-        assert ratio <= 0.5, f"rank {rank}: rsdp peak {peak['rsdp']} B is {ratio:.2f} of fsdp's {peak['fsdp']} B"
+def test_peak_memory_against_fsdp2_on_4_ranks(ranks):
+    """rsdp's peak holds the sharded gradients (which both allocate), the two ring messages of backward
+    (weight shard and gradient partial, 2/W of a layer each) and the scratch in which the next
+    contribution is computed while they travel (1/W): 0.55 of FSDP2's here (0.45 before backward
+    overlapped the contribution with the transfer)."""
+    dim, world = 512, 4
+    shard_bytes = dim // world * dim * 4
+    for rank, peaks in enumerate(ranks.run(world, memory_case, dim, 6, 8)):
+        (fsdp, _), (rsdp, ring_buffers) = peaks["fsdp"], peaks["rsdp"]
+        ratio = rsdp / fsdp
+        print(f"rank {rank}: fsdp {fsdp / 2**20:.2f} MiB, rsdp {rsdp / 2**20:.2f} MiB, ratio {ratio:.3f}")
+        assert ring_buffers == 2 * (2 * shard_bytes) + shard_bytes, ring_buffers
+        assert ratio <= 0.6, f"rank {rank}: rsdp peak {rsdp} B is {ratio:.2f} of fsdp's {fsdp} B"
 
 
 def tracker_counts_what_it_should_case():

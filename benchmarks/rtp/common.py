@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from rsdp import release_ring_buffers
 from rsdp.memory import CommCounter, MemoryTracker
 from transformer_lm import TransformerLM
 
@@ -268,6 +269,8 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
             step_times.append(seconds)
             log(f"batch {len(step_times)}/{args.max_batch}", loss, seconds)
 
+    # rsdp's ring buffers stay allocated between steps; freeing them first counts them in the peak.
+    release_ring_buffers()
     with MemoryTracker(device) as memory, CommCounter() as comm:
         start = time.perf_counter()
         final_loss = train_step(*batches[-1])
@@ -279,6 +282,7 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "peak_bytes": memory.peak_bytes,
         "bytes_sent": comm.bytes_sent,
         "comm_by_op": dict(comm.by_op),
+        "exchanges": sum(comm.calls.values()),
         "final_loss": final_loss,
     }
     dist.all_gather_object(per_rank, mine)
@@ -302,6 +306,8 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "bytes_sent_per_step": max(r["bytes_sent"] for r in per_rank),
         "bytes_sent_per_step_per_rank": [r["bytes_sent"] for r in per_rank],
         "rank0_bytes_sent_by_op": per_rank[0]["comm_by_op"],
+        # Sends plus collectives one rank issues per step: each synchronises it with its peers.
+        "exchanges_per_step": max(r["exchanges"] for r in per_rank),
         # Mean over ranks: the data-parallel mean of each rank's own batch (tp's ranks all agree).
         "final_loss": sum(r["final_loss"] for r in per_rank) / worker.world_size,
     }
@@ -328,7 +334,8 @@ def _print_summary(results: dict) -> None:
         f"(global: {results['data_parallel_size']} data-parallel ranks)\n"
         f"  peak memory    {format_bytes(results['peak_memory_bytes'])} above parameters and optimizer state "
         f"(max over ranks; per rank: {per_rank})\n"
-        f"  sent per step  {format_bytes(results['bytes_sent_per_step'])} per rank (max over ranks)\n"
+        f"  sent per step  {format_bytes(results['bytes_sent_per_step'])} per rank (max over ranks), in "
+        f"{results['exchanges_per_step']} exchanges (sends + collectives)\n"
         f"  final loss     {results['final_loss']:.4f}",
         flush=True,
     )

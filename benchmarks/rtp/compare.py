@@ -1,13 +1,18 @@
 """Run the dp, fsdp, tp and rtp benchmarks on one config and world size, and compare them.
 
-Each strategy runs as a subprocess of its own script (``<name>_benchmark.py --json ...``), one after the
-other; this prints a markdown table with every figure also as a ratio to fsdp's, and draws a chart.
+Each strategy runs as a subprocess of its own script (``<name>_benchmark.py --json ...``); the strategies
+alternate over ``--repeats`` rounds (timings on a shared machine drift, so strategies are compared
+within a round) and each strategy's step time is its median round. This prints a markdown table with
+every figure also as a ratio to fsdp's, the per-round step-time ratios and ``/proc/loadavg``, and draws
+a chart.
 
-    python benchmarks/rtp/compare.py                  # default: 4 CPU ranks, small model (~65 s, 2 cores)
+    python benchmarks/rtp/compare.py                  # default: 4 CPU ranks, 3 rounds (~3 min, 2 cores)
+    python benchmarks/rtp/compare.py --preset small   # the batch-1 regime rsdp is for
     python benchmarks/rtp/compare.py --batch_size 1 --vocab_size 32768 --chart img/wide_vocab.png
 """
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,12 +43,18 @@ DEFAULT_CONFIG = {
     "nproc": 4,
     "device": "cpu",
 }
+# The regime of fine-tuning at small per-GPU batches (shared/design.md §7's "small LM").
+PRESETS = {
+    "default": {},
+    "small": {"vocab_size": 2004, "ninp": 128, "nhid": 256, "nhead": 4, "seq_len": 16, "batch_size": 1, "max_batch": 20, "warmup": 3},
+}
 # (label, results key, format, True when more is better); each becomes a table column and a chart panel
 METRICS = (
     ("step time", "step_time_s", lambda s: f"{s * 1e3:.1f} ms", False),
     ("throughput", "tokens_per_s", lambda t: f"{t:.0f} tokens/s", True),
     ("peak memory", "peak_memory_bytes", common.format_bytes, False),
     ("sent per step", "bytes_sent_per_step", common.format_bytes, False),
+    ("exchanges per step", "exchanges_per_step", str, False),
 )
 
 
@@ -82,7 +93,7 @@ def markdown_table(results: dict[str, dict]) -> str:
 
 def draw_chart(results: dict[str, dict], title: str, path: Path) -> None:
     # Step times are not comparable when global batches differ (tp's is one rank's); throughput is.
-    panels = [metric for metric in METRICS if metric[1] != "step_time_s"]
+    panels = [metric for metric in METRICS if metric[1] not in ("step_time_s", "exchanges_per_step")]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True)
     names = list(results)
     colors = ["tab:red" if name == "rtp" else "tab:gray" if name == BASELINE else "tab:blue" for name in names]
@@ -102,19 +113,46 @@ def draw_chart(results: dict[str, dict], title: str, path: Path) -> None:
     plt.close(figure)
 
 
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def main() -> None:
     parser = common.build_parser(__doc__.split("\n\n")[0])
     parser.set_defaults(**DEFAULT_CONFIG, use_synthetic_data=True)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="default", help="model shape; flags given override it")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds, the strategies alternating within each")
     parser.add_argument("--chart", type=Path, default=REPO / "img" / "compare.png", help="where to draw the chart")
+    preset = parser.parse_known_args()[0].preset
+    parser.set_defaults(**PRESETS[preset])
     args = common.parse_args(parser)  # --json: all strategies' results, keyed by strategy
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
+    loads = [loadavg()]
+    rounds: dict[str, list[dict]] = {name: [] for name in args.strategies}
     with tempfile.TemporaryDirectory(prefix="rtp-compare-") as workdir:
-        results = {name: run_strategy(name, args, Path(workdir)) for name in args.strategies}
+        for _ in range(args.repeats):
+            for name in args.strategies:
+                rounds[name].append(run_strategy(name, args, Path(workdir)))
+            loads.append(loadavg())
+    # Each strategy's median round by step time; everything else is deterministic or nearly so.
+    results = {
+        name: dict(sorted(runs, key=lambda r: r["step_time_s"])[len(runs) // 2], step_time_rounds_s=[r["step_time_s"] for r in runs])
+        for name, runs in rounds.items()
+    }
 
     shape = ", ".join(f"{name} {getattr(args, name)}" for name in common.MODEL_FLAGS)
     title = f"{args.nproc} ranks, {args.device}, {args.dtype}: {shape}"
     print(f"\n### {title}\n\n{markdown_table(results)}\n")
+    if BASELINE in rounds:
+        for name in args.strategies:
+            ratios = [r["step_time_s"] / b["step_time_s"] for r, b in zip(rounds[name], rounds[BASELINE])]
+            print(f"step time × {BASELINE} per round, {name}: " + ", ".join(f"{x:.2f}" for x in ratios)
+                  + f" (median {statistics.median(ratios):.2f})")
+    print(f"/proc/loadavg before and after each round: {' | '.join(loads)}")
     draw_chart(results, title, args.chart)
     print(f"chart: {args.chart}")
     if args.json:

@@ -26,8 +26,8 @@ from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 
 from .._compat import DTensor
-from ._param import Message, Segment, ShardLayout
-from ._ring import Phase
+from ._param import Message, Segment, ShardLayout, message_of
+from ._ring import RING_BUFFERS, Phase
 
 
 class RingLayer:
@@ -61,8 +61,10 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
     """
     state, ring = layer.state, layer.state.ring
     grads = message.tail(weight_segments)
-    weights = Message(message.segments[:weight_segments])
-    scratch = torch.empty(grads.nbytes, dtype=torch.uint8, device=ring.device)
+    weights = message_of(message.segments[:weight_segments])
+    # The message is at least as long as its gradient segments, so the ring buffers are sized first.
+    RING_BUFFERS.pair(message.nbytes, ring.device)
+    scratch = RING_BUFFERS.scratch(grads.nbytes, ring.device)
 
     def unsynced_views(accumulators: list[torch.Tensor], shard: int) -> list[torch.Tensor]:
         return [
@@ -137,7 +139,7 @@ class _RingLinearFunction(torch.autograd.Function):
         dtype = state.compute_dtype(weights[0].dtype)
         layouts = [ShardLayout(rows, ring.size) for rows in out_features]
         present = [(index, param) for index, param in enumerate(params) if param is not None]
-        message = Message([Segment(layouts[index // 2], param.shape[1:], dtype) for index, param in present])
+        message = message_of(tuple(Segment(layouts[index // 2], param.shape[1:], dtype) for index, param in present))
         slot = {index: position for position, (index, _) in enumerate(present)}
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         outs = [x2d.new_empty(*x.shape[:-1], rows) for rows in out_features]
@@ -194,7 +196,7 @@ class _RingLinearFunction(torch.autograd.Function):
             Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
             for member, is_bias in wanted
         ]
-        message = Message(weight_segments + grad_segments)
+        message = message_of(tuple(weight_segments + grad_segments))
         grad_x = torch.zeros_like(x2d) if need_x else None
 
         def pack_weights(views: list[torch.Tensor]) -> None:
@@ -234,7 +236,9 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         dtype = state.compute_dtype(weight.dtype)
         layout = ShardLayout(num_embeddings, ring.size)
         # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
-        message = Message([Segment(layout, weight.shape[1:], dtype), Segment(ShardLayout(ring.size, ring.size), torch.Size(), torch.uint8)])
+        message = message_of(
+            (Segment(layout, weight.shape[1:], dtype), Segment(ShardLayout(ring.size, ring.size), torch.Size(), torch.uint8))
+        )
         flat_indices = indices.reshape(-1)
         out_of_range = ((flat_indices < 0) | (flat_indices >= num_embeddings)).any()
         selects, rows_in = _shard_selection(flat_indices, layout, None)
@@ -281,7 +285,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         ring = layer.state.ring
         reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
         layout = ShardLayout(ctx.num_embeddings, ring.size)
-        message = Message([Segment(layout, ctx.trailing, reduce_dtype)])
+        message = message_of((Segment(layout, ctx.trailing, reduce_dtype),))
         selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
         dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
         masked = torch.empty(dy.shape, dtype=reduce_dtype, device=dy.device)
@@ -303,14 +307,14 @@ def _shard_selection(flat_indices: torch.Tensor, layout: ShardLayout, padding_id
     """For every shard: which tokens it serves (``[W, N]`` bool; padding tokens excluded when
     ``padding_idx`` is given) and their row in it (``[W, N]``, clamped into the shard so that the
     others index a valid row too) — computed on the device, with no data-dependent shape."""
-    world = layout.world
-    starts = torch.tensor([layout.start(s) for s in range(world)], device=flat_indices.device)
-    last_rows = torch.tensor([max(layout.rows_of(s) - 1, 0) for s in range(world)], device=flat_indices.device)
+    # Built on the device (a host list copied there would be a synchronous copy on CUDA).
+    starts = (torch.arange(layout.world, device=flat_indices.device) * layout.chunk).clamp_(max=layout.rows)
+    counts = (starts + layout.chunk).clamp_(max=layout.rows) - starts
     rows_in = flat_indices.unsqueeze(0) - starts.unsqueeze(1)
-    selects = (rows_in >= 0) & (rows_in <= last_rows.unsqueeze(1))
+    selects = (rows_in >= 0) & (rows_in < counts.unsqueeze(1))
     if padding_idx is not None:
         selects &= flat_indices.unsqueeze(0) != padding_idx
-    rows_in = torch.minimum(rows_in.clamp_(min=0), last_rows.unsqueeze(1))
+    rows_in = torch.minimum(rows_in.clamp_(min=0), (counts - 1).clamp_(min=0).unsqueeze(1))
     return selects, rows_in
 
 

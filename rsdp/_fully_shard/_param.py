@@ -6,6 +6,7 @@ unpadded rows are stored (the local tensor of the DTensor parameter); padding ex
 because every rank must send and receive the same number of elements at each ring step.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -13,7 +14,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._compat import DTensor, Replicate, Shard
+from .._compat import DTensor, Replicate, Shard, dispatch_mode_active
+from ._ring import RING_BUFFERS
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,7 @@ class ShardLayout:
     rows: int
     world: int
 
-    @property
+    @functools.cached_property
     def chunk(self) -> int:
         return math.ceil(self.rows / self.world)
 
@@ -89,7 +91,7 @@ class Message:
     Padding rows are never read: views cover the shard's real rows only.
     """
 
-    def __init__(self, segments: list[Segment]):
+    def __init__(self, segments: tuple[Segment, ...]):
         self.segments = segments
         self.offsets = []
         offset = 0
@@ -100,10 +102,31 @@ class Message:
             self.offsets.append(offset)
             offset += segment.padded_nbytes
         self.nbytes = offset
+        # Views of the ring's own buffers, which outlive a step: (buffer index, shard, first) -> views.
+        self._ring_views: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self._generation = RING_BUFFERS.generation
 
     def views(self, buffer: torch.Tensor, shard: int, first: int = 0) -> list[torch.Tensor]:
         """Segments ``first:`` of ``buffer`` (a byte tensor holding one message) as shard ``shard``'s
-        rows, shaped ``[rows, *trailing]``."""
+        rows, shaped ``[rows, *trailing]``.
+
+        Views of the ring's buffers are made once and reused (making them is most of a small ring
+        step's host time); other buffers get fresh views, since their memory may be reused. Under a
+        dispatch mode views are always made afresh: selective activation checkpointing matches the ops
+        of a recomputation to those of the original forward one by one."""
+        index = RING_BUFFERS.index_of(buffer)
+        if index is None or dispatch_mode_active():
+            return self._make_views(buffer, shard, first)
+        if self._generation != RING_BUFFERS.generation:
+            self._ring_views.clear()
+            self._generation = RING_BUFFERS.generation
+        key = (index, shard, first)
+        views = self._ring_views.get(key)
+        if views is None:
+            views = self._ring_views[key] = self._make_views(buffer, shard, first)
+        return views
+
+    def _make_views(self, buffer: torch.Tensor, shard: int, first: int) -> list[torch.Tensor]:
         views = []
         for segment, offset in zip(self.segments[first:], self.offsets[first:]):
             rows = segment.layout.rows_of(shard)
@@ -113,7 +136,7 @@ class Message:
 
     def tail(self, first: int) -> "Message":
         """The message made of segments ``first:``, laid out as they are here (offsets shifted)."""
-        return Message(self.segments[first:])
+        return message_of(self.segments[first:])
 
     def pack(self, buffer: torch.Tensor, shard: int, tensors: list[torch.Tensor]) -> None:
         """Write ``tensors`` (shard ``shard`` of the first segments) into ``buffer``."""
@@ -131,3 +154,12 @@ class Message:
         if tensor.numel() * tensor.element_size() != self.nbytes:
             return None
         return tensor.view(-1).view(torch.uint8)
+
+
+@functools.lru_cache(maxsize=512)
+def message_of(segments: tuple[Segment, ...]) -> Message:
+    """The one ``Message`` for these segments, so that its views of the ring buffers are reused."""
+    return Message(segments)
+
+
+RING_BUFFERS.on_reset(message_of.cache_clear)

@@ -52,29 +52,64 @@ def new_layer_tags() -> dict[Phase, int]:
 
 
 class RingBuffers:
-    """Two flat byte buffers per device, shared by every ring of the process and grown on demand.
+    """Two flat byte buffers per device for the messages, and one for a backward's own contribution,
+    shared by every ring of the process and grown on demand.
 
     Rings never run concurrently on one rank (a ring layer's computation calls no other ring), so one
-    pair serves them all; its size is the largest message seen, about 2/W of the largest ring layer.
+    set serves them all: two of the largest message (weights and partials, ~2/W of the largest ring
+    layer each in backward) and one of the largest gradient contribution.
     """
 
     def __init__(self):
-        self._pairs: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
+        self._index: dict[int, int] = {}  # data_ptr of a live buffer -> its index in its pair
+        # Bumped whenever buffers are replaced or freed, so views of old ones are not reused.
+        self.generation = 0
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def on_reset(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever buffers are replaced or freed (to drop cached views of them)."""
+        self._reset_callbacks.append(callback)
 
     def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = self._pairs.get(device)
-        if pair is None or pair[0].numel() < nbytes:
+        """The two message buffers (ping-pong), ``nbytes`` long."""
+        return tuple(self._buffer(index, nbytes, device) for index in (0, 1))
+
+    def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
+        return self._buffer(2, nbytes, device)
+
+    def _buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        buffers = self._sets.setdefault(device, [None, None, None])
+        if buffers[index] is None or buffers[index].numel() < nbytes:
+            self._reset()
             # Zeroed once, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
-            pair = tuple(torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(2))
-            self._pairs[device] = pair
-        return pair[0][:nbytes], pair[1][:nbytes]
+            buffers[index] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            self._reindex()
+        return buffers[index][:nbytes]
+
+    def index_of(self, buffer: torch.Tensor) -> int | None:
+        """Which ring buffer ``buffer`` starts at (0 to 2), or None when it is none of them."""
+        return self._index.get(buffer.data_ptr())
+
+    def _reindex(self) -> None:
+        self._index = {
+            buffer.data_ptr(): i for buffers in self._sets.values() for i, buffer in enumerate(buffers) if buffer is not None
+        }
+
+    def _reset(self) -> None:
+        self.generation += 1
+        for callback in self._reset_callbacks:
+            callback()
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.numel() for pair in self._pairs.values() for buffer in pair)
+        return sum(buffer.numel() for buffers in self._sets.values() for buffer in buffers if buffer is not None)
 
     def release(self) -> None:
-        self._pairs.clear()
+        self._reset()
+        self._sets.clear()
+        self._reindex()
 
 
 RING_BUFFERS = RingBuffers()

@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import DTensor
+from .._fully_shard import release_ring_buffers
 from ..memory import MemoryTracker
 from ..policy import Strategy, parallelize
 
@@ -201,6 +202,7 @@ def measure_peak(model: nn.Module, batch, loss_fn: Callable, optimizer_fn: Calla
 
     for _ in range(2):
         step()
+    release_ring_buffers()  # resident after the first step: counted in the measured one
     with without_cyclic_gc(), MemoryTracker(batch.device) as tracker:
         step()
     peak = torch.tensor(float(parameter_and_optimizer_bytes(list(model.parameters()), optimizer) + tracker.peak_bytes))
@@ -235,6 +237,7 @@ def profile(
         optimizer.zero_grad(set_to_none=True)
 
     step()  # warm-up: optimizer state exists from here on, as in every later step
+    release_ring_buffers()  # resident after the first step: counted in the measured one
     with without_cyclic_gc(), MemoryTracker(device) as tracker:
         timeline = _Timeline(tracker)
         handles = _hook_boundaries(copy_, units, timeline)

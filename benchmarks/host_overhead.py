@@ -1,0 +1,129 @@
+"""Host time per training step of rsdp and FSDP2 at W ranks, on torch's fake process group.
+
+The fake process group runs one rank in one process and makes every collective and point-to-point op
+return at once without moving data, so what is left is the host's own work: Python, dispatch, autograd
+and issuing the communication. That is the cost that makes a ring host-bound on GPUs at small batch,
+where kernels are short. The model is a stack of Llama-shaped blocks (RMSNorm, q/k/v/o attention,
+SwiGLU gate/up/down), each sharded with ``rsdp_shard`` or ``fully_shard``, tiny so that compute is
+negligible. Strategies alternate over ``--repeats`` rounds; the table gives the median per strategy,
+the ratio to FSDP2, and the sends and collectives one step issues per block.
+
+    python benchmarks/host_overhead.py                 # W=8, 4 blocks, 5 rounds of 20 steps
+    python benchmarks/host_overhead.py --world 16 --blocks 8 --json out.json
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from rsdp import rsdp_shard
+from rsdp._compat import fully_shard
+from rsdp.memory import CommCounter
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, q/k/v/o attention and a SwiGLU MLP (gate/up/down), laid out like Hugging Face's."""
+
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.heads = heads
+        self.input_norm, self.post_attention_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.input_norm(x)
+        q, k, v = (p(h).unflatten(-1, (self.heads, -1)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        x = x + self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+        h = self.post_attention_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def build(strategy: str, args) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LlamaBlock(args.dim, args.heads, args.hidden) for _ in range(args.blocks)))
+    mesh = init_device_mesh("cpu", (args.world,))
+    for block in model:
+        if strategy == "rsdp":
+            rsdp_shard(block, mesh=mesh)
+        else:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    return model
+
+
+def step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+    for param in model.parameters():
+        param.grad = None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=8, help="ranks simulated by the fake process group")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=176)
+    parser.add_argument("--tokens", type=int, default=16, help="sequence length (batch 1)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; strategies alternate within each")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    if args.repeats < 3:
+        parser.error("--repeats must be at least 3 (timings alternate over rounds)")
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    x = torch.randn(1, args.tokens, args.dim, requires_grad=True)
+    models = {strategy: build(strategy, args) for strategy in ("fsdp", "rsdp")}
+    counts = {}
+    for strategy, model in models.items():
+        step(model, x)  # warm-up (rsdp also forms its shared-input groups here)
+        with CommCounter() as comm:
+            step(model, x)
+        counts[strategy] = {
+            "sends_per_block": comm.calls["c10d::send"] / args.blocks,
+            "collectives_per_block": sum(n for op, n in comm.calls.items() if op != "c10d::send") / args.blocks,
+        }
+    loadavg_before = open("/proc/loadavg").read().split()[:3]
+    rounds = {strategy: [] for strategy in models}
+    for _ in range(args.repeats):
+        for strategy, model in models.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(model, x)
+            rounds[strategy].append((time.perf_counter() - start) / args.steps)
+    loadavg_after = open("/proc/loadavg").read().split()[:3]
+    dist.destroy_process_group()
+
+    median = {strategy: statistics.median(times) for strategy, times in rounds.items()}
+    print(
+        f"### host time per step, fake process group, W={args.world}, {args.blocks} Llama blocks "
+        f"(dim {args.dim}, hidden {args.hidden}, {args.tokens} tokens); loadavg {' '.join(loadavg_before)} -> "
+        f"{' '.join(loadavg_after)}\n"
+    )
+    print("| strategy | host time per step | × fsdp | per block | sends per block | collectives per block |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for strategy in models:
+        print(
+            f"| {strategy} | {median[strategy] * 1e3:.2f} ms | {median[strategy] / median['fsdp']:.2f} | "
+            f"{median[strategy] / args.blocks * 1e6:.0f} µs | {counts[strategy]['sends_per_block']:.0f} | "
+            f"{counts[strategy]['collectives_per_block']:.0f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"args": vars(args), "rounds_s": rounds, "median_s": median, "counts": counts,
+                       "loadavg": [loadavg_before, loadavg_after]}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

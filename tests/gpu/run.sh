@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The GPU tier in one command: the NCCL tests, then the benchmark comparison on NCCL (one rank per GPU),
+# the small preset too. Needs the test environment (the README's second command) and CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-.venv/bin/python}
+"$PY" -m pytest -q -s tests/gpu
+"$PY" benchmarks/rtp/compare.py --device cuda --strategies dp fsdp rtp --chart "${OUT:-/tmp}/compare_cuda.png"
+"$PY" benchmarks/rtp/compare.py --device cuda --preset small --strategies dp fsdp rtp --chart "${OUT:-/tmp}/compare_cuda_small.png"
