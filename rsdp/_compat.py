@@ -35,6 +35,11 @@ except ImportError:  # torch 2.4 and 2.5
     from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed._composable.fsdp._fsdp_state import FSDPState
 
+try:  # tensor parallelism's styles: a ring plan may be written with them
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+except ImportError:
+    ColwiseParallel = RowwiseParallel = None
+
 try:  # torch >= 2.9: the FSDP2-based replicate, whose parameters are Replicate DTensors
     from torch.distributed._composable.replicate_with_fsdp import replicate
 except ImportError:
@@ -42,7 +47,11 @@ except ImportError:
 
 from torch.distributed._composable_state import _get_module_state, _insert_module_state
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
 
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` were renamed ``*_single`` (the old names warn).
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -68,10 +77,25 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def dispatch_mode_active() -> bool:
-    """Whether a Python dispatch mode sees ops now: selective activation checkpointing's, which needs
-    a recomputation to issue exactly the ops of the original forward, or a measuring tool's."""
-    return _get_current_dispatch_mode() is not None
+def at_end_of_backward(callback) -> None:
+    """Run ``callback`` when the backward pass now running ends (FSDP2's root post-backward uses the same
+    engine callback)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+try:  # the modes of selective activation checkpointing (torch.utils.checkpoint, torch >= 2.4)
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    _SELECTIVE_CHECKPOINT_MODES: tuple[type, ...] = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+except ImportError:
+    _SELECTIVE_CHECKPOINT_MODES = ()
+
+
+def in_selective_checkpoint() -> bool:
+    """Whether selective activation checkpointing records or replays ops now: it matches the ops of a
+    recomputation to those of the original forward one by one, so their sequence must not depend on
+    state such as whether a buffer already exists."""
+    return any(isinstance(mode, _SELECTIVE_CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack())
 
 
 def get_module_state(module: torch.nn.Module):
@@ -85,19 +109,22 @@ def insert_module_state(module: torch.nn.Module, state) -> None:
 
 __all__ = [
     "ActivationWrapper",
+    "ColwiseParallel",
     "DTensor",
     "FSDPModule",
     "FSDPState",
     "MixedPrecisionPolicy",
     "Replicate",
+    "RowwiseParallel",
     "Shard",
     "TorchDispatchMode",
     "all_gather_flat",
+    "at_end_of_backward",
     "flatten_mesh",
-    "dispatch_mode_active",
     "fully_shard",
     "get_module_state",
     "in_backward",
+    "in_selective_checkpoint",
     "insert_module_state",
     "is_traceable_wrapper_subclass",
     "reduce_scatter_flat",

@@ -9,35 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import TinyLM, lm_loss
 from rsdp import rsdp_shard
 from rsdp.memory import CommCounter
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "rtp"))
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "rtp")]
+from host_overhead import LlamaBlock  # noqa: E402
 from transformer_lm import DecoderLayer  # noqa: E402
-
-
-class LlamaBlock(nn.Module):
-    """RMSNorm, q/k/v/o attention and a SwiGLU MLP (gate/up/down), laid out like Hugging Face's."""
-
-    def __init__(self, dim: int, heads: int, hidden: int):
-        super().__init__()
-        self.heads = heads
-        self.input_norm, self.post_attention_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        h = self.input_norm(x)
-        q, k, v = (proj(h).unflatten(-1, (self.heads, -1)).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        x = x + self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
-        h = self.post_attention_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 def exchanges_case(block_kind):

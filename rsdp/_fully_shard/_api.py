@@ -18,6 +18,7 @@ from ._ops import RingLayer, ring_mixin_for
 from ._param import shard_parameter
 from ._ring import new_layer_tags
 from ._state import RSDPState
+from ._sub_block import RingSubBlock, plan_sub_blocks
 
 # Original parameter -> the DTensor parameter that replaced it, so a parameter tied across two
 # rsdp_shard calls (an LM head sharded before the root that owns the embedding) stays one parameter.
@@ -31,6 +32,7 @@ def rsdp_shard(
     *,
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    ring_plan: dict | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters and rotate its Linear and Embedding weights on a ring.
 
@@ -50,6 +52,11 @@ def rsdp_shard(
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` for the rotated copies and the
             compute, ``reduce_dtype`` for the travelling gradient partials; the sharded parameters
             keep their own dtype.
+        ring_plan: submodule name (globs; keys from an ancestor also match) -> ``"colwise"`` /
+            ``"rowwise"`` (Hugging Face's ``base_model_tp_plan`` strings) or torchtitan's
+            ``ColwiseParallel()`` / ``RowwiseParallel()``: each rowwise Linear and its colwise siblings
+            rotate as one ring, their parent's whole forward per shard (``_sub_block.py``). Other
+            entries are ignored.
 
     Returns:
         ``module``, now an :class:`RSDPModule` (or the checkpoint wrapper around one).
@@ -57,7 +64,7 @@ def rsdp_shard(
     mesh = _validated_mesh(mesh)
     wrapper, module = module, unwrap_activation_checkpoint(module)
     if wrapper is not module:
-        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy)
+        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy, ring_plan=ring_plan)
         return wrapper
     _check_not_managed(module)
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
@@ -69,6 +76,16 @@ def rsdp_shard(
         for param in nested_root.parameters()
     }
 
+    sub_blocks = plan_sub_blocks(module, ring_plan or {}, mesh.size(mesh.ndim - 1))
+    managed_ids = {id(m) for m in managed}
+    for block in sub_blocks:
+        if any(id(m) not in managed_ids for m in (block.module, block.row, *block.columns)):
+            raise ValueError(
+                f"rsdp_shard: ring_plan sub-block {block.name!r} is inside a submodule another call already "
+                "shards; give the plan to that call instead."
+            )
+    column_split = {id(block.row.weight) for block in sub_blocks}
+
     slots = [(owner, name, param) for owner in managed for name, param in owner._parameters.items() if param is not None]
     replacement: dict[int, nn.Parameter] = {}
     for owner, name, param in slots:
@@ -77,20 +94,28 @@ def rsdp_shard(
         if id(param) in sharded_by_nested_calls and param.device_mesh == mesh:
             replacement[id(param)] = param
         else:
-            replacement[id(param)] = _sharded(param, mesh, state.device, owner, name)
+            dim = 1 if id(param) in column_split else 0
+            replacement[id(param)] = _sharded(param, mesh, state.device, owner, name, dim)
 
     parents = {id(child): parent for parent in managed for child in parent.children()}
     names = {id(submodule): name or type(module).__name__ for name, submodule in module.named_modules()}
+    rows = {id(block.row): block for block in sub_blocks}
     ring_slots = set()
     for owner in managed:
         mixin = ring_mixin_for(owner, parents.get(id(owner)))
         if mixin is None:
             continue
-        ring_names = ("weight", "bias") if isinstance(owner, nn.Linear) else ("weight",)
+        # A rowwise Linear's bias is added once to the summed partial outputs: it is gathered.
+        ring_names = ("weight",) if id(owner) in rows or not isinstance(owner, nn.Linear) else ("weight", "bias")
         ring_slots.update((id(owner), name) for name in ring_names)
         _swap_class(owner, mixin, "Ring")
         owner._rsdp_ring = RingLayer(state, new_layer_tags(), names.get(id(owner), type(owner).__name__))
+        owner._rsdp_row_of = rows.get(id(owner))
         state.ring_modules.append(owner)
+    for block in sub_blocks:
+        block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__name__)
+        _swap_class(block.module, RingSubBlock, "RingSub")
+        block.module._rsdp_sub_block = block
 
     gathered_params: list[nn.Parameter] = []
     gathered_index: dict[int, int] = {}
@@ -219,7 +244,7 @@ def _managed_and_nested_modules(root: nn.Module) -> tuple[list[nn.Module], list[
     return managed, nested
 
 
-def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner: nn.Module, name: str) -> nn.Parameter:
+def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner: nn.Module, name: str, dim: int) -> nn.Parameter:
     where = f"{type(owner).__name__}.{name}"
     if isinstance(param, DTensor):
         if param.device_mesh != mesh:
@@ -239,7 +264,7 @@ def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner:
             f"rsdp_shard: parameter {where} is 0-dimensional and cannot be sharded by rows; "
             "give it shape (1,) instead."
         )
-    sharded = shard_parameter(param, mesh, device)
+    sharded = shard_parameter(param, mesh, device, dim)
     _sharded_from[param] = sharded
     return sharded
 

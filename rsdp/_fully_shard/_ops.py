@@ -60,6 +60,7 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
     FSDP2), which the next synchronised backward adds into the travelling partials.
     """
     state, ring = layer.state, layer.state.ring
+    RING_BUFFERS.release_at_end_of_backward()
     grads = message.tail(weight_segments)
     weights = message_of(message.segments[:weight_segments])
     # The message is at least as long as its gradient segments, so the ring buffers are sized first.
@@ -357,6 +358,15 @@ class RingLinear:
 
     @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        local = self.__dict__.get("_rsdp_local")
+        if local is not None:  # inside a ring sub-block's step: one shard, installed (_sub_block.py)
+            self._rsdp_output = torch.nn.functional.linear(input, *local)
+            return self._rsdp_output
+        if self.__dict__.get("_rsdp_row_of") is not None:
+            raise RuntimeError(
+                f"rsdp: {type(self).__name__} is the rowwise Linear of ring sub-block "
+                f"{self._rsdp_row_of.name!r}; its columns are sharded, so call the sub-block, not the Linear."
+            )
         # Checked before the ring starts: a rank that failed half-way through a ring step would leave
         # its peers waiting for the process group's timeout.
         weight = local_shard(self.weight, self, "weight")

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._compat import DTensor, Replicate, Shard, dispatch_mode_active
+from .._compat import DTensor, Replicate, Shard
 from ._ring import RING_BUFFERS
 
 
@@ -39,28 +39,29 @@ class ShardLayout:
         return self.stop(shard) - self.start(shard)
 
 
-def placements_for(mesh: DeviceMesh) -> tuple:
-    """``Shard(0)`` on a 1-D mesh; replicated across groups and sharded within them on a 2-D one (HSDP)."""
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple:
+    """``Shard(dim)`` on a 1-D mesh; replicated across groups and sharded within them on a 2-D one (HSDP)."""
+    return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
-def shard_parameter(param: nn.Parameter, mesh: DeviceMesh, device: torch.device) -> nn.Parameter:
-    """This rank's rows of ``param`` as an ``nn.Parameter(DTensor)``, with no communication.
+def shard_parameter(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, dim: int = 0) -> nn.Parameter:
+    """This rank's rows (``dim=0``; columns for ``dim=1``, a ring plan's row-split Linear) of ``param``
+    as an ``nn.Parameter(DTensor)``, with no communication.
 
     Every rank holds the same full initial value (as with FSDP2), so each keeps its own slice. A
     parameter on the meta device stays on meta; ``to_empty`` + initialisation fill it later.
     """
     shard_dim_rank = mesh.get_local_rank(mesh.ndim - 1)
-    layout = ShardLayout(param.shape[0], mesh.size(mesh.ndim - 1))
-    rows = slice(layout.start(shard_dim_rank), layout.stop(shard_dim_rank))
+    layout = ShardLayout(param.shape[dim], mesh.size(mesh.ndim - 1))
+    index = (slice(None),) * dim + (slice(layout.start(shard_dim_rank), layout.stop(shard_dim_rank)),)
     if param.is_meta:
-        local = torch.empty_like(param[rows], device="meta")
+        local = torch.empty_like(param[index], device="meta")
     else:
-        local = param.detach()[rows].to(device, copy=True).contiguous()
+        local = param.detach()[index].to(device, copy=True).contiguous()
     sharded = DTensor.from_local(
         local,
         mesh,
-        placements_for(mesh),
+        placements_for(mesh, dim),
         run_check=False,
         shape=param.shape,
         stride=torch.empty(param.shape, device="meta").stride(),
@@ -111,11 +112,9 @@ class Message:
         rows, shaped ``[rows, *trailing]``.
 
         Views of the ring's buffers are made once and reused (making them is most of a small ring
-        step's host time); other buffers get fresh views, since their memory may be reused. Under a
-        dispatch mode views are always made afresh: selective activation checkpointing matches the ops
-        of a recomputation to those of the original forward one by one."""
+        step's host time); other buffers get fresh views, since their memory may be reused."""
         index = RING_BUFFERS.index_of(buffer)
-        if index is None or dispatch_mode_active():
+        if index is None:
             return self._make_views(buffer, shard, first)
         if self._generation != RING_BUFFERS.generation:
             self._ring_views.clear()

@@ -12,10 +12,12 @@ receiving the next one, runs ``during`` (the GEMMs on the weights held, the next
 while they travel, waits, and gives the arrived message to ``on_arrival`` (add the contribution
 computed meanwhile) before it is forwarded.
 
-Messages live in two byte buffers shared by every ring of the process (``RING_BUFFERS``, ping-pong,
-grown to the largest message and then reused), so a ring step allocates nothing; on CUDA this also
-keeps NCCL's stream from pinning a freed block per step in the caching allocator. They are resident
-memory: ``release_ring_buffers()`` frees them (and memory figures should be taken after it).
+Messages live in byte buffers shared by every ring of the process (``RING_BUFFERS``: two ping-pong
+message buffers and a scratch, grown to the largest message of a pass and then reused), so a ring step
+allocates nothing; on CUDA this also keeps NCCL's stream from pinning a freed block per step in the
+caching allocator. They live for one pass, not longer: freed when the outermost rsdp module's forward
+returns and when the backward ends, so they never add to the loss computation's or the optimizer
+step's peak. ``release_ring_buffers()`` frees them at any other time.
 
 Pitfalls this file exists to contain (design.md §3):
 - ``P2POp`` peers are global ranks, so group ranks are translated once here.
@@ -35,6 +37,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from .._compat import at_end_of_backward, in_selective_checkpoint
 
 
 class Phase(enum.IntEnum):
@@ -66,6 +70,7 @@ class RingBuffers:
         # Bumped whenever buffers are replaced or freed, so views of old ones are not reused.
         self.generation = 0
         self._reset_callbacks: list[Callable[[], None]] = []
+        self._release_queued = False
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever buffers are replaced or freed (to drop cached views of them)."""
@@ -80,6 +85,10 @@ class RingBuffers:
         return self._buffer(2, nbytes, device)
 
     def _buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        if in_selective_checkpoint():
+            # Fresh buffers (and so fresh views): SAC replays a recomputation op by op, and whether a
+            # shared buffer exists already would change the ops issued.
+            return torch.zeros(nbytes, dtype=torch.uint8, device=device)
         buffers = self._sets.setdefault(device, [None, None, None])
         if buffers[index] is None or buffers[index].numel() < nbytes:
             self._reset()
@@ -105,6 +114,16 @@ class RingBuffers:
     @property
     def nbytes(self) -> int:
         return sum(buffer.numel() for buffers in self._sets.values() for buffer in buffers if buffer is not None)
+
+    def release_at_end_of_backward(self) -> None:
+        """Free the buffers when the backward now running ends (queued once per backward)."""
+        if not self._release_queued:
+            self._release_queued = True
+            at_end_of_backward(self._release_after_backward)
+
+    def _release_after_backward(self) -> None:
+        self._release_queued = False
+        self.release()
 
     def release(self) -> None:
         self._reset()
@@ -152,15 +171,20 @@ class Ring:
         nbytes: int,
         tag: int,
         start: torch.Tensor | Callable[[torch.Tensor], None],
-        during: Callable[[int, torch.Tensor], None],
+        during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
+        hops: int | None = None,
+        region: Callable[[int], slice] | None = None,
     ) -> torch.Tensor:
-        """Pass a message of ``nbytes`` bytes W-1 times down the ring; return the one held last.
+        """Pass a message of ``nbytes`` bytes ``hops`` (default W-1) times down the ring; return the one
+        held last.
 
         ``start`` is this rank's first message: a byte tensor sent as it is, or a function that writes
         it into the buffer it is given. At step k, ``during(k, message)`` runs while the message held is
         sent on and the next one received; ``on_arrival(k + 1, message)`` then sees the next message
-        before it is forwarded. The returned buffer is reused by the next ring: copy out what you keep.
+        before it is forwarded. ``region(k)`` is the part of the message that travels at step k (all of
+        it by default: a message whose weights are no longer needed sends its partials only). The
+        returned buffer is reused by the next ring: copy out what you keep.
         """
         buffers = RING_BUFFERS.pair(nbytes, self.device)
         if callable(start):
@@ -169,12 +193,15 @@ class Ring:
             receive_into = (buffers[1], buffers[0])
         else:
             current, receive_into = start, buffers
-        for step in range(self.size):
+        hops = self.size - 1 if hops is None else hops
+        for step in range(hops + 1):
             works = []
-            if step + 1 < self.size:
+            if step < hops:
                 incoming = receive_into[step % 2]
-                works = self.exchange(current, incoming, tag)
-            during(step, current)
+                part = slice(None) if region is None else region(step)
+                works = self.exchange(current[part], incoming[part], tag)
+            if during is not None:
+                during(step, current)
             if works:
                 for work in works:
                     work.wait()

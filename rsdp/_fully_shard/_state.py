@@ -17,10 +17,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _apply_to_tensors
 
-from .._compat import FSDPState, MixedPrecisionPolicy
+from .._compat import FSDPState, MixedPrecisionPolicy, in_backward
 from ._collectives import GatheredParams
 from ._fusion import SharedInputFusion
-from ._ring import Ring
+from ._ring import Ring, release_ring_buffers
+
+
+# rsdp forwards running now on this thread (nested modules count once each).
+_open_forwards = 0
 
 
 def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
@@ -100,6 +104,8 @@ class RSDPState(FSDPState):
 
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        global _open_forwards
+        _open_forwards += 1
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
             args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
@@ -110,9 +116,15 @@ class RSDPState(FSDPState):
         return args, kwargs
 
     def end_forward(self) -> None:
-        """Put the sharded parameters back and close the forward (also when it raised)."""
+        """Put the sharded parameters back and close the forward (also when it raised). The ring
+        buffers are freed when the outermost rsdp forward ends, unless it is a recomputation inside
+        backward (the backward frees them when it ends)."""
+        global _open_forwards
         self.fusion.end_forward()
         self.restore_sharded_params()
+        _open_forwards -= 1
+        if _open_forwards == 0 and not in_backward():
+            release_ring_buffers()
 
     def restore_sharded_params(self) -> None:
         if self.gathered is not None:

@@ -1,0 +1,377 @@
+"""A whole attention or MLP sub-block as one ring, from a plan in tensor parallelism's vocabulary.
+
+Megatron and RTP pair the Linears of a sub-block: q/k/v (or gate/up) split by output rows, "colwise",
+and o (or down) split by input columns, "rowwise". Shard s of the pair — the rows of q/k/v of some
+heads and the columns of o that read those heads — computes a *partial output* of the sub-block on the
+rank's own batch, and the W partial outputs sum to the full output (the "partials accumulate into the
+full result" of RSDP). So the sub-block's shards travel as one message and the block costs one ring per
+pass instead of one per Linear: a Llama block needs 2.
+
+``rsdp_shard(block, ring_plan={...})`` takes the plan as torchtitan's ``ColwiseParallel`` /
+``RowwiseParallel`` per submodule name, or Hugging Face's ``"colwise"`` / ``"rowwise"`` strings
+(``base_model_tp_plan``); names may be given from any ancestor (``layers.*.self_attn.q_proj`` matches
+``self_attn.q_proj`` of a block). Each rowwise Linear is paired with the colwise Linears that are its
+siblings; their parent module is the sub-block. The rowwise weight is stored as a ``Shard(1)`` DTensor
+(its columns), the colwise ones as ``Shard(0)``; the rowwise bias is gathered and added once.
+
+- **Forward**: W steps; at step k the sub-block's own forward runs on the shards held (installed as
+  plain tensors in its Linears) while the next shards travel, and its output is added to the total.
+- **Backward**: the weights rotate again. At each step the rank recomputes the sub-block for the shards
+  held and backpropagates through it (a recomputation, like activation checkpointing of one head
+  group: the forward keeps only the inputs), adding the input gradient to its own and the weight
+  gradient to the partial of that shard. A shard's gradient needs that shard's weights (it flows back
+  through the rowwise weight), so a partial starts one rank below its owner, collects W-1 ranks'
+  contributions and returns to the owner, which adds its own, computed from its local shard at step 0:
+  W exchanges per backward, one message each (weights and partial), the ZeRO-3 bytes.
+
+Pitfalls:
+- The sub-block must return its rowwise Linear's output (or a tuple of it and Nones, as Hugging Face's
+  attention does); every step runs the same code on fewer heads, so its forward must not hard-code
+  the head count (read it from the shapes, as tensor parallelism already requires: ``view(..., -1, hd)``).
+- Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
+  heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
+- The sub-block may hold no parameters besides its plan's Linears, and no other Linears.
+"""
+
+import fnmatch
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .._compat import ColwiseParallel, RowwiseParallel
+from ._ops import RingLayer, _finished_gradients, local_shard
+from ._param import Segment, ShardLayout, message_of
+from ._ring import RING_BUFFERS, Phase
+
+_COLWISE = ("colwise", "local_colwise")
+_ROWWISE = ("rowwise", "local_rowwise")
+
+
+def _style(style) -> str | None:
+    if isinstance(style, str):
+        return "colwise" if style in _COLWISE else "rowwise" if style in _ROWWISE else None
+    if ColwiseParallel is not None and isinstance(style, ColwiseParallel):
+        return "colwise"
+    if RowwiseParallel is not None and isinstance(style, RowwiseParallel):
+        return "rowwise"
+    return None
+
+
+def _matches(name: str, key: str) -> bool:
+    """``key`` (a plan key, possibly from an ancestor: ``layers.*.attn.q``) names submodule ``name``."""
+    parts, key_parts = name.split("."), key.split(".")
+    if not name or len(key_parts) < len(parts):
+        return False
+    return all(fnmatch.fnmatchcase(part, pattern) for part, pattern in zip(parts, key_parts[-len(parts) :]))
+
+
+class SubBlock:
+    """One planned sub-block: its module, colwise Linears, rowwise Linear, and its ring."""
+
+    def __init__(self, module: nn.Module, name: str, columns: list[nn.Linear], row: nn.Linear):
+        self.module, self.name, self.columns, self.row = module, name, columns, row
+        self.forward = type(module).forward  # the original forward, run once per shard
+        self.ring: RingLayer | None = None
+
+
+def plan_sub_blocks(root: nn.Module, ring_plan: dict, world: int) -> list[SubBlock]:
+    """The sub-blocks ``ring_plan`` describes inside ``root``; raises if one cannot rotate as a whole."""
+    styles = {}
+    for name, module in root.named_modules():
+        for key, style in ring_plan.items():
+            kind = _style(style)
+            if kind is not None and _matches(name, key):
+                styles[name] = (kind, module)
+                break
+    blocks = []
+    for name, (kind, row) in styles.items():
+        if kind != "rowwise":
+            continue
+        parent_name = name.rpartition(".")[0]
+        parent = root.get_submodule(parent_name)
+        columns = [
+            module
+            for column_name, (column_kind, module) in styles.items()
+            if column_kind == "colwise" and column_name.rpartition(".")[0] == parent_name
+        ]
+        where = f"ring_plan: sub-block {parent_name or type(root).__name__!r}"
+        linears = [row, *columns]
+        if not columns:
+            raise ValueError(f"{where} has a rowwise Linear {name!r} but no colwise sibling to pair it with.")
+        if any(type(linear) is not nn.Linear for linear in linears):
+            raise ValueError(f"{where}: planned modules must be plain nn.Linear (found {[type(m).__name__ for m in linears]}).")
+        uneven = [n for n in [row.in_features] + [c.out_features for c in columns] if n % world]
+        if uneven:
+            raise ValueError(
+                f"{where}: the colwise out_features and the rowwise in_features must divide by the {world} "
+                f"ranks of the shard group, as with tensor parallelism; found {uneven}. Leave the sub-block "
+                "out of ring_plan (its Linears still rotate, one ring each)."
+            )
+        planned = {id(p) for linear in linears for p in linear.parameters()}
+        others = [n for n, p in parent.named_parameters() if id(p) not in planned]
+        other_linears = [n for n, m in parent.named_modules() if isinstance(m, nn.Linear) and m not in linears]
+        if others or other_linears:
+            raise ValueError(
+                f"{where} holds parameters or Linears besides its plan's ({others or other_linears}); "
+                "its forward runs once per shard, so it may hold no others. Plan a smaller sub-block."
+            )
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in parent.modules()):
+            raise ValueError(f"{where} has dropout; a ring sub-block runs once per shard and must be deterministic.")
+        blocks.append(SubBlock(parent, parent_name, columns, row))
+    return blocks
+
+
+class RingSubBlock:
+    """Mixed into a planned sub-block module (by class swap): its forward runs as one ring."""
+
+    _rsdp_sub_block: SubBlock
+
+    @torch.compiler.disable
+    def forward(self, *args, **kwargs):
+        block = self._rsdp_sub_block
+        leaves, spec = tree_flatten((args, kwargs))
+        tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        params = []
+        for column in block.columns:
+            params += [local_shard(column.weight, column, "weight"), local_shard(column.bias, column, "bias")]
+        params.append(local_shard(block.row.weight, block.row, "weight"))
+        call = _Call(block, leaves, spec, tensor_at)
+        total = _RingSubBlockFunction.apply(call, *(leaves[i] for i in tensor_at), *params)
+        if block.row.bias is not None:
+            total = total + block.row.bias
+        return call.rebuild(total)
+
+
+class _Call:
+    """One call of a sub-block: how to rebuild its arguments, and the shape of its output."""
+
+    def __init__(self, block: SubBlock, leaves: list, spec, tensor_at: list[int]):
+        self.block, self.leaves, self.spec, self.tensor_at = block, leaves, spec, tensor_at
+        self.output_spec = None
+
+    def run(self, tensors, shard_params) -> torch.Tensor:
+        """The sub-block's forward on ``tensors`` with one shard's parameters installed; returns the
+        rowwise Linear's output (the partial output)."""
+        leaves = list(self.leaves)
+        for index, tensor in zip(self.tensor_at, tensors):
+            leaves[index] = tensor
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        block = self.block
+        linears = block.columns + [block.row]
+        for linear, (weight, bias) in zip(linears, shard_params):
+            linear._rsdp_local = (weight, bias)
+        try:
+            output = block.forward(block.module, *args, **kwargs)
+        finally:
+            for linear in linears:
+                linear._rsdp_local = None
+        out_leaves, self.output_spec = tree_flatten(output)
+        produced = block.row._rsdp_output
+        block.row._rsdp_output = None
+        positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]
+        if len(positions) != 1 or any(leaf is not None for leaf in out_leaves if leaf is not produced):
+            raise ValueError(
+                f"rsdp ring_plan: sub-block {block.name!r} must return its rowwise Linear's output (or a tuple "
+                "of it and Nones); its partial outputs are summed. Plan a sub-block that does."
+            )
+        self.output_position = positions[0]
+        return produced
+
+    def rebuild(self, total: torch.Tensor):
+        """The sub-block's output structure with ``total`` where its rowwise output was (Nones elsewhere)."""
+        out_leaves = [None] * self.output_spec.num_leaves
+        out_leaves[self.output_position] = total
+        return tree_unflatten(out_leaves, self.output_spec)
+
+
+def _segments(block: SubBlock, dtype: torch.dtype, world: int) -> list[Segment]:
+    segments = []
+    for column in block.columns:
+        layout = ShardLayout(column.out_features, world)
+        segments.append(Segment(layout, torch.Size([column.in_features]), dtype))
+        if column.bias is not None:
+            segments.append(Segment(layout, torch.Size(), dtype))
+    # The rowwise weight travels transposed, its columns as rows: [in shard, out].
+    segments.append(Segment(ShardLayout(block.row.in_features, world), torch.Size([block.row.out_features]), dtype))
+    return segments
+
+
+def _shard_params(block: SubBlock, views: list[torch.Tensor]) -> list[tuple]:
+    """(weight, bias) per Linear, columns then row, from one shard's views (the row's transposed back)."""
+    views = iter(views)
+    params = [(next(views), next(views) if column.bias is not None else None) for column in block.columns]
+    params.append((next(views).t(), None))
+    return params
+
+
+class _RingSubBlockFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors_and_params):
+        block = call.block
+        layer = block.ring
+        state, ring = layer.state, layer.state.ring
+        tensors = tensors_and_params[: len(call.tensor_at)]
+        params = tensors_and_params[len(call.tensor_at) :]
+        present = [p for p in params if p is not None]
+        dtype = state.compute_dtype(present[0].dtype)
+        message = message_of(tuple(_segments(block, dtype, ring.size)))
+        cast = [t.to(dtype) if t.is_floating_point() else t for t in tensors]
+        total = None
+
+        def during(step: int, buffer: torch.Tensor) -> None:
+            nonlocal total
+            shard = ring.weight_shard_at(step)
+            if ShardLayout(block.row.in_features, ring.size).rows_of(shard) == 0:
+                return
+            partial = call.run(cast, _shard_params(block, message.views(buffer, shard)))
+            total = partial.clone() if total is None else total.add_(partial)
+
+        def start(buffer: torch.Tensor) -> None:
+            packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
+            message.pack(buffer, ring.rank, packed)
+
+        with record_function(f"rsdp::ring_forward ({layer.name})"):
+            ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+        ctx.call, ctx.dtype = call, dtype
+        ctx.save_for_backward(*tensors, *params)
+        return total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_total):
+        call: _Call = ctx.call
+        block = call.block
+        layer = block.ring
+        state, ring = layer.state, layer.state.ring
+        saved = ctx.saved_tensors
+        n = len(call.tensor_at)
+        tensors, params = saved[:n], saved[n:]
+        dtype = ctx.dtype
+        needs_inputs = ctx.needs_input_grad[1 : 1 + n]
+        needs_params = [need and p is not None for need, p in zip(ctx.needs_input_grad[1 + n :], params)]
+        present = [i for i, p in enumerate(params) if p is not None]
+        weight_segments = _segments(block, dtype, ring.size)
+        reduce_dtype = state.reduce_dtype(params[present[0]].dtype)
+        grad_index = [slot for slot, i in enumerate(present) if needs_params[i]]
+        grad_segments = [Segment(weight_segments[slot].layout, weight_segments[slot].trailing, reduce_dtype) for slot in grad_index]
+        message = message_of(tuple(weight_segments + grad_segments))
+        first_grad = len(weight_segments)
+        grads = message.tail(first_grad)
+        keys = [(id(block), slot) for slot in grad_index]
+        grad_inputs = [None] * n
+        dy = grad_total.to(dtype)
+        RING_BUFFERS.release_at_end_of_backward()
+
+        def step(shard: int, weight_views: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
+            """Recompute the sub-block for ``shard`` and backpropagate: input gradients into this rank's,
+            weight gradients written or added (``add``) into ``into``."""
+            if ShardLayout(block.row.in_features, ring.size).rows_of(shard) == 0:
+                if into is not None and not add:
+                    for view in into:
+                        view.zero_()
+                return
+            leaves = [v.detach().requires_grad_(needs_params[present[slot]]) for slot, v in enumerate(weight_views)]
+            inputs = [
+                (t.detach().to(dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
+                for t, need in zip(tensors, needs_inputs)
+            ]
+            with torch.enable_grad():
+                partial = call.run(inputs, _shard_params(block, leaves))
+                wanted = [x for x, need in zip(inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_index]
+                got = torch.autograd.grad(partial, wanted, dy, allow_unused=True)
+            got = iter(got)
+            for index, need in enumerate(needs_inputs):
+                if need:
+                    g = next(got)
+                    if g is not None:
+                        grad_inputs[index] = g if grad_inputs[index] is None else grad_inputs[index].add_(g)
+            for view, g in zip(into or [], got):
+                if g is None:
+                    if not add:
+                        view.zero_()
+                elif add:
+                    view.add_(g)
+                else:
+                    view.copy_(g)
+
+        def pack(buffer: torch.Tensor, into=message) -> None:
+            into.pack(buffer, ring.rank, [params[i] for i in present[:-1]] + [params[present[-1]].t()])
+
+        reduced = None
+        if grad_index and state.requires_gradient_sync:
+            mine = RING_BUFFERS.scratch(grads.nbytes, ring.device)
+            unsynced = [state.take_unsynced(key) for key in keys]
+
+            def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
+                for view, total in zip(views, unsynced):
+                    if total is not None:
+                        view.add_(total[shard, : view.numel()].view(view.shape))
+
+            def start(buffer: torch.Tensor) -> None:
+                pack(buffer)
+                own = grads.views(mine, ring.rank)
+                step(ring.rank, message.views(buffer, ring.rank)[:first_grad], own, add=False)
+                add_unsynced(ring.rank, own)
+
+            def on_arrival(hop: int, buffer: torch.Tensor) -> None:
+                if hop == ring.size:  # the owner's partial, back home
+                    for partial, own in zip(message.views(buffer, ring.rank, first_grad), grads.views(mine, ring.rank)):
+                        partial.add_(own)
+                    return
+                shard = ring.weight_shard_at(hop)
+                into = message.views(buffer, shard, first_grad)
+                step(shard, message.views(buffer, shard)[:first_grad], into, add=hop > 1)  # hop 1 starts it
+                add_unsynced(shard, into)
+
+            weights_end = message.offsets[first_grad]
+
+            def region(hop: int) -> slice:
+                if hop == 0:
+                    return slice(0, weights_end)  # nothing has been added to a partial yet
+                if hop == ring.size - 1:
+                    return slice(weights_end, None)  # the last hop carries only the partial home
+                return slice(None)
+
+            with record_function(f"rsdp::ring_backward ({layer.name})"):
+                if ring.size == 1:
+                    buffer = RING_BUFFERS.pair(message.nbytes, ring.device)[0]
+                    start(buffer)
+                    final = buffer
+                    for partial, own in zip(message.views(buffer, ring.rank, first_grad), grads.views(mine, ring.rank)):
+                        partial.copy_(own)
+                else:
+                    final = ring.circulate(
+                        message.nbytes, layer.tags[Phase.BACKWARD], start, None, on_arrival, hops=ring.size, region=region
+                    )
+            reduced = _finished_gradients(state, message, first_grad, final, reduce_dtype)
+        else:
+            # No partials travel: the weights rotate for the input gradient, and with sync off each
+            # rank's contributions to every shard are kept locally until the next synchronised backward.
+            weights_only = message_of(tuple(weight_segments))
+            totals = [state.unsynced_gradient(key, segment) for key, segment in zip(keys, grad_segments)]
+
+            def during(hop: int, buffer: torch.Tensor) -> None:
+                shard = ring.weight_shard_at(hop)
+                views = weights_only.views(buffer, shard)
+                into = [total[shard, : view.numel()].view(view.shape) for total, view in zip(totals, [views[s] for s in grad_index])]
+                step(shard, views, into, add=True)
+
+            with record_function(f"rsdp::ring_backward ({layer.name})"):
+                ring.circulate(
+                    weights_only.nbytes, layer.tags[Phase.BACKWARD], lambda buffer: pack(buffer, weights_only), during
+                )
+
+        grad_params = [None] * len(params)
+        if reduced is not None:
+            for slot, grad in zip(grad_index, reduced):
+                index = present[slot]
+                grad = grad.t().contiguous() if index == len(params) - 1 else grad
+                grad_params[index] = grad.to(params[index].dtype)
+        grad_inputs = [
+            None if g is None else g.to(t.dtype) for g, t in zip(grad_inputs, tensors)
+        ]
+        return (None, *grad_inputs, *grad_params)
+

@@ -1,0 +1,168 @@
+"""Ring plans: a whole attention or MLP sub-block rotates as one ring, against the fp64 reference."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from models import rank_and_world, twin
+from rsdp import rsdp_shard
+from rsdp.memory import CommCounter
+from test_ring_ops import check_against_reference
+from test_training import train_and_compare
+
+# Hugging Face's Llama plan (``base_model_tp_plan``), keys from the model's root.
+HF_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+# torchtitan's vocabulary, keys from the block.
+TITAN_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with biased q/k/v (Qwen2-style) and a biased o; head counts read from
+    the shapes, as tensor parallelism requires. Returns ``(output, None)`` like Hugging Face's."""
+
+    def __init__(self, dim, heads, kv_heads, head_dim):
+        super().__init__()
+        self.head_dim, self.groups = head_dim, heads // kv_heads
+        self.q_proj = nn.Linear(dim, heads * head_dim)
+        self.k_proj = nn.Linear(dim, kv_heads * head_dim)
+        self.v_proj = nn.Linear(dim, kv_heads * head_dim)
+        self.o_proj = nn.Linear(heads * head_dim, dim)
+
+    def forward(self, x, attention_bias=None):
+        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias)
+        return self.o_proj(out.transpose(1, 2).flatten(2)), None
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, kv_heads, head_dim, hidden):
+        super().__init__()
+        self.input_norm, self.post_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.self_attn = Attention(dim, heads, kv_heads, head_dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        seq = x.shape[1]
+        causal = torch.full((seq, seq), float("-inf"), dtype=x.dtype).triu(1)
+        x = x + self.self_attn(self.input_norm(x), attention_bias=causal)[0]
+        return x + self.mlp(self.post_norm(x))
+
+
+class LlamaLM(nn.Module):
+    def __init__(self, vocab, dim, heads, kv_heads, head_dim, hidden, layers):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, head_dim, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def block_case(seed, kv_heads, head_dim, hidden_per_rank, rows):
+    torch.manual_seed(seed)
+    _, world = rank_and_world()
+    heads = 2 * world
+    dim = 5  # the model width need not divide: only the planned features must
+    block = Block(dim, heads, kv_heads * world, head_dim, hidden_per_rank * world).double()
+    reference = twin(block)
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    assert type(block.self_attn).__name__.startswith("RingSub")
+    assert block.self_attn.o_proj.weight.placements[-1].dim == 1
+    check_against_reference(
+        block,
+        reference,
+        torch.randn(world * rows, 4, dim, dtype=torch.float64),
+        torch.randn(world * rows, 4, dim, dtype=torch.float64),
+    )
+
+
+@given(world=st.sampled_from([1, 2, 3, 4]), kv_heads=st.sampled_from([1, 2]), head_dim=st.integers(1, 3),
+       hidden_per_rank=st.integers(1, 3), rows=st.integers(1, 2))
+def test_planned_block_matches_reference(ranks, world, kv_heads, head_dim, hidden_per_rank, rows):
+    ranks.run(world, block_case, 20, kv_heads, head_dim, hidden_per_rank, rows)
+
+
+def lm_case(seed, sync_last_only):
+    torch.manual_seed(seed)
+    _, world = rank_and_world()
+    model = LlamaLM(vocab=13, dim=6, heads=2 * world, kv_heads=world, head_dim=2, hidden=3 * world, layers=2).double()
+    reference = twin(model)
+    for layer in model.layers:
+        rsdp_shard(layer, ring_plan=HF_PLAN)
+    rsdp_shard(model)
+    micro = 2 if sync_last_only else 1
+    train_and_compare(model, reference, steps=3, rows=1, seq=5, micro_batches=micro, sync_last_only=sync_last_only, clip=1.0)
+
+
+@pytest.mark.parametrize("world, sync_last_only", [(2, False), (3, True), (4, False)])
+def test_planned_lm_trajectory_with_hugging_face_plan(ranks, world, sync_last_only):
+    ranks.run(world, lm_case, 21, sync_last_only)
+
+
+def exchanges_case():
+    torch.manual_seed(0)
+    _, world = rank_and_world()
+    block = Block(16, 8, 4, 2, 24)
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    block(x).sum().backward()
+    with CommCounter() as forward:
+        out = block(x)
+    with CommCounter() as backward:
+        out.sum().backward()
+    return forward.calls, backward.calls
+
+
+def test_llama_block_with_a_plan_rotates_2_rings_per_pass(ranks):
+    """Forward: W-1 exchanges per ring; backward: W (a partial starts below its owner and returns
+    home). Besides them, the gathered norms' all-gather and reduce-scatter."""
+    world = 4
+    for forward, backward in ranks.run(world, exchanges_case):
+        assert forward["c10d::send"] == 2 * (world - 1), forward
+        assert backward["c10d::send"] == 2 * world, backward
+
+
+def uneven_case():
+    block = Block(6, 3, 3, 2, 9)  # 3 heads over 2 ranks
+    with pytest.raises(ValueError, match="must divide by the 2 ranks"):
+        rsdp_shard(block, ring_plan=TITAN_PLAN)
+
+
+def test_plan_with_features_that_do_not_divide_is_refused(ranks):
+    ranks.run(2, uneven_case)
