@@ -63,9 +63,10 @@ def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
     # Same initial model, same per-rank batches, gradients averaged: the same training run.
     assert results["rtp"]["final_loss"] == pytest.approx(results["fsdp"]["final_loss"], rel=1e-5)
     assert len(results["rtp"]["step_time_rounds_s"]) == 2
-    # One decoder layer and the root at W=2: rtp's rings (4 per layer and pass, 2 at the root) and
-    # the gathered norms' collectives; fsdp's all-gathers and reduce-scatters.
-    assert results["rtp"]["exchanges_per_step"] == 2 * (4 + 2) + 2, results["rtp"]["exchanges_per_step"]
+    # One decoder layer and the root at W=2: the layer's attention and FFN rings (ring plan: 1 exchange
+    # forward, 2 backward each), its norms' all-gather and reduce-scatter, and the root's embedding
+    # and head rings (1 exchange per pass each).
+    assert results["rtp"]["exchanges_per_step"] == 2 * (1 + 2) + 2 + 2 * 2, results["rtp"]["exchanges_per_step"]
 
 
 def test_tp_rejects_heads_that_do_not_divide_over_ranks():

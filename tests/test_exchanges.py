@@ -18,17 +18,17 @@ from rsdp.memory import CommCounter
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "rtp")]
 from host_overhead import LlamaBlock  # noqa: E402
-from transformer_lm import DecoderLayer  # noqa: E402
+from transformer_lm import DECODER_LAYER_PLAN, DecoderLayer  # noqa: E402
 
 
-def exchanges_case(block_kind):
+def exchanges_case(block_kind, ring_plan=None):
     """Sends and collectives of one forward and one backward of an rsdp block, after a first step."""
     torch.manual_seed(0)
     if block_kind == "llama":
         block, x = LlamaBlock(16, 4, 24), torch.randn(2, 5, 16)
     else:
         block, x = DecoderLayer(16, 4, 24), torch.randn(5, 2, 16)
-    rsdp_shard(block)
+    rsdp_shard(block, ring_plan=ring_plan)
     block(x.requires_grad_()).sum().backward()
     counts = {}
     with CommCounter() as forward:
@@ -59,6 +59,14 @@ def test_benchmark_decoder_layer_needs_no_more_exchanges_than_rtp(ranks):
         total = sum(c["sends"] + c["collectives"] for c in counts.values())
         assert counts["forward"]["sends"] == counts["backward"]["sends"] == 4 * 3, counts  # q+k+v, out, linear1, linear2
         assert total == 26 <= 27, counts
+
+
+def test_benchmark_decoder_layer_with_its_tensor_parallel_plan(ranks):
+    """Attention and FFN one ring each: W-1 exchanges forward and W backward per ring, plus the norms'
+    two collectives: 16 at W=4."""
+    for counts in ranks.run(4, exchanges_case, "benchmark", DECODER_LAYER_PLAN):
+        assert counts["forward"]["sends"] == 2 * 3 and counts["backward"]["sends"] == 2 * 4, counts
+        assert sum(c["sends"] + c["collectives"] for c in counts.values()) == 16, counts
 
 
 class HostSyncCounter(TorchDispatchMode):

@@ -1,14 +1,31 @@
 """RSDP: ``rsdp.rsdp_shard`` on every decoder layer, then on the root, used exactly like FSDP2's
 ``fully_shard``; Linear and Embedding weight shards rotate on a ring instead of being all-gathered.
 
+Each decoder layer gets tensor parallelism's plan as its ring plan (``DECODER_LAYER_PLAN``), so its
+attention and its FFN rotate as one ring each, when the heads and the FFN width divide by the ranks;
+otherwise each Linear (q/k/v together) rotates on its own ring.
+
     python benchmarks/rtp/rtp_benchmark.py --use_synthetic_data [--nproc 4 --device cpu ...]
 """
 
-import functools
+import torch.nn as nn
 
 from rsdp import rsdp_shard
 
 import common
+from transformer_lm import DECODER_LAYER_PLAN
+
+
+def parallelize(model: nn.Module, worker: common.Worker) -> nn.Module:
+    args = worker.args
+    plannable = args.nhead % worker.world_size == 0 and args.nhid % worker.world_size == 0
+    if worker.rank == 0:
+        print(f"[rtp] ring plan: {'attention and FFN as one ring each' if plannable else 'none (heads or nhid do not divide)'}")
+    policy = common.mixed_precision(worker)
+    for layer in model.layers:
+        rsdp_shard(layer, mesh=worker.mesh, mp_policy=policy, ring_plan=DECODER_LAYER_PLAN if plannable else None)
+    return rsdp_shard(model, mesh=worker.mesh, mp_policy=policy)
+
 
 if __name__ == "__main__":
-    common.main(common.Strategy("rtp", functools.partial(common.shard_layers_then_root, rsdp_shard)))
+    common.main(common.Strategy("rtp", parallelize))

@@ -13,15 +13,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 import common
+from transformer_lm import DECODER_LAYER_PLAN
 
-DECODER_LAYER_PLAN = {
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.out_proj": RowwiseParallel(),
-    "linear1": ColwiseParallel(),
-    "linear2": RowwiseParallel(),
-}
 VOCABULARY_PLAN = {
     "embed.embedding": RowwiseParallel(input_layouts=Replicate()),
     # Logits stay sharded over the vocabulary, for loss_parallel.

@@ -7,7 +7,9 @@ Linear to the vocabulary. Two departures from fairscale, neither of which change
 - attention is written with separate q/k/v/out ``nn.Linear``s and ``scaled_dot_product_attention``
   instead of ``nn.MultiheadAttention``, whose packed ``in_proj`` and functional forward bypass module
   forwards, so neither tensor parallelism nor rsdp could shard its projections;
-- dropout is 0 (for determinism), so the layers have no dropout modules at all.
+- dropout is 0 (for determinism), so the layers have no dropout modules at all;
+- the FFN's two Linears sit in a module of their own (``ffn``), so that a tensor-parallel plan names
+  the MLP as a sub-block (``DECODER_LAYER_PLAN``, used by tensor parallelism and by rsdp's ring plan).
 """
 
 import math
@@ -16,8 +18,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 INIT_RANGE = 0.1  # fairscale's ``initrange`` for the embedding and the output Linear
+# Megatron's split of a decoder layer: heads and FFN columns (q/k/v, linear1) column-wise, the out
+# projection and linear2 row-wise.
+DECODER_LAYER_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.out_proj": RowwiseParallel(),
+    "ffn.linear1": ColwiseParallel(),
+    "ffn.linear2": RowwiseParallel(),
+}
 
 
 class ScaledEmbedding(nn.Module):
@@ -69,6 +82,16 @@ class CausalSelfAttention(nn.Module):
         return self.out_proj(rearrange(attended, "batch head seq dim -> seq batch (head dim)"))
 
 
+class FeedForward(nn.Module):
+    def __init__(self, ninp: int, nhid: int):
+        super().__init__()
+        self.linear1 = nn.Linear(ninp, nhid)
+        self.linear2 = nn.Linear(nhid, ninp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(F.relu(self.linear1(x)))
+
+
 class DecoderLayer(nn.Module):
     """fairscale's decoder layer (a post-LN ``nn.TransformerEncoderLayer`` with a causal mask)."""
 
@@ -76,13 +99,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = CausalSelfAttention(ninp, nhead)
         self.norm1 = nn.LayerNorm(ninp)
-        self.linear1 = nn.Linear(ninp, nhid)
-        self.linear2 = nn.Linear(nhid, ninp)
+        self.ffn = FeedForward(ninp, nhid)
         self.norm2 = nn.LayerNorm(ninp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm1(x + self.self_attn(x))
-        return self.norm2(x + self.linear2(F.relu(self.linear1(x))))
+        return self.norm2(x + self.ffn(x))
 
 
 class TransformerLM(nn.Module):
