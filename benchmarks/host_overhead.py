@@ -4,8 +4,8 @@ The fake process group runs one rank in one process and makes every collective a
 return at once without moving data, so what is left is the host's own work: Python, dispatch, autograd
 and issuing the communication. That is the cost that makes a ring host-bound on GPUs at small batch,
 where kernels are short. The model is a stack of Llama-shaped blocks (RMSNorm, q/k/v/o attention,
-SwiGLU gate/up/down), each sharded with ``rsdp_shard`` or ``fully_shard``, tiny so that compute is
-negligible. Strategies alternate over ``--repeats`` rounds; the table gives the median per strategy,
+SwiGLU gate/up/down), each sharded with ``fully_shard``, ``rsdp_shard``, or ``rsdp_shard`` with Hugging
+Face's Llama tensor-parallel plan as its ring plan, tiny so that compute is negligible. Strategies alternate over ``--repeats`` rounds; the table gives the median per strategy,
 the ratio to FSDP2, and the sends and collectives one step issues per block.
 
     python benchmarks/host_overhead.py                 # W=8, 4 blocks, 5 rounds of 20 steps
@@ -29,23 +29,52 @@ from rsdp._compat import fully_shard
 from rsdp.memory import CommCounter
 
 
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Heads from the shapes (-1), as tensor parallelism and ring plans need.
+        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class LlamaBlock(nn.Module):
     """RMSNorm, q/k/v/o attention and a SwiGLU MLP (gate/up/down), laid out like Hugging Face's."""
 
     def __init__(self, dim: int, heads: int, hidden: int):
         super().__init__()
-        self.heads = heads
-        self.input_norm, self.post_attention_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.self_attn, self.mlp = Attention(dim, heads), MLP(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.input_norm(x)
-        q, k, v = (p(h).unflatten(-1, (self.heads, -1)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        x = x + self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
-        h = self.post_attention_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face's Llama tensor-parallel plan (``base_model_tp_plan``), as an rsdp ring plan.
+LLAMA_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+STRATEGIES = ("fsdp", "rsdp", "rsdp+plan")
 
 
 def build(strategy: str, args) -> nn.Module:
@@ -53,10 +82,10 @@ def build(strategy: str, args) -> nn.Module:
     model = nn.Sequential(*(LlamaBlock(args.dim, args.heads, args.hidden) for _ in range(args.blocks)))
     mesh = init_device_mesh("cpu", (args.world,))
     for block in model:
-        if strategy == "rsdp":
-            rsdp_shard(block, mesh=mesh)
-        else:
+        if strategy == "fsdp":
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        else:
+            rsdp_shard(block, mesh=mesh, ring_plan=LLAMA_PLAN if strategy == "rsdp+plan" else None)
     return model
 
 
@@ -71,7 +100,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8, help="ranks simulated by the fake process group")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8, help="must divide by --world for the ring plan")
     parser.add_argument("--hidden", type=int, default=176)
     parser.add_argument("--tokens", type=int, default=16, help="sequence length (batch 1)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
@@ -84,7 +113,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     x = torch.randn(1, args.tokens, args.dim, requires_grad=True)
-    models = {strategy: build(strategy, args) for strategy in ("fsdp", "rsdp")}
+    models = {strategy: build(strategy, args) for strategy in STRATEGIES}
     counts = {}
     for strategy, model in models.items():
         step(model, x)  # warm-up (rsdp also forms its shared-input groups here)
