@@ -166,3 +166,37 @@ def uneven_case():
 
 def test_plan_with_features_that_do_not_divide_is_refused(ranks):
     ranks.run(2, uneven_case)
+
+
+class NormedAttention(Attention):
+    """q/k norms inside the sub-block (Qwen3-style): parameters besides the plan's Linears."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.q_norm = nn.RMSNorm(self.head_dim)
+
+
+class ScaledMLP(MLP):
+    def forward(self, x):
+        return 2 * super().forward(x)  # not the rowwise Linear's own output
+
+
+def misuse_case():
+    block = Block(6, 2, 2, 3, 4)
+    block.self_attn = NormedAttention(6, 2, 2, 3)
+    with pytest.raises(ValueError, match=r"holds parameters or Linears besides its plan's \(\['q_norm.weight'\]\)"):
+        rsdp_shard(block, ring_plan=TITAN_PLAN)
+    with pytest.raises(ValueError, match="rowwise Linear 'mlp.down_proj' but no colwise sibling"):
+        rsdp_shard(Block(6, 2, 2, 3, 4), ring_plan={"mlp.down_proj": "rowwise"})
+
+    block = Block(6, 2, 2, 3, 4)
+    block.mlp = ScaledMLP(6, 4)
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    with pytest.raises(ValueError, match="must return its rowwise Linear's output"):
+        block(torch.randn(1, 3, 6))
+    with pytest.raises(RuntimeError, match="rowwise Linear of ring sub-block 'mlp'; its columns are sharded"):
+        block.mlp.down_proj(torch.randn(1, 4))
+
+
+def test_plans_that_cannot_rotate_as_one_ring_say_why(ranks):
+    ranks.run(2, misuse_case)
