@@ -137,3 +137,38 @@ def multihead_attention_case(seed, embed_dim, heads, rows):
 @given(world=worlds, heads=st.integers(1, 3), head_dim=st.integers(1, 3), rows=st.integers(1, 2))
 def test_multihead_attention_matches_reference(ranks, world, heads, head_dim, rows):
     ranks.run(world, multihead_attention_case, 14, heads * head_dim, heads, rows)
+
+
+class InPlaceAfterRing(nn.Module):
+    """In-place ops on ring outputs (issue 12.4): ReLU(inplace) after a Linear, ``*=`` and ``+=``
+    after an Embedding, ``masked_fill_`` on logits."""
+
+    def __init__(self, vocab, dim):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.randn(dim))
+        self.up = nn.Linear(dim, dim)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        x *= 2.0
+        x += self.position
+        logits = self.head(self.act(self.up(x)))
+        return logits.masked_fill_(tokens.unsqueeze(-1) == 0, 0.0)
+
+
+def in_place_case(seed, vocab, dim, rows):
+    torch.manual_seed(seed)
+    _, world = rank_and_world()
+    shard_and_check(
+        InPlaceAfterRing(vocab, dim).double(),
+        torch.randint(0, vocab, (world * rows, 4)),
+        torch.randn(world * rows, 4, vocab, dtype=torch.float64),
+    )
+
+
+@given(world=worlds, vocab=st.integers(2, 9), dim=sizes, rows=st.integers(1, 2))
+def test_in_place_ops_on_ring_outputs(ranks, world, vocab, dim, rows):
+    ranks.run(world, in_place_case, 3, vocab, dim, rows)
