@@ -1,5 +1,8 @@
 """Ring plans: a whole attention or MLP sub-block rotates as one ring, against the fp64 reference."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -14,16 +17,9 @@ from rsdp.memory import CommCounter
 from test_ring_ops import check_against_reference
 from test_training import train_and_compare
 
-# Hugging Face's Llama plan (``base_model_tp_plan``), keys from the model's root.
-HF_PLAN = {
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from host_overhead import LLAMA_PLAN as HF_PLAN  # noqa: E402  Hugging Face's, keys from the model's root
+
 # torchtitan's vocabulary, keys from the block.
 TITAN_PLAN = {
     "self_attn.q_proj": ColwiseParallel(),
