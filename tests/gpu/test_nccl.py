@@ -56,7 +56,7 @@ def _compare_with_fsdp2(rank: int, world: int) -> dict:
         generator = torch.Generator().manual_seed(rank)
         batches = [torch.randint(0, 1000, (2, 64), generator=generator).to(device) for _ in range(4)]
 
-        def step(tokens):
+        def step(tokens, model=model, optimizer=optimizer):
             loss = lm_loss(model(tokens), tokens)
             loss.backward()
             optimizer.step()
@@ -82,7 +82,7 @@ def _compare_with_fsdp2(rank: int, world: int) -> dict:
             "peak_allocated": torch.cuda.max_memory_allocated() - base,
             "peak_reserved": torch.cuda.max_memory_reserved(),
         }
-        del model, optimizer
+        del model, optimizer, step
         torch.cuda.empty_cache()
     return out
 
