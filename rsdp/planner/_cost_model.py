@@ -8,11 +8,13 @@ unit's forward FLOPs, the bytes its forward saves for backward and its parameter
   activations, and each strategy's transient buffers: FSDP one unit's unsharded parameters in forward
   and its unsharded parameters and gradient in backward (the root's unsharded parameters through the
   whole step: FSDP2 does not reshard its root after forward); RSDP two shards of the unit's largest
-  layer in forward and four in backward; replication none beyond its whole gradient;
+  layer in forward and five in backward (two messages of a weight shard and a partial, and the
+  scratch for the next contribution); replication none beyond its whole gradient;
 - time: compute at ``flops_per_s`` (backward twice forward), overlapped with communication at
   ``bandwidth_bytes_per_s`` plus ``latency_s`` per message. FSDP all-gathers (W-1)/W of a unit per
   phase and reduce-scatters as much; RSDP runs W ring steps per layer and phase, each the longer of its
-  share of compute and one shard's message; replication all-reduces 2(W-1)/W of the gradient.
+  share of compute and one message (a shard forward; a shard and a partial backward, one latency);
+  replication all-reduces 2(W-1)/W of the gradient.
 
 The optimizer step's time is not modelled.
 """
@@ -123,7 +125,9 @@ class _Estimate:
         self.forward_transient, self.backward_transient = {
             Strategy.REPLICATE: (0, 0),
             Strategy.FSDP: (counts.param_bytes, 2 * counts.param_bytes),
-            Strategy.RSDP: (2 * shard, 4 * shard),
+            # Two messages in flight; in backward each carries a weight shard and a partial, plus the
+            # scratch where the next contribution is computed.
+            Strategy.RSDP: (2 * shard, 5 * shard),
         }[strategy]
 
     def seconds(self, flops: float, streams: int) -> float:
@@ -136,8 +140,9 @@ class _Estimate:
         share = (world - 1) / world
         if self.strategy is Strategy.RSDP:
             steps = max(counts.layers, 1) * world
-            message = cost.latency_s + counts.param_bytes / steps / cost.bandwidth_bytes_per_s
-            return steps * max(compute / steps, streams * message)
+            # Backward's weights and partials travel in one message per step: one latency, twice the bytes.
+            message = cost.latency_s + streams * counts.param_bytes / steps / cost.bandwidth_bytes_per_s
+            return steps * max(compute / steps, message)
         if self.strategy is Strategy.FSDP:
             transfer = streams * (share * counts.param_bytes / cost.bandwidth_bytes_per_s + (world - 1) * cost.latency_s)
             return max(compute, transfer)
