@@ -360,8 +360,8 @@ class RingLinear:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         local = self.__dict__.get("_rsdp_local")
         if local is not None:  # inside a ring sub-block's step: one shard, installed (_sub_block.py)
-            self._rsdp_output = torch.nn.functional.linear(input, *local)
-            return self._rsdp_output
+            output = self.__dict__["_rsdp_output"] = torch.nn.functional.linear(input, *local)
+            return output
         if self.__dict__.get("_rsdp_row_of") is not None:
             raise RuntimeError(
                 f"rsdp: {type(self).__name__} is the rowwise Linear of ring sub-block "

@@ -169,8 +169,7 @@ class _Call:
             for linear in linears:
                 linear._rsdp_local = None
         out_leaves, self.output_spec = tree_flatten(output)
-        produced = block.row._rsdp_output
-        block.row._rsdp_output = None
+        produced = block.row.__dict__.pop("_rsdp_output", None)  # set by the rowwise Linear, if it ran
         positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]
         if len(positions) != 1 or any(leaf is not None for leaf in out_leaves if leaf is not produced):
             raise ValueError(
