@@ -40,7 +40,7 @@ class RingLayer:
         self.name = name
 
 
-def _finished_gradients(state, message: Message, first: int, final: torch.Tensor, dtype: torch.dtype):
+def finished_gradients(state, message: Message, first: int, final: torch.Tensor, dtype: torch.dtype):
     """This rank's reduced shards of the gradient segments ``first:`` of the last message, copied out of
     the ring buffer and finished (HSDP all-reduce, division) in one piece."""
     own = final[message.offsets[first] :].clone()
@@ -69,7 +69,7 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
 
     def unsynced_views(accumulators: list[torch.Tensor], shard: int) -> list[torch.Tensor]:
         return [
-            None if total is None else total[shard, : view.numel()].view(view.shape)
+            None if total is None else state.unsynced_shard(total, shard, view)
             for total, view in zip(accumulators, grads.views(scratch, shard))
         ]
 
@@ -117,7 +117,7 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
             partial.add_(mine)
 
     final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival)
-    return _finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
+    return finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
 
 
 def _write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

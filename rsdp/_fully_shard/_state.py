@@ -89,6 +89,11 @@ class RSDPState(FSDPState):
             self._unsynced[key] = torch.zeros(self.ring.size, numel, dtype=segment.dtype, device=self.device)
         return self._unsynced[key]
 
+    @staticmethod
+    def unsynced_shard(total: torch.Tensor, shard: int, like: torch.Tensor) -> torch.Tensor:
+        """Shard ``shard`` of an accumulator from ``unsynced_gradient``, shaped like its message view."""
+        return total[shard, : like.numel()].view(like.shape)
+
     def take_unsynced(self, key) -> torch.Tensor | None:
         return self._unsynced.pop(key, None)
 

@@ -42,7 +42,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import ColwiseParallel, RowwiseParallel
-from ._ops import RingLayer, _finished_gradients, local_shard
+from ._ops import RingLayer, finished_gradients, local_shard
 from ._param import Segment, ShardLayout, message_of
 from ._ring import RING_BUFFERS, Phase
 
@@ -307,7 +307,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
                 for view, total in zip(views, unsynced):
                     if total is not None:
-                        view.add_(total[shard, : view.numel()].view(view.shape))
+                        view.add_(state.unsynced_shard(total, shard, view))
 
             def start(buffer: torch.Tensor) -> None:
                 pack(buffer)
@@ -345,7 +345,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     final = ring.circulate(
                         message.nbytes, layer.tags[Phase.BACKWARD], start, None, on_arrival, hops=ring.size, region=region
                     )
-            reduced = _finished_gradients(state, message, first_grad, final, reduce_dtype)
+            reduced = finished_gradients(state, message, first_grad, final, reduce_dtype)
         else:
             # No partials travel: the weights rotate for the input gradient, and with sync off each
             # rank's contributions to every shard are kept locally until the next synchronised backward.
@@ -355,7 +355,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             def during(hop: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(hop)
                 views = weights_only.views(buffer, shard)
-                into = [total[shard, : view.numel()].view(view.shape) for total, view in zip(totals, [views[s] for s in grad_index])]
+                into = [state.unsynced_shard(total, shard, views[slot]) for total, slot in zip(totals, grad_index)]
                 step(shard, views, into, add=True)
 
             with record_function(f"rsdp::ring_backward ({layer.name})"):
