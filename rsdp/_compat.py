@@ -58,6 +58,10 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Refills a tensor autograd saved without bumping its version (FSDP2 refills its unsharded parameters so).
+preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+
 def flatten_mesh(mesh):
     """A 1-D mesh over all ranks of ``mesh`` (the replicate strategy spans both dims of an HSDP mesh)."""
     return mesh if mesh.ndim == 1 else mesh._flatten()
@@ -71,10 +75,15 @@ def unwrap_activation_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def current_graph_task_id() -> int:
+    """The id of the backward autograd's engine is running on this thread, -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (activation checkpointing
     recomputes forwards there)."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 def at_end_of_backward(callback) -> None:
@@ -120,6 +129,7 @@ __all__ = [
     "TorchDispatchMode",
     "all_gather_flat",
     "at_end_of_backward",
+    "current_graph_task_id",
     "flatten_mesh",
     "fully_shard",
     "get_module_state",
@@ -127,6 +137,7 @@ __all__ = [
     "in_selective_checkpoint",
     "insert_module_state",
     "is_traceable_wrapper_subclass",
+    "preserve_version_counter",
     "reduce_scatter_flat",
     "replicate",
 ]

@@ -1,4 +1,4 @@
-from ._api import RSDPModule, rsdp_shard
+from ._api import RSDPModule, register_rsdp_forward_method, rsdp_shard
 from ._ring import release_ring_buffers
 
-__all__ = ["RSDPModule", "release_ring_buffers", "rsdp_shard"]
+__all__ = ["RSDPModule", "register_rsdp_forward_method", "release_ring_buffers", "rsdp_shard"]

@@ -1,5 +1,7 @@
 """``rsdp_shard``, used like FSDP2's ``fully_shard``, and ``RSDPModule``, the class it swaps in."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -31,6 +33,7 @@ def rsdp_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     ring_plan: dict | None = None,
 ) -> nn.Module:
@@ -49,6 +52,11 @@ def rsdp_shard(
         module: the module to shard; its class becomes a subclass of :class:`RSDPModule`.
         mesh: 1-D (shard) or 2-D (replicate x shard) device mesh. ``None``: a 1-D mesh over the
             default process group on its device type (cpu for gloo, cuda for nccl).
+        reshard_after_forward: for the parameters that do not rotate (gathered whole, FSDP-style): free
+            them after forward and gather them again for backward (``True``, FSDP2's default), or keep
+            them until the module's backward (``False``: one all-gather fewer per step). ``None``
+            reshards when they include a matrix and keeps vectors (norm weights, biases), whose full
+            size is that of one activation row.
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` for the rotated copies and the
             compute, ``reduce_dtype`` for the travelling gradient partials; the sharded parameters
             keep their own dtype.
@@ -64,7 +72,7 @@ def rsdp_shard(
     mesh = _validated_mesh(mesh)
     wrapper, module = module, unwrap_activation_checkpoint(module)
     if wrapper is not module:
-        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy, ring_plan=ring_plan)
+        rsdp_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ring_plan=ring_plan)
         return wrapper
     _check_not_managed(module)
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
@@ -130,7 +138,7 @@ def rsdp_shard(
             gathered_params.append(sharded)
         gathered_slots.append((owner, name, gathered_index[id(sharded)]))
     _check_one_dtype(gathered_params)
-    state.set_gathered(gathered_params, gathered_slots)
+    state.set_gathered(gathered_params, gathered_slots, reshard_after_forward)
 
     insert_module_state(module, state)
     state.register_hooks(module)
@@ -187,6 +195,40 @@ class RSDPModule:
                 module._get_rsdp_state().requires_gradient_sync = requires_gradient_sync
             elif isinstance(module, FSDPModule):
                 module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+
+
+def register_rsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run rsdp's forward hooks around ``module.<method_name>()`` (FSDP2's ``register_fsdp_forward_method``).
+
+    rsdp gathers a module's non-rotating parameters in hooks that ``module(...)`` runs. A method called
+    directly (``model.encode(x)``, ``model.generate_step(x)``, ``module.forward(x)``) skips them and
+    meets the sharded DTensors ("got mixed torch.Tensor and DTensor"). Register such a method once, after
+    ``rsdp_shard``; registering ``"forward"`` makes direct ``module.forward(x)`` calls work, and
+    ``module(x)`` still runs the hooks once.
+    """
+    if not isinstance(module, RSDPModule):
+        raise ValueError(
+            f"register_rsdp_forward_method: {type(module).__name__} is not an rsdp module; call it on the "
+            "module you passed to rsdp_shard."
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_rsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    state = module._get_rsdp_state()
+
+    @functools.wraps(method)
+    def with_rsdp_hooks(*args, **kwargs):
+        if state.forward_depth > 0:  # already inside the module's forward, e.g. __call__ -> forward
+            return method(*args, **kwargs)
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            state.end_forward()
+            raise
+        return state._post_forward(module, args, output)
+
+    setattr(module, method_name, with_rsdp_hooks)
 
 
 def _validated_mesh(mesh: DeviceMesh | None) -> DeviceMesh:

@@ -1,38 +1,68 @@
-"""The parameters of an rsdp module that do not rotate: gathered whole for its forward, like FSDP2.
+"""The parameters of an rsdp module that do not rotate: gathered whole around its forward and backward,
+like FSDP2's.
 
-Norm weights, biases of other layers and free ``nn.Parameter``s are used whole by ops that have no
-ring form, and they are small next to the Linear and Embedding weights. They stay ``Shard(0)`` at rest
-(so the optimizer state is sharded too); the module's forward all-gathers them in one flat collective
-and its backward reduce-scatters their gradients in one, over the shard dimension of the mesh.
+Norm weights, biases of other layers, free ``nn.Parameter``s and the weights of layers with no ring form
+are used whole by their ops. They stay ``Shard(0)`` at rest (so the optimizer state is sharded too);
+the module's forward all-gathers them in one flat collective over the shard dimension of the mesh, and
+its backward reduce-scatters their gradients in one.
+
+While installed they are **leaf** ``nn.Parameter``s, one persistent tensor per parameter whose storage
+is allocated for a gather and freed afterwards (FSDP2's unsharded parameters): tools that hook module
+parameters during forward (torch's ``MemTracker``, ``register_post_accumulate_grad_hook``) work, and
+autograd saves the same tensor the backward's gather refills. Their gradients land in ``.grad`` of the
+full tensors; the module's post-backward reduce-scatters them into the ``Shard(0)`` ``.grad``.
+
+Resharding after forward frees the full tensors between forward and backward, which then gathers them
+again: one more all-gather per module and step, and no full weight outlives its module's forward. By
+default rsdp reshards a module whose gathered parameters include a matrix, and keeps vectors (norm
+weights, biases), whose full size is that of one activation row.
+
+Pitfalls:
+- A parameter no rank used gets ``None`` as its gradient, as with FSDP2, not a zero (AdamW would decay
+  it). Each rank adds one "used" flag per parameter to every rank's segment of the reduce-scatter, so
+  whether *some* rank used it arrives with the gradients and costs no collective; only a rank that did
+  not use it itself reads its flag (a host sync on CUDA, in that case alone).
+- The refill must not bump the version counter of the tensor autograd saved
+  (``preserve_version_counter``), or backward would report an in-place modification.
 """
 
 import math
 
 import torch
 import torch.nn as nn
-from torch.autograd.function import once_differentiable
 
-from .._compat import all_gather_flat, reduce_scatter_flat
+from .._compat import DTensor, all_gather_flat, preserve_version_counter, reduce_scatter_flat
 from ._param import ShardLayout
 
 
 class GatheredParams:
     """The non-rotating parameters of one rsdp module, laid out as one padded flat segment per rank."""
 
-    def __init__(self, state, params: list[nn.Parameter]):
+    def __init__(self, state, params: list[nn.Parameter], reshard_after_forward: bool | None):
         self.state = state
         self.params = params
+        self.reshard_after_forward = (
+            any(p.dim() > 1 for p in params) if reshard_after_forward is None else reshard_after_forward
+        )
         self.layouts = [ShardLayout(p.shape[0], state.ring.size) for p in params]
         self.trailing = [p.shape[1:] for p in params]
         self._inner = [math.prod(shape) for shape in self.trailing]
         self._offsets = [0]
         for layout, inner in zip(self.layouts, self._inner):
             self._offsets.append(self._offsets[-1] + layout.chunk * inner)
+        self.full: list[nn.Parameter] | None = None
+        self.is_gathered = False
+        # Contributions (with their "used" flags) of backwards run while gradient sync was off.
         self.unsynced: torch.Tensor | None = None
+        self.unsynced_used = [False] * len(params)
 
     @property
     def segment_numel(self) -> int:
         return self._offsets[-1]
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(p.requires_grad for p in self.params)
 
     def segment_view(self, flat: torch.Tensor, index: int, shard: int) -> torch.Tensor:
         """Shard ``shard`` of parameter ``index`` inside one rank's flat segment."""
@@ -40,61 +70,80 @@ class GatheredParams:
         offset = self._offsets[index]
         return flat[offset : offset + rows * self._inner[index]].view(rows, *self.trailing[index])
 
-    def gather(self) -> list[torch.Tensor]:
-        """The full parameters, connected to the local shards by autograd."""
-        return list(_AllGatherParams.apply(self, *(p.to_local() for p in self.params)))
-
-
-class _AllGatherParams(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gathered: GatheredParams, *local_shards):
-        state, world = gathered.state, gathered.state.ring.size
-        dtype = state.compute_dtype(local_shards[0].dtype)
-        send = torch.empty(gathered.segment_numel, dtype=dtype, device=state.device)
-        for index, shard in enumerate(local_shards):
-            gathered.segment_view(send, index, state.ring.rank).copy_(shard)
-        received = torch.empty(world, gathered.segment_numel, dtype=dtype, device=state.device)
+    def gather(self) -> list[nn.Parameter]:
+        """All-gather the full parameters into their persistent leaf tensors."""
+        state, world = self.state, self.state.ring.size
+        dtype = state.compute_dtype(self.params[0].dtype)
+        if self.full is None:
+            self.full = [
+                nn.Parameter(torch.empty(p.shape, dtype=dtype, device=state.device), requires_grad=p.requires_grad)
+                for p in self.params
+            ]
+        elif not self.is_gathered:
+            for full in self.full:
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+        send = torch.empty(self.segment_numel, dtype=dtype, device=state.device)
+        for index, param in enumerate(self.params):
+            self.segment_view(send, index, state.ring.rank).copy_(param.to_local())
+        received = torch.empty(world, self.segment_numel, dtype=dtype, device=state.device)
         all_gather_flat(received.view(-1), send, group=state.ring.group)
-        ctx.gathered = gathered
-        ctx.orig_dtypes = [shard.dtype for shard in local_shards]
-        return tuple(
-            torch.cat([gathered.segment_view(received[s], index, s) for s in range(world)])
-            for index in range(len(local_shards))
-        )
+        for index, (full, param) in enumerate(zip(self.full, self.params)):
+            full.requires_grad_(param.requires_grad)
+            with torch.no_grad(), preserve_version_counter(full):
+                torch.cat([self.segment_view(received[s], index, s) for s in range(world)], out=full)
+        self.is_gathered = True
+        return self.full
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads):
-        gathered: GatheredParams = ctx.gathered
-        state, world = gathered.state, gathered.state.ring.size
-        if not any(ctx.needs_input_grad[1:]):
-            return (None,) * (1 + len(grads))
-        dtype = state.reduce_dtype(ctx.orig_dtypes[0])
-        contributions = torch.zeros(world, gathered.segment_numel, dtype=dtype, device=state.device)
+    def free(self) -> None:
+        if self.is_gathered:
+            for full in self.full:
+                full.untyped_storage().resize_(0)
+            self.is_gathered = False
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the gradients accumulated in the full tensors into the sharded parameters'
+        ``.grad`` (or keep them locally while gradient sync is off)."""
+        state, world, count = self.state, self.state.ring.size, len(self.params)
+        if not self.requires_grad:
+            return
+        grads = [full.grad for full in self.full]
+        used_here = [grad is not None or earlier for grad, earlier in zip(grads, self.unsynced_used)]
+        for full in self.full:
+            full.grad = None
+        dtype = state.reduce_dtype(self.params[0].dtype)
+        # [W, segment | one "used" flag per parameter]: rank r receives the sum of everyone's flags.
+        contributions = torch.zeros(world, self.segment_numel + count, dtype=dtype, device=state.device)
         for index, grad in enumerate(grads):
             if grad is None:
                 continue
-            layout = gathered.layouts[index]
+            layout = self.layouts[index]
             for s in range(world):
-                gathered.segment_view(contributions[s], index, s).copy_(grad[layout.start(s) : layout.stop(s)])
+                self.segment_view(contributions[s], index, s).copy_(grad[layout.start(s) : layout.stop(s)])
+            contributions[:, self.segment_numel + index] = 1
 
         if not state.requires_gradient_sync:
-            if gathered.unsynced is None:
-                gathered.unsynced = contributions
+            if self.unsynced is None:
+                self.unsynced = contributions
             else:
-                gathered.unsynced.add_(contributions)
-            return (None,) * (1 + len(grads))
-        if gathered.unsynced is not None:
-            contributions.add_(gathered.unsynced)
-            gathered.unsynced = None
+                self.unsynced.add_(contributions)
+            self.unsynced_used = used_here
+            return
+        if self.unsynced is not None:
+            contributions.add_(self.unsynced)
+            self.unsynced, self.unsynced_used = None, [False] * count
 
-        reduced = torch.empty(gathered.segment_numel, dtype=dtype, device=state.device)
+        reduced = torch.empty(self.segment_numel + count, dtype=dtype, device=state.device)
         reduce_scatter_flat(reduced, contributions.view(-1), group=state.ring.group)
         reduced = state.finish_gradient(reduced)
-        local_grads = [
-            gathered.segment_view(reduced, index, state.ring.rank).to(orig_dtype)
-            if needs_grad
-            else None
-            for index, (orig_dtype, needs_grad) in enumerate(zip(ctx.orig_dtypes, ctx.needs_input_grad[1:]))
-        ]
-        return (None, *local_grads)
+        for index, (param, used) in enumerate(zip(self.params, used_here)):
+            if not param.requires_grad:
+                continue
+            if not used and not bool(reduced[self.segment_numel + index] > 0):
+                continue  # no rank used it
+            local = self.segment_view(reduced, index, state.ring.rank).to(param.dtype)
+            if param.grad is None:
+                param.grad = DTensor.from_local(
+                    local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
+            else:
+                param.grad._local_tensor.add_(local)

@@ -1,10 +1,23 @@
-"""Per-module rsdp state: settings, the ring, and the forward hooks.
+"""Per-module rsdp state: settings, the ring, and the forward and backward hooks.
 
 Rotation needs no hooks: the Linear and Embedding modules run their ring inside their own forward and
-backward. The hooks only (1) cast forward inputs under a mixed-precision policy, (2) install the
-gathered non-rotating parameters for the duration of the module's forward and (3) cast its output.
-The post-forward hook also ends the forward for ``SharedInputFusion`` (``_fusion.py``). Backward is
-driven entirely by autograd, so there is no final callback and nothing to finish.
+backward. The hooks (1) cast forward inputs under a mixed-precision policy, (2) gather the
+non-rotating parameters (``_collectives.py``) and install them for the module's forward and again for
+its backward, (3) reduce their gradients after the module's backward and (4) cast its output. The
+post-forward hook also ends the forward for ``SharedInputFusion`` (``_fusion.py``).
+
+The backward hooks follow FSDP2's: a hook on each forward output that needs a gradient runs before the
+module's backward (gather again if resharded, install: a recomputation by activation checkpointing,
+which may run the module's ``forward`` without its hooks, as Hugging Face's does, finds the full
+parameters in place); an identity autograd function on the forward inputs runs after it (reduce,
+restore the sharded parameters, free); and a callback at the end of the backward finishes any module
+whose inputs needed no gradient.
+
+Pitfalls:
+- A forward that runs inside backward is a recomputation: it neither refreshes nor uninstalls the
+  gathered parameters (the module's backward still needs them) and registers no backward hooks.
+- Collectives must run in the same order on every rank: the end-of-backward callback finishes modules
+  in the order their backward began, which the autograd graph fixes.
 """
 
 import functools
@@ -17,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _apply_to_tensors
 
-from .._compat import FSDPState, MixedPrecisionPolicy, in_backward
+from .._compat import DTensor, FSDPState, MixedPrecisionPolicy, at_end_of_backward, current_graph_task_id, in_backward
 from ._collectives import GatheredParams
 from ._fusion import SharedInputFusion
 from ._ring import Ring, release_ring_buffers
@@ -25,6 +38,15 @@ from ._ring import Ring, release_ring_buffers
 
 # rsdp forwards running now on this thread (nested modules count once each).
 _open_forwards = 0
+
+# Graph task id -> the states whose gathered parameters await their post-backward in that backward, in
+# the order their backward began; the end-of-backward callback finishes what remains.
+_awaiting_post_backward: dict[int, list["RSDPState"]] = {}
+
+
+def _finish_post_backwards(task_id: int) -> None:
+    for state in _awaiting_post_backward.pop(task_id, []):
+        state.post_backward()
 
 
 def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
@@ -63,6 +85,9 @@ class RSDPState(FSDPState):
         self.requires_gradient_sync = True
         self.gathered: GatheredParams | None = None
         self._gathered_slots: list[tuple[nn.Module, str, int]] = []
+        # The backward (graph task) whose post-backward this state awaits, None when none does.
+        self._post_backward_task: int | None = None
+        self.forward_depth = 0  # this module's forwards running now (nested calls count)
 
     def compute_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.mp_policy.param_dtype or param_dtype
@@ -97,10 +122,12 @@ class RSDPState(FSDPState):
     def take_unsynced(self, key) -> torch.Tensor | None:
         return self._unsynced.pop(key, None)
 
-    def set_gathered(self, params: list[nn.Parameter], slots: list[tuple[nn.Module, str, int]]) -> None:
+    def set_gathered(
+        self, params: list[nn.Parameter], slots: list[tuple[nn.Module, str, int]], reshard_after_forward: bool | None
+    ) -> None:
         """``slots`` lists (module, attribute, index into ``params``) for every place a gathered
         parameter is registered."""
-        self.gathered = GatheredParams(self, params) if params else None
+        self.gathered = GatheredParams(self, params, reshard_after_forward) if params else None
         self._gathered_slots = slots
 
     def register_hooks(self, module: nn.Module) -> None:
@@ -111,13 +138,21 @@ class RSDPState(FSDPState):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         global _open_forwards
         _open_forwards += 1
+        self.forward_depth += 1
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
             args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
-        if self.gathered is not None:
-            full = self.gathered.gather()
-            for owner, name, index in self._gathered_slots:
-                owner._parameters[name] = full[index]
+        if self.gathered is None:
+            return args, kwargs
+        if in_backward():  # a recomputation: the module's backward needs what it installs
+            self._install_full_params()
+            self._await_post_backward()
+            return args, kwargs
+        self._adopt_replaced_params()
+        self.gathered.gather()
+        self._install_full_params()
+        if torch.is_grad_enabled() and self.gathered.requires_grad:
+            args, kwargs = _RunAfterBackward.wrap(self, args, kwargs)
         return args, kwargs
 
     def end_forward(self) -> None:
@@ -126,19 +161,136 @@ class RSDPState(FSDPState):
         backward (the backward frees them when it ends)."""
         global _open_forwards
         self.fusion.end_forward()
-        self.restore_sharded_params()
+        if self.gathered is not None and not in_backward():
+            self.restore_sharded_params()
+            backward_follows = torch.is_grad_enabled() and self.gathered.requires_grad
+            if self.gathered.reshard_after_forward or not backward_follows:
+                self.gathered.free()
         _open_forwards -= 1
+        self.forward_depth -= 1
         if _open_forwards == 0 and not in_backward():
             release_ring_buffers()
+
+    @torch.compiler.disable
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        self.end_forward()
+        if (
+            self.gathered is not None
+            and not in_backward()
+            and torch.is_grad_enabled()
+            and self.gathered.requires_grad
+        ):
+            output = _apply_to_tensors(self._register_pre_backward, output)
+        if self.mp_policy.output_dtype is not None:
+            output = _apply_to_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
+        return output
+
+    def _register_pre_backward(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.requires_grad:
+            tensor.register_hook(self._pre_backward)
+        return tensor
+
+    @torch.compiler.disable
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._post_backward_task != current_graph_task_id():
+            self._install_full_params()
+            self._await_post_backward()
+        return grad
+
+    def _install_full_params(self) -> None:
+        full = self.gathered.full if self.gathered.is_gathered else self.gathered.gather()
+        for owner, name, index in self._gathered_slots:
+            owner._parameters[name] = full[index]
+
+    def _await_post_backward(self) -> None:
+        task = current_graph_task_id()
+        if self._post_backward_task == task:
+            return
+        self._post_backward_task = task
+        if task not in _awaiting_post_backward:
+            _awaiting_post_backward[task] = []
+            at_end_of_backward(functools.partial(_finish_post_backwards, task))
+        _awaiting_post_backward[task].append(self)
+
+    def post_backward(self) -> None:
+        """Reduce the gathered parameters' gradients, put the sharded parameters back, free the full ones."""
+        if self._post_backward_task is None:
+            return
+        self._post_backward_task = None
+        self.gathered.reduce_gradients()
+        self.restore_sharded_params()
+        self.gathered.free()
 
     def restore_sharded_params(self) -> None:
         if self.gathered is not None:
             for owner, name, index in self._gathered_slots:
                 owner._parameters[name] = self.gathered.params[index]
 
-    @torch.compiler.disable
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self.end_forward()
-        if self.mp_policy.output_dtype is not None:
-            output = _apply_to_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
-        return output
+    def _adopt_replaced_params(self) -> None:
+        """Honour a gathered parameter replaced since the last forward (``load_state_dict(assign=True)``)
+        by a DTensor laid out like it; refuse anything else rather than silently undo it."""
+        replaced: dict[int, set] = {}
+        for owner, name, index in self._gathered_slots:
+            current = owner._parameters.get(name)
+            if current is not self.gathered.params[index]:
+                replaced.setdefault(index, set()).add(id(current))
+                self._check_replacement(owner, name, index, current)
+        for owner, name, index in self._gathered_slots:
+            if index in replaced:
+                if len(replaced[index]) > 1 or id(owner._parameters.get(name)) not in replaced[index]:
+                    raise RuntimeError(
+                        f"rsdp: {type(owner).__name__}.{name} is shared by several modules but was replaced in "
+                        "only some of them; replace it everywhere, or assign new values in place."
+                    )
+                self.gathered.params[index] = owner._parameters[name]
+
+    def _check_replacement(self, owner: nn.Module, name: str, index: int, current) -> None:
+        expected = self.gathered.params[index]
+        if (
+            isinstance(current, nn.Parameter)
+            and isinstance(current, DTensor)
+            and current.device_mesh == expected.device_mesh
+            and current.placements == expected.placements
+            and current.shape == expected.shape
+            and current.dtype == expected.dtype
+        ):
+            return
+        raise RuntimeError(
+            f"rsdp: {type(owner).__name__}.{name} is no longer the sharded DTensor parameter that rsdp_shard "
+            f"installed, and its replacement ({_describe(current)}) is not a DTensor parameter sharded like it "
+            f"({tuple(expected.placements)} on the same mesh, shape {tuple(expected.shape)}, {expected.dtype}). "
+            "Assign new values in place, e.g. `with torch.no_grad(): param.copy_(value)`, or load them with "
+            "load_state_dict (assign=True takes the DTensors of a sharded state dict)."
+        )
+
+
+def _describe(value) -> str:
+    if isinstance(value, DTensor):
+        return f"DTensor {tuple(value.placements)} of shape {tuple(value.shape)}, {value.dtype}"
+    if isinstance(value, torch.Tensor):
+        return f"{type(value).__name__} of shape {tuple(value.shape)}, {value.dtype}"
+    return type(value).__name__
+
+
+class _RunAfterBackward(torch.autograd.Function):
+    """Identity on a module's forward inputs whose backward runs once the module's own backward is done
+    (FSDP2's ``RegisterPostBackwardFunction``): the point to reduce its gathered parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, state: RSDPState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+    @classmethod
+    def wrap(cls, state: RSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        inputs: list[torch.Tensor] = []
+        _apply_to_tensors(lambda t: inputs.append(t) if t.requires_grad else None, (args, kwargs))
+        if not inputs:
+            return args, kwargs
+        outputs = iter(cls.apply(state, *inputs))
+        return _apply_to_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))

@@ -1,0 +1,228 @@
+"""The parameters rsdp gathers instead of rotating behave like FSDP2's unsharded parameters.
+
+Leaf ``nn.Parameter``s while installed (torch's ``MemTracker`` works), resharded after forward and
+gathered again for backward (a Conv1D-style weight does not outlive its module's forward), ``None``
+gradients for what no rank used, replacements honoured or refused, and methods other than ``forward``.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models import assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
+from rsdp import register_rsdp_forward_method, rsdp_shard
+from rsdp.memory import CommCounter, MemoryTracker
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's Conv1D: weight ``[in, out]`` used by ``torch.addmm`` (no ring form: gathered)."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(in_features, out_features) * 0.3)
+        self.bias = nn.Parameter(torch.randn(out_features) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class MixedBlock(nn.Module):
+    """Gathered parameters of every kind (norm, Conv1D matrix, a free scale, an unused norm) around a
+    rotating Linear. ``use_scale`` may differ per rank: the scale is then used on some ranks only."""
+
+    def __init__(self, dim: int = 6, hidden: int = 10):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = Conv1D(hidden, dim)
+        self.out = nn.Linear(hidden, dim)
+        self.scale = nn.Parameter(torch.rand(dim) + 0.5)
+        self.unused = nn.LayerNorm(dim)
+        self.use_scale = True
+
+    def encode(self, x):
+        return F.gelu(self.proj(self.norm(x)))
+
+    def forward(self, x):
+        y = self.out(self.encode(x))
+        return x + (y * self.scale if self.use_scale else y)
+
+
+def _global_batch(world, rows=2, seq=3, dim=6):
+    torch.manual_seed(1)
+    return torch.randn(world * rows, seq, dim, dtype=torch.float64)
+
+
+def _reference_loss(reference, x, world, use_scale_on):
+    """Sum over ranks of each rank's ``out.sum()``, divided by W: what rsdp's mean reduction gives."""
+    total = 0
+    for rank in range(world):
+        reference.use_scale = rank in use_scale_on
+        total = total + reference(local_rows(x, rank, world)).sum()
+    return total / world
+
+
+def reshard_case(reshard_after_forward):
+    """Exact gradients over two steps; which full tensors are alive between forward and backward."""
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    block = MixedBlock().double()
+    reference = twin(block)
+    rsdp_shard(block, reshard_after_forward=reshard_after_forward)
+    x = _global_batch(world)
+    alive_between = []
+    for _ in range(2):
+        with MemoryTracker() as tracker:
+            out = block(local_rows(x, rank, world).requires_grad_())
+            alive_between.append(tracker.current_bytes)
+            out.sum().backward()
+        _reference_loss(reference, x, world, range(world)).backward()
+        assert_param_grads_match(block, reference, 1.0)
+    gathered = block._get_rsdp_state().gathered
+    full_bytes = sum(p.numel() * p.element_size() for p in gathered.full)
+    return gathered.reshard_after_forward, alive_between[1], full_bytes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_weights_are_resharded_after_forward_and_exact(ranks, world):
+    """A gathered matrix is freed after forward by default (exactly its full bytes fewer alive until
+    backward), and gathered again for backward; gradients are exact either way."""
+    for default, kept, explicit in zip(
+        ranks.run(world, reshard_case, None), ranks.run(world, reshard_case, False), ranks.run(world, reshard_case, True)
+    ):
+        assert default[0] is True and kept[0] is False and explicit[0] is True
+        assert default[1] == explicit[1]
+        assert kept[1] - default[1] == kept[2], (kept, default)
+
+
+def vectors_are_kept_case():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+    rsdp_shard(block)
+    with CommCounter() as comm:
+        block(torch.randn(2, 4)).sum().backward()
+    return block._get_rsdp_state().gathered.reshard_after_forward, comm.calls
+
+
+def test_vectors_are_kept_until_backward_by_default(ranks):
+    """Norm weights and biases (1-D) are not resharded: one all-gather per step, not two."""
+    for reshard, calls in ranks.run(2, vectors_are_kept_case):
+        assert reshard is False
+        gathers = sum(n for op, n in calls.items() if "allgather" in op or "all_gather" in op)
+        assert gathers == 1, calls
+
+
+def unused_case():
+    """``unused`` is used by no rank, ``scale`` by rank 0 only."""
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    block = MixedBlock().double()
+    reference = twin(block)
+    rsdp_shard(block)
+    x = _global_batch(world)
+    block.use_scale = rank == 0
+    block(local_rows(x, rank, world)).sum().backward()
+    _reference_loss(reference, x, world, {0}).backward()
+    assert reference.unused.weight.grad is None and reference.scale.grad is not None
+    assert_param_grads_match(block, reference, 1.0)
+    return block.unused.weight.grad is None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parameters_no_rank_used_get_none_and_one_rank_suffices(ranks, world):
+    assert all(ranks.run(world, unused_case))
+
+
+def leaf_and_mem_tracker_case():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    block = MixedBlock().double()
+    reference = twin(block)
+    rsdp_shard(block)
+    seen = []
+    block.norm.register_forward_pre_hook(lambda module, args: seen.append(module.weight.is_leaf and isinstance(module.weight, nn.Parameter)))
+    optimizer = torch.optim.AdamW(block.parameters(), lr=1e-2)
+    tracker = MemTracker()
+    tracker.track_external(block, optimizer)
+    x = _global_batch(world)
+    with tracker:
+        block(local_rows(x, rank, world)).sum().backward()
+        optimizer.step()
+    _reference_loss(reference, x, world, range(world)).backward()
+    assert_param_grads_match(block, reference, 1.0)
+    return seen, tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def test_installed_parameters_are_leaves_and_torch_mem_tracker_works(ranks):
+    for seen, peak in ranks.run(2, leaf_and_mem_tracker_case):
+        assert seen == [True]
+        assert peak > 0
+
+
+def replaced_case():
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    block = MixedBlock().double()
+    reference = twin(block)
+    rsdp_shard(block)
+    new_values = {name: value * 2 if name.startswith(("norm.", "proj.")) else value for name, value in block.state_dict().items()}
+    block.load_state_dict(new_values, assign=True)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.startswith(("norm.", "proj.")):
+                param.mul_(2)
+    x = _global_batch(world)
+    out = block(local_rows(x, rank, world))
+    assert_close(out, reference(local_rows(x, rank, world)), what="output after load_state_dict(assign=True)")
+    out.sum().backward()
+    _reference_loss(reference, x, world, range(world)).backward()
+    assert_param_grads_match(block, reference, 1.0)
+
+    block.norm.weight = nn.Parameter(torch.ones(6, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"LayerNorm.weight is no longer the sharded DTensor parameter .* not a DTensor parameter sharded like it"):
+        block(local_rows(x, rank, world))
+    return True
+
+
+def test_replaced_gathered_parameters_are_honoured_or_refused(ranks):
+    """``load_state_dict(assign=True)`` with the module's own (sharded) state dict takes effect; a
+    plain full tensor assigned in its place raises instead of being silently undone."""
+    assert all(ranks.run(2, replaced_case))
+
+
+def forward_method_case():
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    block = MixedBlock().double()
+    reference = twin(block)
+    rsdp_shard(block)
+    x = _global_batch(world)
+    mine = local_rows(x, rank, world)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        block.encode(mine)
+    register_rsdp_forward_method(block, "encode")
+    register_rsdp_forward_method(block, "forward")
+    encoded = block.encode(mine)
+    assert_close(encoded, reference.encode(mine), what="encode")
+    encoded.sum().backward()
+    sum(reference.encode(local_rows(x, r, world)).sum() for r in range(world)).div(world).backward()
+    assert_param_grads_match(block, reference, 1.0)
+    with CommCounter() as comm:
+        direct = block.forward(mine)
+        called = block(mine)
+    assert_close(direct, called, what="forward() against __call__")
+    gathers = sum(n for op, n in comm.calls.items() if "allgather" in op or "all_gather" in op)
+    return gathers
+
+
+def test_methods_registered_like_fsdp2_forward_methods(ranks):
+    """``register_rsdp_forward_method`` (FSDP2's ``register_fsdp_forward_method``): ``encode`` and a
+    direct ``forward()`` gather like a call; ``module(x)`` still gathers once."""
+    assert ranks.run(2, forward_method_case) == [2, 2]
+
+
+def test_register_forward_method_on_a_plain_module_says_what_to_do():
+    with pytest.raises(ValueError, match="not an rsdp module; call it on the module you passed to rsdp_shard"):
+        register_rsdp_forward_method(nn.Linear(2, 2), "forward")
