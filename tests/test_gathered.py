@@ -95,6 +95,31 @@ def test_gathered_weights_are_resharded_after_forward_and_exact(ranks, world):
         assert kept[1] - default[1] == kept[2], (kept, default)
 
 
+def frozen_case(reshard_after_forward):
+    """Frozen gathered parameters (a LoRA base) still serve the input gradient: autograd saved them, so
+    they are gathered again for backward when resharded, and kept when not."""
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    block = MixedBlock().double()
+    for param in block.parameters():
+        param.requires_grad_(False)
+    reference = twin(block)
+    rsdp_shard(block, reshard_after_forward=reshard_after_forward)
+    x = _global_batch(world).requires_grad_()
+    mine = local_rows(x.detach(), rank, world).requires_grad_()
+    for _ in range(2):
+        block(mine).sum().backward()
+    _reference_loss(reference, x, world, range(world)).backward()
+    assert_close(mine.grad, 2 * world * local_rows(x.grad, rank, world), what="input gradient")
+    assert all(param.grad is None for param in block.parameters())
+    return block._get_rsdp_state().gathered.is_gathered
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_frozen_gathered_parameters_serve_the_input_gradient(ranks, reshard_after_forward):
+    assert ranks.run(2, frozen_case, reshard_after_forward) == [False, False]
+
+
 def vectors_are_kept_case():
     torch.manual_seed(0)
     block = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))

@@ -151,19 +151,20 @@ class RSDPState(FSDPState):
         self._adopt_replaced_params()
         self.gathered.gather()
         self._install_full_params()
-        if torch.is_grad_enabled() and self.gathered.requires_grad:
+        if torch.is_grad_enabled():
             args, kwargs = _RunAfterBackward.wrap(self, args, kwargs)
         return args, kwargs
 
-    def end_forward(self) -> None:
-        """Put the sharded parameters back and close the forward (also when it raised). The ring
-        buffers are freed when the outermost rsdp forward ends, unless it is a recomputation inside
-        backward (the backward frees them when it ends)."""
+    def end_forward(self, backward_follows: bool = False) -> None:
+        """Put the sharded parameters back and close the forward (also when it raised). The full
+        parameters stay allocated only if a backward through the module follows (autograd saved them,
+        whether or not they need a gradient) and they are not resharded. The ring buffers are freed
+        when the outermost rsdp forward ends, unless it is a recomputation inside backward (the
+        backward frees them when it ends)."""
         global _open_forwards
         self.fusion.end_forward()
         if self.gathered is not None and not in_backward():
             self.restore_sharded_params()
-            backward_follows = torch.is_grad_enabled() and self.gathered.requires_grad
             if self.gathered.reshard_after_forward or not backward_follows:
                 self.gathered.free()
         _open_forwards -= 1
@@ -173,22 +174,15 @@ class RSDPState(FSDPState):
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self.end_forward()
-        if (
-            self.gathered is not None
-            and not in_backward()
-            and torch.is_grad_enabled()
-            and self.gathered.requires_grad
-        ):
-            output = _apply_to_tensors(self._register_pre_backward, output)
+        needs_grad: list[torch.Tensor] = []
+        if self.gathered is not None and torch.is_grad_enabled() and not in_backward():
+            _apply_to_tensors(lambda t: needs_grad.append(t) if t.requires_grad else None, output)
+        self.end_forward(backward_follows=bool(needs_grad))
+        for tensor in needs_grad:
+            tensor.register_hook(self._pre_backward)
         if self.mp_policy.output_dtype is not None:
             output = _apply_to_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
         return output
-
-    def _register_pre_backward(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.requires_grad:
-            tensor.register_hook(self._pre_backward)
-        return tensor
 
     @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
