@@ -1,8 +1,9 @@
-"""The parameters rsdp gathers instead of rotating behave like FSDP2's unsharded parameters.
+"""The parameters rsdp gathers instead of rotating (vectors: norm weights, biases) behave like FSDP2's
+unsharded parameters, next to matrices that rotate op by op (a Conv1D).
 
-Leaf ``nn.Parameter``s while installed (torch's ``MemTracker`` works), resharded after forward and
-gathered again for backward (a Conv1D-style weight does not outlive its module's forward), ``None``
-gradients for what no rank used, replacements honoured or refused, and methods other than ``forward``.
+Leaf ``nn.Parameter``s while installed (torch's ``MemTracker`` works), optionally resharded after
+forward and gathered again for backward, ``None`` gradients for what no rank used, replacements honoured
+or refused, and methods other than ``forward``.
 """
 
 import pytest
@@ -16,7 +17,7 @@ from rsdp.memory import CommCounter, MemoryTracker
 
 
 class Conv1D(nn.Module):
-    """Hugging Face GPT-2's Conv1D: weight ``[in, out]`` used by ``torch.addmm`` (no ring form: gathered)."""
+    """Hugging Face GPT-2's Conv1D: weight ``[in, out]`` used by ``torch.addmm`` (rotates op by op)."""
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
@@ -28,8 +29,8 @@ class Conv1D(nn.Module):
 
 
 class MixedBlock(nn.Module):
-    """Gathered parameters of every kind (norm, Conv1D matrix, a free scale, an unused norm) around a
-    rotating Linear. ``use_scale`` may differ per rank: the scale is then used on some ranks only."""
+    """Gathered parameters of every kind (norm, Conv1D bias, a free scale, an unused norm) around a
+    rotating Conv1D weight and Linear. ``use_scale`` may differ per rank: the scale is then used on some ranks only."""
 
     def __init__(self, dim: int = 6, hidden: int = 10):
         super().__init__()
@@ -84,15 +85,12 @@ def reshard_case(reshard_after_forward):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gathered_weights_are_resharded_after_forward_and_exact(ranks, world):
-    """A gathered matrix is freed after forward by default (exactly its full bytes fewer alive until
-    backward), and gathered again for backward; gradients are exact either way."""
-    for default, kept, explicit in zip(
-        ranks.run(world, reshard_case, None), ranks.run(world, reshard_case, False), ranks.run(world, reshard_case, True)
-    ):
-        assert default[0] is True and kept[0] is False and explicit[0] is True
-        assert default[1] == explicit[1]
-        assert kept[1] - default[1] == kept[2], (kept, default)
+def test_gathered_parameters_resharded_after_forward_on_request_and_exact(ranks, world):
+    """``reshard_after_forward=True`` frees the full tensors after forward (exactly their bytes fewer
+    alive until backward) and gathers them again for backward; gradients are exact either way."""
+    for kept, resharded in zip(ranks.run(world, reshard_case, False), ranks.run(world, reshard_case, True)):
+        assert kept[0] is False and resharded[0] is True
+        assert kept[1] - resharded[1] == kept[2], (kept, resharded)
 
 
 def frozen_case(reshard_after_forward):

@@ -33,7 +33,7 @@ def rsdp_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     ring_plan: dict | None = None,
 ) -> nn.Module:
@@ -52,11 +52,10 @@ def rsdp_shard(
         module: the module to shard; its class becomes a subclass of :class:`RSDPModule`.
         mesh: 1-D (shard) or 2-D (replicate x shard) device mesh. ``None``: a 1-D mesh over the
             default process group on its device type (cpu for gloo, cuda for nccl).
-        reshard_after_forward: for the parameters that do not rotate (gathered whole, FSDP-style): free
-            them after forward and gather them again for backward (``True``, FSDP2's default), or keep
-            them until the module's backward (``False``: one all-gather fewer per step). ``None``
-            reshards when they include a matrix and keeps vectors (norm weights, biases), whose full
-            size is that of one activation row.
+        reshard_after_forward: for the parameters that are gathered whole, FSDP-style (vectors: norm
+            weights, other biases): free them after forward and gather them again for backward
+            (``True``), or keep them until the module's backward (``False``, the default: they cost one
+            activation row each, and it saves an all-gather per step).
         mp_policy: torch's ``MixedPrecisionPolicy``: ``param_dtype`` for the rotated copies and the
             compute, ``reduce_dtype`` for the travelling gradient partials; the sharded parameters
             keep their own dtype.
@@ -128,10 +127,21 @@ def rsdp_shard(
     gathered_params: list[nn.Parameter] = []
     gathered_index: dict[int, int] = {}
     gathered_slots = []
+    # Weights that rotate op by op while the module runs (_operand.py): every Shard(0) ring weight, so
+    # code outside its module's forward can use it too, and every other matrix.
+    operand_slots: list[tuple[nn.Module, str, RingLayer]] = []
+    operand_layers: dict[int, RingLayer] = {}
     for owner, name, param in slots:
         sharded = replacement[id(param)]
         owner._parameters[name] = sharded
         if (id(owner), name) in ring_slots:
+            if id(param) not in column_split:
+                operand_slots.append((owner, name, owner._rsdp_ring))
+            continue
+        if sharded.dim() >= 2:
+            if id(sharded) not in operand_layers:
+                operand_layers[id(sharded)] = RingLayer(state, new_layer_tags(), f"{names.get(id(owner))}.{name}")
+            operand_slots.append((owner, name, operand_layers[id(sharded)]))
             continue
         if id(sharded) not in gathered_index:
             gathered_index[id(sharded)] = len(gathered_params)
@@ -139,6 +149,7 @@ def rsdp_shard(
         gathered_slots.append((owner, name, gathered_index[id(sharded)]))
     _check_one_dtype(gathered_params)
     state.set_gathered(gathered_params, gathered_slots, reshard_after_forward)
+    state.operand_slots = operand_slots
 
     insert_module_state(module, state)
     state.register_hooks(module)

@@ -1,8 +1,8 @@
 """The parameters of an rsdp module that do not rotate: gathered whole around its forward and backward,
 like FSDP2's.
 
-Norm weights, biases of other layers, free ``nn.Parameter``s and the weights of layers with no ring form
-are used whole by their ops. They stay ``Shard(0)`` at rest (so the optimizer state is sharded too);
+Vectors — norm weights, biases of layers other than stock Linears, free 1-D ``nn.Parameter``s — are used
+whole by elementwise ops (every matrix rotates, op by op: ``_operand.py``). They stay ``Shard(0)`` at rest (so the optimizer state is sharded too);
 the module's forward all-gathers them in one flat collective over the shard dimension of the mesh, and
 its backward reduce-scatters their gradients in one.
 
@@ -12,10 +12,9 @@ parameters during forward (torch's ``MemTracker``, ``register_post_accumulate_gr
 autograd saves the same tensor the backward's gather refills. Their gradients land in ``.grad`` of the
 full tensors; the module's post-backward reduce-scatters them into the ``Shard(0)`` ``.grad``.
 
-Resharding after forward frees the full tensors between forward and backward, which then gathers them
-again: one more all-gather per module and step, and no full weight outlives its module's forward. By
-default rsdp reshards a module whose gathered parameters include a matrix, and keeps vectors (norm
-weights, biases), whose full size is that of one activation row.
+Resharding after forward (``reshard_after_forward=True``) frees the full tensors between forward and
+backward, which then gathers them again: one more all-gather per module and step. rsdp's default keeps
+them (FSDP2's ``reshard_after_forward=False``): each costs one activation row.
 
 Pitfalls:
 - A parameter no rank used gets ``None`` as its gradient, as with FSDP2, not a zero (AdamW would decay
@@ -38,12 +37,10 @@ from ._param import ShardLayout
 class GatheredParams:
     """The non-rotating parameters of one rsdp module, laid out as one padded flat segment per rank."""
 
-    def __init__(self, state, params: list[nn.Parameter], reshard_after_forward: bool | None):
+    def __init__(self, state, params: list[nn.Parameter], reshard_after_forward: bool):
         self.state = state
         self.params = params
-        self.reshard_after_forward = (
-            any(p.dim() > 1 for p in params) if reshard_after_forward is None else reshard_after_forward
-        )
+        self.reshard_after_forward = reshard_after_forward
         self.layouts = [ShardLayout(p.shape[0], state.ring.size) for p in params]
         self.trailing = [p.shape[1:] for p in params]
         self._inner = [math.prod(shape) for shape in self.trailing]

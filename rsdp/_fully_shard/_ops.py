@@ -19,6 +19,7 @@ Pitfalls:
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -128,14 +129,22 @@ def _write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         dst.copy_(a @ b)
 
 
+class LinearMember(NamedTuple):
+    """One Linear of a ring group: its output features, and the key of its parameters' sync-off
+    gradient accumulators (``RSDPState.unsynced_gradient``)."""
+
+    out_features: int
+    key: object
+
+
 class _RingLinearFunction(torch.autograd.Function):
     """``y_i = x W_i^T + b_i`` for a group of Linears sharing the input ``x``; params are
     ``W_0, b_0, W_1, b_1, ...`` (``b_i`` may be None)."""
 
     @staticmethod
-    def forward(ctx, x, layer: RingLayer, modules: tuple[nn.Module, ...], *params):
+    def forward(ctx, x, layer: RingLayer, members: tuple[LinearMember, ...], *params):
         state, ring = layer.state, layer.state.ring
-        out_features = tuple(module.out_features for module in modules)
+        out_features = tuple(member.out_features for member in members)
         weights = params[0::2]
         dtype = state.compute_dtype(weights[0].dtype)
         layouts = [ShardLayout(rows, ring.size) for rows in out_features]
@@ -168,7 +177,7 @@ class _RingLinearFunction(torch.autograd.Function):
         with record_function(f"rsdp::ring_forward ({layer.name})"):
             ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
         ctx.save_for_backward(x2d, *weights)
-        ctx.layer, ctx.modules, ctx.out_features = layer, modules, out_features
+        ctx.layer, ctx.members, ctx.out_features = layer, members, out_features
         ctx.has_bias = [p is not None for p in params[1::2]]
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return tuple(outs)
@@ -219,7 +228,7 @@ class _RingLinearFunction(torch.autograd.Function):
                     _write_product(view, dy_shard.t(), x2d)
 
         with record_function(f"rsdp::ring_backward ({layer.name})"):
-            keys = [(id(ctx.modules[member]), "bias" if is_bias else "weight") for member, is_bias in wanted]
+            keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
             reduced = _ring_backward(layer, message, len(weight_segments), keys, pack_weights, use_weights, contribute)
         grads = [None] * len(need_params)
         if reduced is not None:
@@ -322,6 +331,7 @@ def _shard_selection(flat_indices: torch.Tensor, layout: ShardLayout, padding_id
 def local_shard(param: nn.Parameter | None, module: nn.Module, name: str) -> torch.Tensor | None:
     if param is None:
         return None
+    param = getattr(param, "sharded_param", param)  # a RingOperand stands in for it while its module runs
     if not isinstance(param, DTensor):
         raise RuntimeError(
             f"rsdp: {type(module).__name__}.{name} is no longer the sharded DTensor parameter that "
@@ -336,7 +346,8 @@ def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Te
     params = []
     for module in modules:
         params += [local_shard(module.weight, module, "weight"), local_shard(module.bias, module, "bias")]
-    return _RingLinearFunction.apply(input, layer, tuple(modules), *params)
+    members = tuple(LinearMember(module.out_features, id(module)) for module in modules)
+    return _RingLinearFunction.apply(input, layer, members, *params)
 
 
 # The ring is a loop of point-to-point messages, which torch.compile cannot capture: each ring layer

@@ -33,6 +33,8 @@ from torch.distributed.utils import _apply_to_tensors
 from .._compat import DTensor, FSDPState, MixedPrecisionPolicy, at_end_of_backward, current_graph_task_id, in_backward
 from ._collectives import GatheredParams
 from ._fusion import SharedInputFusion
+from ._operand import RingOperand
+from ._ops import local_shard
 from ._ring import Ring, release_ring_buffers
 
 
@@ -85,6 +87,8 @@ class RSDPState(FSDPState):
         self.requires_gradient_sync = True
         self.gathered: GatheredParams | None = None
         self._gathered_slots: list[tuple[nn.Module, str, int]] = []
+        # (module, attribute, ring layer) of every weight installed as a RingOperand while it runs.
+        self.operand_slots: list[tuple[nn.Module, str, Any]] = []
         # The backward (graph task) whose post-backward this state awaits, None when none does.
         self._post_backward_task: int | None = None
         self.forward_depth = 0  # this module's forwards running now (nested calls count)
@@ -123,7 +127,7 @@ class RSDPState(FSDPState):
         return self._unsynced.pop(key, None)
 
     def set_gathered(
-        self, params: list[nn.Parameter], slots: list[tuple[nn.Module, str, int]], reshard_after_forward: bool | None
+        self, params: list[nn.Parameter], slots: list[tuple[nn.Module, str, int]], reshard_after_forward: bool
     ) -> None:
         """``slots`` lists (module, attribute, index into ``params``) for every place a gathered
         parameter is registered."""
@@ -142,15 +146,16 @@ class RSDPState(FSDPState):
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
             args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
-        if self.gathered is None:
+        if not self.installs_params:
             return args, kwargs
         if in_backward():  # a recomputation: the module's backward needs what it installs
-            self._install_full_params()
+            self._install_params()
             self._await_post_backward()
             return args, kwargs
-        self._adopt_replaced_params()
-        self.gathered.gather()
-        self._install_full_params()
+        if self.gathered is not None:
+            self._adopt_replaced_params()
+            self.gathered.gather()
+        self._install_params()
         if torch.is_grad_enabled():
             args, kwargs = _RunAfterBackward.wrap(self, args, kwargs)
         return args, kwargs
@@ -163,9 +168,9 @@ class RSDPState(FSDPState):
         backward frees them when it ends)."""
         global _open_forwards
         self.fusion.end_forward()
-        if self.gathered is not None and not in_backward():
+        if self.installs_params and not in_backward():
             self.restore_sharded_params()
-            if self.gathered.reshard_after_forward or not backward_follows:
+            if self.gathered is not None and (self.gathered.reshard_after_forward or not backward_follows):
                 self.gathered.free()
         _open_forwards -= 1
         self.forward_depth -= 1
@@ -174,9 +179,9 @@ class RSDPState(FSDPState):
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        needs_grad: list[torch.Tensor] = []
-        if self.gathered is not None and torch.is_grad_enabled() and not in_backward():
-            _apply_to_tensors(lambda t: needs_grad.append(t) if t.requires_grad else None, output)
+        needs_grad = []
+        if self.installs_params and torch.is_grad_enabled() and not in_backward():
+            needs_grad = _needing_grad(output)
         self.end_forward(backward_follows=bool(needs_grad))
         for tensor in needs_grad:
             tensor.register_hook(self._pre_backward)
@@ -187,14 +192,25 @@ class RSDPState(FSDPState):
     @torch.compiler.disable
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self._post_backward_task != current_graph_task_id():
-            self._install_full_params()
+            self._install_params()
             self._await_post_backward()
         return grad
 
-    def _install_full_params(self) -> None:
-        full = self.gathered.full if self.gathered.is_gathered else self.gathered.gather()
-        for owner, name, index in self._gathered_slots:
-            owner._parameters[name] = full[index]
+    @property
+    def installs_params(self) -> bool:
+        return self.gathered is not None or bool(self.operand_slots)
+
+    def _install_params(self) -> None:
+        """The full gathered parameters and the ring operands, under the parameters' names."""
+        if self.gathered is not None:
+            full = self.gathered.full if self.gathered.is_gathered else self.gathered.gather()
+            for owner, name, index in self._gathered_slots:
+                owner._parameters[name] = full[index]
+        for owner, name, layer in self.operand_slots:
+            current = owner._parameters.get(name)
+            if not isinstance(current, RingOperand):
+                local_shard(current, owner, name)  # raises if it is no longer a sharded parameter
+                owner._parameters[name] = RingOperand(current, layer)
 
     def _await_post_backward(self) -> None:
         task = current_graph_task_id()
@@ -211,14 +227,20 @@ class RSDPState(FSDPState):
         if self._post_backward_task is None:
             return
         self._post_backward_task = None
-        self.gathered.reduce_gradients()
+        if self.gathered is not None:
+            self.gathered.reduce_gradients()
         self.restore_sharded_params()
-        self.gathered.free()
+        if self.gathered is not None:
+            self.gathered.free()
 
     def restore_sharded_params(self) -> None:
         if self.gathered is not None:
             for owner, name, index in self._gathered_slots:
                 owner._parameters[name] = self.gathered.params[index]
+        for owner, name, _ in self.operand_slots:
+            current = owner._parameters.get(name)
+            if isinstance(current, RingOperand):
+                owner._parameters[name] = current.sharded_param
 
     def _adopt_replaced_params(self) -> None:
         """Honour a gathered parameter replaced since the last forward (``load_state_dict(assign=True)``)
@@ -282,9 +304,24 @@ class _RunAfterBackward(torch.autograd.Function):
 
     @classmethod
     def wrap(cls, state: RSDPState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        inputs: list[torch.Tensor] = []
-        _apply_to_tensors(lambda t: inputs.append(t) if t.requires_grad else None, (args, kwargs))
+        inputs = _needing_grad((args, kwargs))
         if not inputs:
             return args, kwargs
-        outputs = iter(cls.apply(state, *inputs))
-        return _apply_to_tensors(lambda t: next(outputs) if t.requires_grad else t, (args, kwargs))
+        outputs = list(cls.apply(state, *inputs))
+        del inputs
+        # Consumed to the end: see _needing_grad.
+        return _apply_to_tensors(lambda t: outputs.pop(0) if t.requires_grad else t, (args, kwargs))
+
+
+def _needing_grad(value) -> list[torch.Tensor]:
+    """The tensors in ``value`` (nested containers, dataclasses) that need a gradient.
+
+    torch's ``_apply_to_tensors`` keeps the function it is given in a reference cycle until the garbage
+    collector runs, so that function must not be left holding tensors: a module's outputs (the logits)
+    would stay alive until the next collection.
+    """
+    found: list[torch.Tensor] = []
+    _apply_to_tensors(lambda t: found.append(t) if t.requires_grad else None, value)
+    tensors = found.copy()
+    found.clear()
+    return tensors

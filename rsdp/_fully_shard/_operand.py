@@ -1,0 +1,329 @@
+"""Rotation at the op level: a ring weight rotates however its module's code uses it.
+
+While an rsdp module runs (its forward, and its backward for a recomputation), every ``Shard(0)`` weight
+it manages that has a ring form is installed as a :class:`RingOperand`: a tensor subclass carrying the
+sharded parameter, with no data of its own. Its ``__torch_function__`` runs the ring when an op with a
+ring form consumes it, whatever the module's class:
+
+- ``F.linear(x, w, b)`` and ``x @ w.t()`` (``w`` stored ``[out, in]``, rows split): the Linear ring,
+  output columns concatenated (``_ops.py``);
+- ``torch.addmm(b, x, w)``, ``x @ w``, ``torch.mm`` / ``torch.matmul`` (``w`` stored ``[in, out]``, rows
+  split: Hugging Face's ``Conv1D``): the input-split ring below, partial products summed;
+- ``F.embedding(i, w)``: the Embedding ring;
+- ``w.t()`` / ``w.T`` / ``w.transpose(0, 1)`` give a transposed operand, ``w.to_local()`` the operand itself
+  (torchtitan's Embedding calls ``F.embedding`` on ``weight.to_local()``).
+
+It works for a weight reached from another module too (``F.linear(x, self.wte.weight)``, a tied head in
+the root's forward), because the root installs operands for every ring weight it manages.
+
+Why a tensor subclass and not a ``TorchFunctionMode`` scoped to the module: a mode lives on a
+thread-local stack that hooks cannot enter in pre-forward and leave in post-backward, whereas an operand
+sits in the module's ``_parameters`` exactly like FSDP2's unsharded parameter, so recomputation by
+activation checkpointing (which may run ``forward`` without the hooks) finds it in place.
+
+Any other op on an operand (``conv2d``, an elementwise use of a weight) runs on the full weight,
+gathered for that op and recomputed in backward (a checkpoint around the op), so no full weight outlives
+the op; rsdp warns once per parameter and op. Shape and dtype queries answer for the full weight.
+
+Pitfalls:
+- An operand is not an ``nn.Parameter``; code that needs the parameter object itself (an optimizer built
+  during forward) must run outside the module's forward.
+- The ring runs inside the op: every rank must make the same sequence of ring ops, as with any
+  collective.
+"""
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.profiler import record_function
+from torch.utils.checkpoint import checkpoint
+
+from .._compat import all_gather_flat, reduce_scatter_flat
+from ._ops import LinearMember, RingLayer, _RingEmbeddingFunction, _RingLinearFunction, _ring_backward, _write_product
+from ._param import Segment, ShardLayout, message_of
+from ._ring import Phase
+
+_warned: set[tuple[int, str]] = set()
+
+
+class RingOperand(torch.Tensor):
+    """A ring weight while its module runs: ``sharded_param`` (``Shard(0)``, rows over the ring) seen as
+    its full shape, or its transpose."""
+
+    sharded_param: torch.nn.Parameter
+    layer: RingLayer
+    transposed: bool
+
+    @staticmethod
+    def __new__(cls, sharded_param, layer: RingLayer, transposed: bool = False):
+        shape = sharded_param.shape if not transposed else sharded_param.shape[::-1]
+        operand = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            dtype=sharded_param.dtype,
+            device=sharded_param.to_local().device,
+            requires_grad=sharded_param.requires_grad,
+        )
+        operand.sharded_param, operand.layer, operand.transposed = sharded_param, layer, transposed
+        return operand
+
+    def __repr__(self):
+        return f"RingOperand({self.layer.name}, shape={tuple(self.shape)}, transposed={self.transposed})"
+
+    def to_local(self) -> "RingOperand":
+        return self
+
+    def local(self) -> torch.Tensor:
+        return self.sharded_param.to_local()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            result = handler(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        if func in _METADATA or getattr(func, "__name__", "") in _METADATA_NAMES:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        return _on_full_weights(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"rsdp: {func} reached a RingOperand below torch functions; this is a bug in rsdp")
+
+
+_METADATA = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.element_size,
+    torch.Tensor.stride,
+    torch.Tensor.__len__,
+}
+# Property getters (shape, dtype, device, requires_grad, ndim, ...) arrive as their __get__ methods.
+_METADATA_NAMES = {"__get__"}
+
+
+def _full_weight(operand: RingOperand) -> torch.Tensor:
+    full = _GatherShards.apply(operand.local(), operand.layer, operand.sharded_param.shape[0])
+    return full.t() if operand.transposed else full
+
+
+def _on_full_weights(func, args, kwargs):
+    """An op with no ring form: run it on the gathered weights inside a checkpoint, so that backward
+    gathers them again instead of keeping them."""
+    for operand in (a for a in (*args, *kwargs.values()) if isinstance(a, RingOperand)):
+        name = getattr(func, "__name__", str(func))
+        if (id(operand.sharded_param), name) not in _warned:
+            _warned.add((id(operand.sharded_param), name))
+            warnings.warn(
+                f"rsdp: {operand.layer.name} is used by {name}, which has no ring form; it is all-gathered for "
+                "that op (and again in backward). Use it through F.linear / matmul / F.embedding to rotate it.",
+                stacklevel=3,
+            )
+
+    def run():
+        fill = lambda a: _full_weight(a) if isinstance(a, RingOperand) else a  # noqa: E731
+        return func(*(fill(a) for a in args), **{k: fill(v) for k, v in kwargs.items()})
+
+    if not torch.is_grad_enabled():
+        return run()
+    return checkpoint(run, use_reentrant=False)
+
+
+class _GatherShards(torch.autograd.Function):
+    """The full weight from every rank's shard (one all-gather); backward reduce-scatters its gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, layer: RingLayer, rows: int):
+        state = layer.state
+        layout = ShardLayout(rows, state.ring.size)
+        trailing = local.shape[1:]
+        dtype = state.compute_dtype(local.dtype)
+        send = torch.zeros(layout.chunk, *trailing, dtype=dtype, device=local.device)
+        send[: local.shape[0]].copy_(local)
+        received = torch.empty(state.ring.size * layout.chunk, *trailing, dtype=dtype, device=local.device)
+        all_gather_flat(received, send, group=state.ring.group)
+        ctx.state, ctx.layout, ctx.local_dtype = state, layout, local.dtype
+        return received[: layout.rows]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        state, layout = ctx.state, ctx.layout
+        padded = grad.new_zeros(state.ring.size * layout.chunk, *grad.shape[1:], dtype=state.reduce_dtype(ctx.local_dtype))
+        padded[: layout.rows].copy_(grad)
+        reduced = padded.new_empty(layout.chunk, *grad.shape[1:])
+        reduce_scatter_flat(reduced, padded, group=state.ring.group)
+        state.finish_gradient(reduced)
+        return reduced[: layout.rows_of(state.ring.rank)].to(ctx.local_dtype), None, None
+
+
+class _RingInputSplitFunction(torch.autograd.Function):
+    """``y = x W`` for ``W`` stored ``[in, out]`` with its rows (input features) split over the ring: each
+    step adds ``x[:, rows of shard s] W_s``; backward writes ``dy W_s^T`` into the input gradient's
+    columns of shard s and sends ``x[:, rows of s]^T dy`` on to its owner."""
+
+    @staticmethod
+    def forward(ctx, x, layer: RingLayer, full_shape: tuple[int, int], weight):
+        state, ring = layer.state, layer.state.ring
+        in_features, out_features = full_shape
+        dtype = state.compute_dtype(weight.dtype)
+        layout = ShardLayout(in_features, ring.size)
+        message = message_of((Segment(layout, weight.shape[1:], dtype),))
+        x2d = x.reshape(-1, in_features).to(dtype)
+        out = x2d.new_zeros(x2d.shape[0], out_features)
+
+        def during(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.weight_shard_at(step)
+            if layout.rows_of(shard):
+                out.addmm_(x2d[:, layout.start(shard) : layout.stop(shard)], message.views(buffer, shard)[0])
+
+        start = message.as_is([weight])
+        if start is None:
+            start = lambda buffer: message.pack(buffer, ring.rank, [weight])  # noqa: E731
+        with record_function(f"rsdp::ring_forward ({layer.name})"):
+            ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+        ctx.save_for_backward(x2d, weight)
+        ctx.layer, ctx.full_shape, ctx.x_shape, ctx.x_dtype = layer, full_shape, x.shape, x.dtype
+        return out.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x2d, weight = ctx.saved_tensors
+        layer = ctx.layer
+        state, ring = layer.state, layer.state.ring
+        in_features, out_features = ctx.full_shape
+        dtype = state.compute_dtype(weight.dtype)
+        layout = ShardLayout(in_features, ring.size)
+        need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        dy = grad_out.reshape(-1, out_features).to(dtype)
+        weight_segments = [Segment(layout, weight.shape[1:], dtype)] if need_x else []
+        grad_segments = [Segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
+        message = message_of(tuple(weight_segments + grad_segments))
+        grad_x = torch.zeros_like(x2d) if need_x else None
+
+        def pack_weights(views: list[torch.Tensor]) -> None:
+            views[0].copy_(weight)
+
+        def use_weights(shard: int, views: list[torch.Tensor]) -> None:
+            if layout.rows_of(shard):
+                grad_x[:, layout.start(shard) : layout.stop(shard)].addmm_(dy, views[0].t())
+
+        def contribute(shard: int, views: list[torch.Tensor]) -> None:
+            _write_product(views[0], x2d[:, layout.start(shard) : layout.stop(shard)].t(), dy)
+
+        with record_function(f"rsdp::ring_backward ({layer.name})"):
+            keys = [(id(layer), "weight")] if need_weight else []
+            reduced = _ring_backward(layer, message, len(weight_segments), keys, pack_weights, use_weights, contribute)
+        grad_weight = None if reduced is None else reduced[0].to(weight.dtype)
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+        return grad_x, None, None, grad_weight
+
+
+def _check_input(x, operand: RingOperand, features: int) -> None:
+    # Checked before the ring starts: a rank that failed half-way through a ring step would leave its
+    # peers waiting for the process group's timeout.
+    if not isinstance(x, torch.Tensor) or isinstance(x, RingOperand) or not x.is_floating_point():
+        raise TypeError(f"rsdp {operand.layer.name}: the input multiplied by this ring weight must be a floating-point tensor")
+    if x.dim() == 0 or x.shape[-1] != features:
+        raise ValueError(
+            f"rsdp {operand.layer.name}: input of shape {tuple(x.shape)} does not end in the weight's {features} input features"
+        )
+    if x.device != operand.device:
+        raise ValueError(
+            f"rsdp {operand.layer.name}: input is on {x.device} but the parameters are on {operand.device}; move the input there first."
+        )
+
+
+def _times(x, operand) -> torch.Tensor | type(NotImplemented):
+    """``x @ operand`` by the ring that fits how the weight is stored."""
+    if not isinstance(operand, RingOperand) or isinstance(x, RingOperand) or operand.dim() != 2:
+        return NotImplemented
+    if operand.transposed:  # stored [out, in]: a Linear's weight
+        _check_input(x, operand, operand.shape[0])
+        member = LinearMember(operand.sharded_param.shape[0], id(operand.layer))
+        return _RingLinearFunction.apply(x, operand.layer, (member,), operand.local(), None)[0]
+    _check_input(x, operand, operand.shape[0])  # stored [in, out]: Conv1D
+    return _RingInputSplitFunction.apply(x, operand.layer, tuple(operand.shape), operand.local())
+
+
+def _plain(tensor):
+    return _full_weight(tensor) if isinstance(tensor, RingOperand) else tensor
+
+
+def _linear(input, weight, bias=None):
+    if not isinstance(weight, RingOperand) or weight.dim() != 2:
+        return NotImplemented
+    if not weight.transposed and isinstance(bias, RingOperand) and input.is_floating_point():
+        # A stock Linear's weight and bias read by other code: they rotate together.
+        _check_input(input, weight, weight.shape[1])
+        member = LinearMember(weight.shape[0], id(weight.layer))
+        return _RingLinearFunction.apply(input, weight.layer, (member,), weight.local(), bias.local())[0]
+    out = _times(input, _transposed(weight))
+    return out if bias is None else out + _plain(bias)
+
+
+def _transposed(operand: RingOperand, dim0: int = 0, dim1: int = 1):
+    if not isinstance(operand, RingOperand) or operand.dim() != 2 or {dim0 % 2, dim1 % 2} != {0, 1}:
+        return NotImplemented
+    return RingOperand(operand.sharded_param, operand.layer, not operand.transposed)
+
+
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    if out is not None or isinstance(input, RingOperand):
+        return NotImplemented
+    product = _times(mat1, mat2)
+    if product is NotImplemented:
+        return NotImplemented
+    return beta * input + alpha * product if (beta, alpha) != (1, 1) else input + product
+
+
+def _matmul(input, other, *, out=None):
+    return NotImplemented if out is not None else _times(input, other)
+
+
+def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
+    if not isinstance(weight, RingOperand) or weight.transposed or max_norm is not None or scale_grad_by_freq or sparse:
+        return NotImplemented
+    if input.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"rsdp {weight.layer.name}: indices must be int32 or int64, got {input.dtype}")
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return _RingEmbeddingFunction.apply(input, weight.local(), weight.layer, weight.shape[0], padding_idx)
+
+
+def _on_sharded_param(method):
+    """Hooks go to the sharded parameter: it is the leaf whose ``.grad`` receives the gradient."""
+
+    def handler(operand, *args, **kwargs):
+        return method(operand.sharded_param, *args, **kwargs)
+
+    return handler
+
+
+_HANDLERS = {
+    torch.Tensor.register_hook: _on_sharded_param(torch.Tensor.register_hook),
+    torch.Tensor.register_post_accumulate_grad_hook: _on_sharded_param(torch.Tensor.register_post_accumulate_grad_hook),
+    F.linear: _linear,
+    F.embedding: _embedding,
+    torch.addmm: _addmm,
+    torch.mm: _matmul,
+    torch.matmul: _matmul,
+    torch.Tensor.matmul: _matmul,
+    torch.Tensor.mm: _matmul,
+    torch.Tensor.__matmul__: _matmul,
+    torch.Tensor.t: _transposed,
+    torch.t: _transposed,
+    torch.Tensor.transpose: _transposed,
+    torch.transpose: _transposed,
+    torch.Tensor.T.__get__: _transposed,
+}
+
