@@ -34,6 +34,15 @@ class Strategy(str, enum.Enum):
     FSDP = "fsdp"
     RSDP = "rsdp"
 
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str) and value.lower() in cls._value2member_map_:
+            return cls(value.lower())
+        raise ValueError(
+            f"{value!r} is not a strategy; use one of {[s.value for s in cls]} (Strategy.REPLICATE, "
+            "Strategy.FSDP for torch's fully_shard, Strategy.RSDP for rsdp_shard)."
+        )
+
 
 RuleKey = str | type[nn.Module]
 

@@ -138,3 +138,36 @@ def full_state_dict_case():
 
 def test_full_state_dict_loads_into_plain_model(ranks):
     ranks.run(3, full_state_dict_case)
+
+
+def coming_from_ddp_case(path):
+    """README, "Coming from DDP": a model built on the meta device, sharded and materialised takes a
+    full state dict from rank 0 (broadcast), and ``dcp.save`` / ``dcp.load`` of ``model.state_dict()``
+    round-trip into a differently initialised model."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    rank, _ = rank_and_world()
+    torch.manual_seed(0)
+    plain = TinyLM(vocab=VOCAB, dim=DIM, heads=2, hidden=14, layers=2)
+    with torch.device("meta"):
+        model = TinyLM(vocab=VOCAB, dim=DIM, heads=2, hidden=14, layers=2)
+    for layer in model.layers:
+        rsdp_shard(layer)
+    rsdp_shard(model)
+    model.to_empty(device="cpu")
+    full_sd = plain.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    assert model.lm_head.weight is model.embed.weight
+    for name, param in model.named_parameters():
+        assert torch.equal(full(param), plain.state_dict()[name]), name
+    assert_close(probe_output(model), plain(global_batch(-1)).detach(), what="output", rtol=1e-6, atol=1e-6)
+
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    other = build("rsdp", seed=7)
+    dcp.load(other.state_dict(), checkpoint_id=path)
+    for name, param in other.named_parameters():
+        assert torch.equal(full(param), plain.state_dict()[name]), name
+
+
+def test_meta_device_init_and_dcp_round_trip(ranks, tmp_path):
+    ranks.run(3, coming_from_ddp_case, str(tmp_path / "checkpoint"))

@@ -1,5 +1,6 @@
 """Bad input gets a clear error that names the problem and the fix; a dead peer is an error, not a hang."""
 
+import copy
 import os
 import signal
 import time
@@ -11,9 +12,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
-from models import rank_and_world
+import rsdp
+from models import TinyLM, assert_close, assert_param_grads_match, rank_and_world, twin
 from rank_pool import RankFailure, RankPool
-from rsdp import rsdp_shard
+from rsdp import Strategy, parallelize, rsdp_shard
 from rsdp._compat import Shard, fully_shard
 
 
@@ -130,6 +132,114 @@ def input_on_wrong_device_case():
     _raises(ValueError, "input is on meta", lambda: model(torch.zeros(2, 3, device="meta")))
 
 
+def root_sharded_before_blocks_case():
+    model = TinyLM(layers=2)
+    rsdp_shard(model)
+    _raises(ValueError, "already sharded on this mesh by an rsdp_shard .*bottom-up", lambda: rsdp_shard(model.layers[0]))
+    # The same after a meta-device model is materialised (to_empty replaces the parameters' data).
+    with torch.device("meta"):
+        model = TinyLM(layers=2)
+    rsdp_shard(model)
+    model.to_empty(device="cpu")
+    _raises(ValueError, "already sharded on this mesh by an rsdp_shard .*bottom-up", lambda: rsdp_shard(model.layers[0]))
+
+
+class UsesShared(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.shared, self.own = shared, nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.own(self.shared(x))
+
+
+class SharesASubmodule(nn.Module):
+    """``a`` and ``b`` call one submodule (both hold it)."""
+
+    def __init__(self):
+        super().__init__()
+        shared = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.a, self.b = UsesShared(shared), UsesShared(shared)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def submodule_shared_by_two_units_case():
+    model = SharesASubmodule()
+    rsdp_shard(model.a)
+    _raises(ValueError, "shares this submodule.*two modules share once, with its own rsdp_shard call", lambda: rsdp_shard(model.b))
+    # The fix the message names: the shared submodule's own call first; then it is exact.
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    model = SharesASubmodule().double()
+    reference = twin(model)
+    for module in (model.a.shared, model.a, model.b, model):
+        rsdp_shard(module)
+    x = torch.randn(2 * world, 4, dtype=torch.float64)
+    model(x[2 * rank : 2 * rank + 2]).pow(2).sum().backward()
+    expected = reference(x)
+    expected.pow(2).sum().backward()
+    assert_close(model(x[2 * rank : 2 * rank + 2]), expected[2 * rank : 2 * rank + 2], what="output")
+    assert_param_grads_match(model, reference, 1 / world)
+
+
+def deepcopy_case():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5))
+    rsdp_shard(model[0])
+    rsdp_shard(model)
+    _raises(TypeError, "deepcopy of an rsdp module.*not supported.*load_state_dict", lambda: copy.deepcopy(model))
+    _raises(TypeError, "deepcopy of an rsdp module", lambda: copy.deepcopy(nn.ModuleList([model])))
+    # The fix the message names: a second model sharded the same way, loaded from the first.
+    other = nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5))
+    rsdp_shard(other[0])
+    rsdp_shard(other)
+    other.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(other(x), model(x))
+
+
+def bad_strategy_case():
+    _raises(ValueError, r"'fsdp2' is not a strategy; use one of \['replicate', 'fsdp', 'rsdp'\]", lambda: Strategy("fsdp2"))
+    _raises(ValueError, r"'ddp' is not a strategy; use one of", lambda: parallelize(TinyLM(layers=1), {"layers.*": "ddp"}))
+    assert Strategy("FSDP") is Strategy.FSDP
+
+
+def plan_with_empty_batch_case():
+    tokens = torch.randint(0, 37, (2, 5))
+    _raises(ValueError, r"batch sizes must be positive, got \[0\]", lambda: rsdp.plan(TinyLM(layers=1), memory_budget=2**30, sample_input=tokens, batch_sizes=[0]))
+    _raises(ValueError, "batch sizes must be positive", lambda: rsdp.plan(TinyLM(layers=1), memory_budget=2**30, sample_input=tokens[:0]))
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+class TokensToVector(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+
+    def forward(self, tokens):
+        return super().forward(self.embed(tokens)).mean(1)
+
+
+def plan_without_language_model_loss_case():
+    _raises(ValueError, r"default loss_fn is next-token.*Regressor was given a torch.float32 tensor.*Pass loss_fn=",
+            lambda: rsdp.plan(Regressor(), memory_budget=2**30, sample_input=torch.randn(2, 4)))
+    _raises(ValueError, r"TokensToVector returned a torch.float32 tensor of shape \(2, 1\).*Pass loss_fn=",
+            lambda: rsdp.plan(TokensToVector(), memory_budget=2**30, sample_input=torch.randint(0, 7, (2, 3))))
+    # With its own loss it plans.
+    chosen = rsdp.plan(Regressor(), memory_budget=2**30, sample_input=torch.randn(2, 4), loss_fn=lambda model, x: model(x).sum())
+    assert chosen.batch_size == 2
+
+
 @pytest.mark.parametrize(
     "world, case",
     [
@@ -151,6 +261,12 @@ def input_on_wrong_device_case():
         (1, float_indices_case),
         (1, input_on_wrong_device_case),
         (2, double_backward_case),
+        (2, root_sharded_before_blocks_case),
+        (2, submodule_shared_by_two_units_case),
+        (2, deepcopy_case),
+        (1, bad_strategy_case),
+        (1, plan_with_empty_batch_case),
+        (1, plan_without_language_model_loss_case),
     ],
     ids=lambda value: value.__name__.removesuffix("_case") if callable(value) else str(value),
 )
@@ -231,3 +347,23 @@ def test_ranks_running_different_layers_raise_instead_of_mixing_weights():
     for result in results:
         assert result["raised"] is not None, result
         assert PEER_TIMEOUT_S * 0.8 <= result["seconds"] < PEER_TIMEOUT_S * 3, result
+
+
+def one_rank_bad_input_case(kind):
+    """Only rank 1's input is wrong (shape, dtype or device checks, made before the ring starts): rank 1
+    raises at once; rank 0 is already in the ring and raises after the process group's timeout."""
+    rank, _ = rank_and_world()
+    if kind == "linear_features":
+        model, good, bad = rsdp_shard(nn.Linear(3, 5)), torch.zeros(2, 3), torch.zeros(2, 4)
+    else:
+        model, good, bad = rsdp_shard(nn.Embedding(5, 3)), torch.zeros(2, dtype=torch.long), torch.zeros(2)
+    return _timed_step(lambda: model(bad if rank == 1 else good))
+
+
+@pytest.mark.parametrize("kind", ["linear_features", "embedding_float_indices"])
+def test_bad_input_on_one_rank_raises_there_and_after_the_timeout_on_its_peers(kind):
+    results, errors = run_with_short_timeout(2, one_rank_bad_input_case, kind)
+    assert not errors, errors
+    assert results[1]["raised"] in ("ValueError", "TypeError") and results[1]["seconds"] < 1, results[1]
+    assert results[0]["raised"] is not None, results[0]
+    assert PEER_TIMEOUT_S * 0.8 <= results[0]["seconds"] < PEER_TIMEOUT_S * 3, results[0]

@@ -75,7 +75,7 @@ def bad_policy_case(policy, error, match):
         ({"layer.*": "rsdp"}, ValueError, "match no module"),
         ({"layers": "rsdp"}, ValueError, "no forward of its own"),
         ({"embed": "fsdp", "lm_head": "fsdp"}, ValueError, "tied"),
-        ({"layers.*": "zero3"}, ValueError, "is not a valid Strategy"),
+        ({"layers.*": "zero3"}, ValueError, r"'zero3' is not a strategy; use one of \['replicate', 'fsdp', 'rsdp'\]"),
         ({3: "rsdp"}, TypeError, "module names or module types"),
         (["layers.*"], TypeError, "must map module names"),
     ],

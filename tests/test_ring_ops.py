@@ -6,6 +6,7 @@ random ``upstream``, so input gradients match exactly and parameter gradients ar
 divided by the world size (rsdp's default is the mean over data-parallel ranks, as FSDP2's).
 """
 
+import pytest
 import torch
 import torch.nn as nn
 from hypothesis import given
@@ -172,3 +173,124 @@ def in_place_case(seed, vocab, dim, rows):
 @given(world=worlds, vocab=st.integers(2, 9), dim=sizes, rows=st.integers(1, 2))
 def test_in_place_ops_on_ring_outputs(ranks, world, vocab, dim, rows):
     ranks.run(world, in_place_case, 3, vocab, dim, rows)
+
+
+def uneven_batches(world, empty):
+    """Per-rank batch sizes for issue 12.6: 0 on the ranks in ``empty``, 1, 2, 1, ... on the others
+    (ranks may have different batch sizes, and one may have none)."""
+    return [0 if rank in empty else 1 + rank % 2 for rank in range(world)]
+
+
+def own_rows(tensor, sizes, rank):
+    start = sum(sizes[:rank])
+    return tensor[start : start + sizes[rank]]
+
+
+def check_uneven_against_reference(model, reference, inputs, upstream, sizes):
+    """``check_against_reference`` with a batch of ``sizes[rank]`` rows on each rank."""
+    rank, world = rank_and_world()
+    local_inputs = own_rows(inputs, sizes, rank).clone().requires_grad_(inputs.is_floating_point())
+    out = model(local_inputs)
+    (out * own_rows(upstream, sizes, rank)).sum().backward()
+
+    reference_inputs = inputs.clone().requires_grad_(inputs.is_floating_point())
+    reference_out = reference(reference_inputs)
+    (reference_out * upstream).sum().backward()
+
+    assert_close(out, own_rows(reference_out, sizes, rank), what="output")
+    if local_inputs.is_floating_point():
+        assert_close(local_inputs.grad, own_rows(reference_inputs.grad, sizes, rank), what="input grad")
+    assert_param_grads_match(model, reference, 1 / world)
+
+
+class SharedInput(nn.Module):
+    """Three Linears on one input: after the first forward they share one ring (a fused group)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.q(x) * self.k(x) + self.v(x)
+
+
+def empty_batch_case(kind, empty):
+    torch.manual_seed(5)
+    _, world = rank_and_world()
+    sizes = uneven_batches(world, empty)
+    total = sum(sizes)
+    if kind == "linear":
+        model = nn.Linear(4, 5, dtype=torch.float64)
+        inputs, out_shape = torch.randn(total, 3, 4, dtype=torch.float64), (total, 3, 5)
+    elif kind == "embedding":
+        model = nn.Embedding(7, 3, padding_idx=2, dtype=torch.float64)
+        inputs, out_shape = torch.randint(0, 7, (total, 4)), (total, 4, 3)
+    elif kind == "fused":
+        model = SharedInput(4).double()
+        inputs, out_shape = torch.randn(total, 3, 4, dtype=torch.float64), (total, 3, 4)
+    else:
+        model = Mixed(7, 4, 5).double()
+        inputs, out_shape = torch.randint(0, 7, (total, 4)), (total, 4, 7)
+    reference = twin(model)
+    if kind == "mixed":
+        rsdp_shard(model.inner)
+    rsdp_shard(model)
+    for _ in range(2):  # the second step runs the fused group's one ring
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        check_uneven_against_reference(model, reference, inputs, torch.randn(out_shape, dtype=torch.float64), sizes)
+    if kind == "fused":
+        assert len(model._get_rsdp_state().fusion._group_of) == 3, "q, k and v did not share a ring"
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding", "fused", "mixed"])
+@pytest.mark.parametrize("world, empty", [(1, {0}), (2, {0}), (2, {0, 1}), (3, {1}), (4, {0, 3})])
+def test_empty_batch_on_some_ranks_matches_reference(ranks, kind, world, empty):
+    ranks.run(world, empty_batch_case, kind, empty)
+
+
+def empty_batch_training_case(empty_per_step, checkpointing):
+    """Full TinyLM steps (every block and the root sharded, AdamW) where some ranks have no rows: the
+    loss is summed over tokens and divided by the global token count times the mean over ranks rsdp
+    applies, so every step equals the reference's on the whole batch."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from models import TinyLM, assert_params_match
+
+    torch.manual_seed(6)
+    rank, world = rank_and_world()
+    model = TinyLM(vocab=13, dim=8, heads=2, hidden=10, layers=2, checkpointing=checkpointing).double()
+    reference = twin(model)
+    for block in model.layers:
+        rsdp_shard(block)
+    rsdp_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def summed_loss(logits, tokens):
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+
+    for step, empty in enumerate(empty_per_step):
+        sizes = uneven_batches(world, empty)
+        tokens = torch.randint(0, 13, (sum(sizes), 5))
+        predicted = max(tokens.shape[0] * (tokens.shape[1] - 1), 1)  # a step with no rows has loss 0
+        loss = summed_loss(model(own_rows(tokens, sizes, rank)), own_rows(tokens, sizes, rank)) * world / predicted
+        loss.backward()
+        reference_loss = summed_loss(reference(tokens), tokens) / predicted
+        reference_loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        assert_close(total / world, reference_loss.detach(), what=f"loss at step {step}", rtol=1e-7)
+        assert_param_grads_match(model, reference, 1.0, rtol=1e-7, atol=1e-9)
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+    assert_params_match(model, reference, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("world, empty_per_step", [(1, [{0}, set()]), (2, [{1}, {0, 1}, set()]), (3, [{0}, {2}])])
+def test_training_steps_with_empty_batches_match_reference(ranks, world, empty_per_step, checkpointing):
+    ranks.run(world, empty_batch_training_case, empty_per_step, checkpointing)

@@ -17,7 +17,7 @@ from .._compat import (
     unwrap_activation_checkpoint,
 )
 from ._ops import RingLayer, ring_mixin_for
-from ._param import shard_parameter
+from ._param import placements_for, shard_parameter
 from ._ring import new_layer_tags
 from ._state import RSDPState
 from ._sub_block import RingSubBlock, plan_sub_blocks
@@ -168,6 +168,16 @@ class RSDPModule:
         instance.__init__(*args, **kwargs)
         return instance
 
+    def __deepcopy__(self, memo):
+        # FSDP2 refuses too ("FSDP does not support deepcopy"): a copy would share this module's ring
+        # tags, process group and hooks' state while holding other parameters.
+        raise TypeError(
+            f"rsdp: copy.deepcopy of an rsdp module ({type(self).__name__}) is not supported, as with FSDP2's "
+            "fully_shard: its state (ring, process group, hooks) cannot be copied. Deep-copy the model before "
+            "rsdp_shard (for a reference or EMA copy), or build and shard a second model the same way and load "
+            "this one's weights: `other.load_state_dict(model.state_dict())`."
+        )
+
     def __call__(self, *args, **kwargs):
         try:
             return super().__call__(*args, **kwargs)
@@ -175,7 +185,9 @@ class RSDPModule:
             # A forward that raises skips the post-forward hook. Non-reentrant activation
             # checkpointing does so on purpose (it stops recomputation early), so the sharded
             # parameters must be put back here.
-            self._get_rsdp_state().end_forward()
+            state = self._get_rsdp_state()
+            state.fusion.forward_raised()
+            state.end_forward()
             raise
 
     def _get_rsdp_state(self) -> RSDPState:
@@ -235,6 +247,7 @@ def register_rsdp_forward_method(module: nn.Module, method_name: str) -> None:
         try:
             output = method(*args, **kwargs)
         except BaseException:
+            state.fusion.forward_raised()
             state.end_forward()
             raise
         return state._post_forward(module, args, output)
@@ -306,6 +319,15 @@ def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner:
                 f"({param.device_mesh}); rsdp_shard shards plain parameters. Apply rsdp_shard before "
                 "other parallelisms, or shard this module with the mesh its parameters live on."
             )
+        # rsdp_shard's (and fully_shard's) own layout, or rsdp's mark: a data-parallel call came first.
+        if getattr(param, "_rsdp_sharded", False) or tuple(param.placements) == placements_for(mesh):
+            raise ValueError(
+                f"rsdp_shard: parameter {where} was already sharded on this mesh by an rsdp_shard (or "
+                "fully_shard) call on another module: either on a module that encloses this one, or on "
+                "another module that shares this submodule. Apply them bottom-up, as with fully_shard: each "
+                "block first, then the root; and shard a submodule that two modules share once, with its own "
+                "rsdp_shard call before either of them."
+            )
         raise ValueError(
             f"rsdp_shard: parameter {where} is already a DTensor ({param.placements}); rsdp_shard "
             "shards plain parameters and does not compose with tensor parallelism on the same module."
@@ -318,6 +340,7 @@ def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner:
             "give it shape (1,) instead."
         )
     sharded = shard_parameter(param, mesh, device, dim)
+    sharded._rsdp_sharded = True  # for the error above: a later call on an enclosing or sharing module
     _sharded_from[param] = sharded
     return sharded
 

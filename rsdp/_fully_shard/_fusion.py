@@ -39,6 +39,7 @@ class SharedInputFusion:
         self._group_of: dict[int, tuple[RingLayer, list[nn.Module]]] = {}
         self._formed: dict[int, tuple[RingLayer, list[nn.Module]]] = {}
         self._taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._raised = False
 
     def linear(self, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         if self.recording:
@@ -59,10 +60,20 @@ class SharedInputFusion:
             return waiting[1]
         return run_linear_group(module._rsdp_ring, [module], input)[0]
 
+    def forward_raised(self) -> None:
+        """The module's forward raised, perhaps on this rank only (an input that fails rsdp's checks):
+        its end must not form the groups, whose all-reduce the peers, waiting in a ring, would not join
+        (and the error would become a timeout). The next forward records again."""
+        self._raised = True
+
     def end_forward(self) -> None:
         """Called when the rsdp module's forward ends (or raises): drop untaken outputs, and after the
         first forward, form the groups."""
         self._taken.clear()
+        if self._raised:
+            self._raised = False
+            self._calls.clear()
+            return
         if self.recording:
             self.recording = False
             calls, self._calls = self._calls, []

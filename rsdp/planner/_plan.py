@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
@@ -77,8 +78,35 @@ class Plan:
 
 
 def _next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    _check_next_token_batch(model, tokens)
     logits = model(tokens)
+    if not (
+        isinstance(logits, torch.Tensor)
+        and logits.is_floating_point()
+        and logits.dim() == 3
+        and logits.shape[:2] == tokens.shape
+    ):
+        raise _not_a_language_model(model, f"returned {_describe(logits)}")
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _check_next_token_batch(model: nn.Module, tokens: torch.Tensor) -> None:
+    if not (isinstance(tokens, torch.Tensor) and tokens.dtype in (torch.int32, torch.int64) and tokens.dim() == 2):
+        raise _not_a_language_model(model, f"was given {_describe(tokens)}")
+
+
+def _not_a_language_model(model: nn.Module, what: str) -> ValueError:
+    return ValueError(
+        f"rsdp.plan: the default loss_fn is next-token cross-entropy, for a language model that takes token "
+        f"ids (batch, seq) and returns logits (batch, seq, vocab); {type(model).__name__} {what}. Pass "
+        "loss_fn=lambda model, batch: <your training loss> to rsdp.plan."
+    )
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _resize_batch(sample: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -130,8 +158,19 @@ def plan(
         cost_model: estimate for another cluster instead of measuring on this one.
 
     Raises:
-        ValueError: no plan fits; the message gives the smallest budget that would.
+        ValueError: no plan fits (the message gives the smallest budget that would); a batch size is
+            not positive; the default ``loss_fn`` meets a model that does not map token ids to logits.
     """
+    source = "batch_sizes" if batch_sizes else "sample_input's first dimension"
+    batch_sizes = list(batch_sizes or [sample_input.shape[0]])
+    if not all(isinstance(size, numbers.Integral) and size > 0 for size in batch_sizes):
+        raise ValueError(
+            f"rsdp.plan: batch sizes must be positive, got {batch_sizes} from {source}: a plan minimises "
+            "the step time per sample, which an empty batch does not have. (A plan, once chosen, also "
+            "runs ranks with different or empty batches.)"
+        )
+    if loss_fn is _next_token_loss:
+        _check_next_token_batch(model, sample_input)
     units = find_units(model)
     if not units:
         raise ValueError(f"rsdp.plan: {type(model).__name__} has no submodule with parameters to plan for.")
@@ -163,7 +202,7 @@ def plan(
         return {s: runs[s][0] for s in strategies}, runs[root_strategy][1]
 
     candidates = []  # (seconds per sample, predicted peak, Plan), the best plan per (batch, root) for each peak
-    for batch_size in batch_sizes or [sample_input.shape[0]]:
+    for batch_size in batch_sizes:
         for root_strategy in strategies:
             by_strategy, root = costs(batch_size, root_strategy)
             unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
