@@ -107,6 +107,14 @@ def in_selective_checkpoint() -> bool:
     return any(isinstance(mode, _SELECTIVE_CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack())
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs matrix products in on ``device_type`` now, or None where it is off
+    (``torch.is_autocast_enabled(device_type)`` and ``torch.get_autocast_dtype``: torch >= 2.4)."""
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def get_module_state(module: torch.nn.Module):
     """The composable state (FSDP2's, torch replicate's or rsdp's) that manages ``module``, or None."""
     return _get_module_state(module)
@@ -129,6 +137,7 @@ __all__ = [
     "TorchDispatchMode",
     "all_gather_flat",
     "at_end_of_backward",
+    "autocast_dtype",
     "current_graph_task_id",
     "flatten_mesh",
     "fully_shard",

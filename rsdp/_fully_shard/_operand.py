@@ -41,7 +41,15 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from .._compat import all_gather_flat, reduce_scatter_flat
-from ._ops import LinearMember, RingLayer, _RingEmbeddingFunction, _RingLinearFunction, _ring_backward, _write_product
+from ._ops import (
+    LinearMember,
+    RingLayer,
+    _RingEmbeddingFunction,
+    _RingLinearFunction,
+    _ring_backward,
+    _write_product,
+    autocast_like,
+)
 from ._param import Segment, ShardLayout, message_of
 from ._ring import Phase
 
@@ -173,7 +181,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
     def forward(ctx, x, layer: RingLayer, full_shape: tuple[int, int], weight):
         state, ring = layer.state, layer.state.ring
         in_features, out_features = full_shape
-        dtype = state.compute_dtype(weight.dtype)
+        dtype = state.matmul_dtype(weight.dtype)
         layout = ShardLayout(in_features, ring.size)
         message = message_of((Segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
@@ -190,7 +198,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
         with record_function(f"rsdp::ring_forward ({layer.name})"):
             ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
         ctx.save_for_backward(x2d, weight)
-        ctx.layer, ctx.full_shape, ctx.x_shape, ctx.x_dtype = layer, full_shape, x.shape, x.dtype
+        ctx.layer, ctx.full_shape, ctx.x_shape, ctx.x_dtype, ctx.dtype = layer, full_shape, x.shape, x.dtype, dtype
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
@@ -200,7 +208,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
         layer = ctx.layer
         state, ring = layer.state, layer.state.ring
         in_features, out_features = ctx.full_shape
-        dtype = state.compute_dtype(weight.dtype)
+        dtype = ctx.dtype
         layout = ShardLayout(in_features, ring.size)
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         dy = grad_out.reshape(-1, out_features).to(dtype)
@@ -268,7 +276,7 @@ def _linear(input, weight, bias=None):
         member = LinearMember(weight.shape[0], id(weight.layer))
         return _RingLinearFunction.apply(input, weight.layer, (member,), weight.local(), bias.local())[0]
     out = _times(input, _transposed(weight))
-    return out if bias is None else out + _plain(bias)
+    return out if bias is None else out + autocast_like(_plain(bias), out)
 
 
 def _transposed(operand: RingOperand, dim0: int = 0, dim1: int = 1):
@@ -283,6 +291,7 @@ def _addmm(input, mat1, mat2, *, beta=1, alpha=1, out=None):
     product = _times(mat1, mat2)
     if product is NotImplemented:
         return NotImplemented
+    input = autocast_like(input, product)
     return beta * input + alpha * product if (beta, alpha) != (1, 1) else input + product
 
 

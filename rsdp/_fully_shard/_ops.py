@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 
-from .._compat import DTensor
+from .._compat import DTensor, autocast_dtype
 from ._param import Message, Segment, ShardLayout, message_of
 from ._ring import RING_BUFFERS, Phase
 
@@ -121,6 +121,14 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
     return finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
 
 
+def autocast_like(addend: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
+    """A bias added to a ring product as autocast hands it to the stock op (``linear``, ``addmm``): in the
+    product's dtype, else the sum would promote back to float32 where the stock op returns bfloat16."""
+    if autocast_dtype(product.device.type) is None or not addend.is_floating_point() or addend.dtype == torch.float64:
+        return addend
+    return addend.to(product.dtype)
+
+
 def _write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``dst = a @ b`` in ``dst``'s dtype."""
     if dst.dtype == a.dtype:
@@ -146,7 +154,7 @@ class _RingLinearFunction(torch.autograd.Function):
         state, ring = layer.state, layer.state.ring
         out_features = tuple(member.out_features for member in members)
         weights = params[0::2]
-        dtype = state.compute_dtype(weights[0].dtype)
+        dtype = state.matmul_dtype(weights[0].dtype)
         layouts = [ShardLayout(rows, ring.size) for rows in out_features]
         present = [(index, param) for index, param in enumerate(params) if param is not None]
         message = message_of(tuple(Segment(layouts[index // 2], param.shape[1:], dtype) for index, param in present))
@@ -179,7 +187,7 @@ class _RingLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x2d, *weights)
         ctx.layer, ctx.members, ctx.out_features = layer, members, out_features
         ctx.has_bias = [p is not None for p in params[1::2]]
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.dtype = x.shape, x.dtype, dtype
         return tuple(outs)
 
     @staticmethod
@@ -190,7 +198,7 @@ class _RingLinearFunction(torch.autograd.Function):
         state, ring = layer.state, layer.state.ring
         need_x = ctx.needs_input_grad[0]
         need_params = ctx.needs_input_grad[3:]
-        dtype = state.compute_dtype(weights[0].dtype)
+        dtype = ctx.dtype  # the forward's (autocast's, if it was on then)
         reduce_dtype = state.reduce_dtype(weights[0].dtype)
         layouts = [ShardLayout(rows, ring.size) for rows in ctx.out_features]
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]

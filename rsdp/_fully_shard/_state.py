@@ -30,7 +30,15 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _apply_to_tensors
 
-from .._compat import DTensor, FSDPState, MixedPrecisionPolicy, at_end_of_backward, current_graph_task_id, in_backward
+from .._compat import (
+    DTensor,
+    FSDPState,
+    MixedPrecisionPolicy,
+    at_end_of_backward,
+    autocast_dtype,
+    current_graph_task_id,
+    in_backward,
+)
 from ._collectives import GatheredParams
 from ._fusion import SharedInputFusion
 from ._operand import RingOperand
@@ -95,6 +103,14 @@ class RSDPState(FSDPState):
 
     def compute_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.mp_policy.param_dtype or param_dtype
+
+    def matmul_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of a ring layer's matrix products, and so of its weights on the wire: the compute
+        dtype, or the one ``torch.autocast`` casts a matmul's operands to where it is on (as for stock
+        layers; it leaves float64 alone). Embedding lookups are not autocast: they use ``compute_dtype``."""
+        dtype = self.compute_dtype(param_dtype)
+        cast = autocast_dtype(self.device.type)
+        return cast if cast is not None and dtype != torch.float64 else dtype
 
     def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.mp_policy.reduce_dtype or self.compute_dtype(param_dtype)

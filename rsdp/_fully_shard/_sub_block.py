@@ -41,8 +41,8 @@ from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._compat import ColwiseParallel, RowwiseParallel
-from ._ops import RingLayer, finished_gradients, local_shard
+from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype
+from ._ops import RingLayer, autocast_like, finished_gradients, local_shard
 from ._param import Segment, ShardLayout, message_of
 from ._ring import RING_BUFFERS, Phase
 
@@ -141,7 +141,7 @@ class RingSubBlock:
         call = _Call(block, leaves, spec, tensor_at)
         total = _RingSubBlockFunction.apply(call, *(leaves[i] for i in tensor_at), *params)
         if block.row.bias is not None:
-            total = total + block.row.bias
+            total = total + autocast_like(block.row.bias, total)
         return call.rebuild(total)
 
 
@@ -215,9 +215,12 @@ class _RingSubBlockFunction(torch.autograd.Function):
         tensors = tensors_and_params[: len(call.tensor_at)]
         params = tensors_and_params[len(call.tensor_at) :]
         present = [p for p in params if p is not None]
-        dtype = state.compute_dtype(present[0].dtype)
+        # Inputs in the policy's compute dtype (as FSDP2 casts them); the weights in the dtype the
+        # sub-block's matmuls use, which autocast, where it is on, may lower further.
+        input_dtype = state.compute_dtype(present[0].dtype)
+        dtype = state.matmul_dtype(present[0].dtype)
         message = message_of(tuple(_segments(block, dtype, ring.size)))
-        cast = [t.to(dtype) if t.is_floating_point() else t for t in tensors]
+        cast = [t.to(input_dtype) if t.is_floating_point() else t for t in tensors]
         total = None
 
         def during(step: int, buffer: torch.Tensor) -> None:
@@ -234,7 +237,8 @@ class _RingSubBlockFunction(torch.autograd.Function):
 
         with record_function(f"rsdp::ring_forward ({layer.name})"):
             ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
-        ctx.call, ctx.dtype = call, dtype
+        ctx.call, ctx.dtype, ctx.input_dtype = call, dtype, input_dtype
+        ctx.autocast = autocast_dtype(ring.device.type)  # the recomputations in backward run under it too
         ctx.save_for_backward(*tensors, *params)
         return total
 
@@ -274,10 +278,11 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 return
             leaves = [v.detach().requires_grad_(needs_params[present[slot]]) for slot, v in enumerate(weight_views)]
             inputs = [
-                (t.detach().to(dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
+                (t.detach().to(ctx.input_dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
                 for t, need in zip(tensors, needs_inputs)
             ]
-            with torch.enable_grad():
+            autocast = torch.autocast(ring.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
+            with torch.enable_grad(), autocast:
                 partial = call.run(inputs, _shard_params(block, leaves))
                 wanted = [x for x, need in zip(inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_index]
                 got = torch.autograd.grad(partial, wanted, dy, allow_unused=True)
