@@ -7,8 +7,14 @@ module.
 """
 
 from ._compat import MixedPrecisionPolicy
-from ._fully_shard import RSDPModule, register_rsdp_forward_method, release_ring_buffers, rsdp_shard
+from ._fully_shard import (
+    RSDPModule,
+    register_rsdp_forward_method,
+    release_ring_buffers,
+    ring_checkpoint_context,
+    rsdp_shard,
+)
 from .planner import CostModel, Plan, plan
 from .policy import Strategy, parallelize
 
-__all__ = ["CostModel", "MixedPrecisionPolicy", "Plan", "RSDPModule", "Strategy", "parallelize", "plan", "register_rsdp_forward_method", "release_ring_buffers", "rsdp_shard"]
+__all__ = ["CostModel", "MixedPrecisionPolicy", "Plan", "RSDPModule", "Strategy", "parallelize", "plan", "register_rsdp_forward_method", "release_ring_buffers", "ring_checkpoint_context", "rsdp_shard"]

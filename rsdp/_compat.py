@@ -107,6 +107,21 @@ def in_selective_checkpoint() -> bool:
     return any(isinstance(mode, _SELECTIVE_CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack())
 
 
+def selective_checkpoint_region():
+    """The innermost selective-activation-checkpoint region now running, as ``(storage, op_counts,
+    recomputing)``, or None outside one (or on a torch whose SAC modes lack these attributes).
+
+    ``storage`` is the dict a region's forward and its recomputation share (torch keys it by op; other
+    keys are left alone); ``op_counts`` counts each op's calls so far, which is how the recomputation
+    finds each op's saved output (``func_counter``; torch versions without it get None)."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _SELECTIVE_CHECKPOINT_MODES):
+            if not hasattr(mode, "storage") or not hasattr(mode, "func_counter"):
+                return None
+            return mode.storage, mode.func_counter, isinstance(mode, _CachedTorchDispatchMode)
+    return None
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype ``torch.autocast`` runs matrix products in on ``device_type`` now, or None where it is off
     (``torch.is_autocast_enabled(device_type)`` and ``torch.get_autocast_dtype``: torch >= 2.4)."""
@@ -144,6 +159,7 @@ __all__ = [
     "get_module_state",
     "in_backward",
     "in_selective_checkpoint",
+    "selective_checkpoint_region",
     "insert_module_state",
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",

@@ -35,7 +35,7 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Embedding, transformer blocks, final LayerNorm, LM head tied to the embedding."""
 
-    def __init__(self, vocab=37, dim=12, heads=2, hidden=20, layers=2, checkpointing=False):
+    def __init__(self, vocab=37, dim=12, heads=2, hidden=20, layers=2, checkpointing=False, checkpoint_context=None):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim, padding_idx=0)
         self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
@@ -43,11 +43,13 @@ class TinyLM(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.embed.weight
         self.checkpointing = checkpointing
+        # torch.utils.checkpoint's context_fn (selective activation checkpointing); None: full
+        self.checkpoint_kwargs = {} if checkpoint_context is None else {"context_fn": checkpoint_context}
 
     def forward(self, tokens):
         x = self.embed(tokens)
         for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
+            x = checkpoint(layer, x, use_reentrant=False, **self.checkpoint_kwargs) if self.checkpointing else layer(x)
         return self.lm_head(self.norm(x))
 
 

@@ -41,6 +41,7 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from .._compat import all_gather_flat, reduce_scatter_flat
+from ._checkpoint import kept_or_run
 from ._ops import (
     LinearMember,
     RingLayer,
@@ -185,18 +186,23 @@ class _RingInputSplitFunction(torch.autograd.Function):
         layout = ShardLayout(in_features, ring.size)
         message = message_of((Segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
-        out = x2d.new_zeros(x2d.shape[0], out_features)
 
-        def during(step: int, buffer: torch.Tensor) -> None:
-            shard = ring.weight_shard_at(step)
-            if layout.rows_of(shard):
-                out.addmm_(x2d[:, layout.start(shard) : layout.stop(shard)], message.views(buffer, shard)[0])
+        def rotate() -> tuple[torch.Tensor]:
+            out = x2d.new_zeros(x2d.shape[0], out_features)
 
-        start = message.as_is([weight])
-        if start is None:
-            start = lambda buffer: message.pack(buffer, ring.rank, [weight])  # noqa: E731
-        with record_function(f"rsdp::ring_forward ({layer.name})"):
-            ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+            def during(step: int, buffer: torch.Tensor) -> None:
+                shard = ring.weight_shard_at(step)
+                if layout.rows_of(shard):
+                    out.addmm_(x2d[:, layout.start(shard) : layout.stop(shard)], message.views(buffer, shard)[0])
+
+            start = message.as_is([weight])
+            if start is None:
+                start = lambda buffer: message.pack(buffer, ring.rank, [weight])  # noqa: E731
+            with record_function(f"rsdp::ring_forward ({layer.name})"):
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+            return (out,)
+
+        (out,) = kept_or_run(layer, rotate)
         ctx.save_for_backward(x2d, weight)
         ctx.layer, ctx.full_shape, ctx.x_shape, ctx.x_dtype, ctx.dtype = layer, full_shape, x.shape, x.dtype, dtype
         return out.view(*x.shape[:-1], out_features)

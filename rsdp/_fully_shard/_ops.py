@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 
 from .._compat import DTensor, autocast_dtype
+from ._checkpoint import kept_or_run
 from ._param import Message, Segment, ShardLayout, message_of
 from ._ring import RING_BUFFERS, Phase
 
@@ -160,35 +161,40 @@ class _RingLinearFunction(torch.autograd.Function):
         message = message_of(tuple(Segment(layouts[index // 2], param.shape[1:], dtype) for index, param in present))
         slot = {index: position for position, (index, _) in enumerate(present)}
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        outs = [x2d.new_empty(*x.shape[:-1], rows) for rows in out_features]
-        outs2d = [out.view(-1, rows) for out, rows in zip(outs, out_features)]
 
-        def during(step: int, buffer: torch.Tensor) -> None:
-            shard = ring.weight_shard_at(step)
-            views = message.views(buffer, shard)
-            for member, (layout, out) in enumerate(zip(layouts, outs2d)):
-                start, stop = layout.start(shard), layout.stop(shard)
-                if start == stop:
-                    continue
-                weight = views[slot[2 * member]]
-                # A column block of a row-major matrix is a valid BLAS output (leading dimension
-                # out_features), so the product is written in place, with no temporary.
-                if 2 * member + 1 in slot:
-                    torch.addmm(views[slot[2 * member + 1]], x2d, weight.t(), out=out[:, start:stop])
-                else:
-                    torch.mm(x2d, weight.t(), out=out[:, start:stop])
+        def rotate() -> tuple[torch.Tensor, ...]:
+            outs = [x2d.new_empty(*x.shape[:-1], rows) for rows in out_features]
+            outs2d = [out.view(-1, rows) for out, rows in zip(outs, out_features)]
 
-        tensors = [param for _, param in present]
-        start = message.as_is(tensors)
-        if start is None:
-            start = lambda buffer: message.pack(buffer, ring.rank, tensors)  # noqa: E731
-        with record_function(f"rsdp::ring_forward ({layer.name})"):
-            ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+            def during(step: int, buffer: torch.Tensor) -> None:
+                shard = ring.weight_shard_at(step)
+                views = message.views(buffer, shard)
+                for member, (layout, out) in enumerate(zip(layouts, outs2d)):
+                    start, stop = layout.start(shard), layout.stop(shard)
+                    if start == stop:
+                        continue
+                    weight = views[slot[2 * member]]
+                    # A column block of a row-major matrix is a valid BLAS output (leading dimension
+                    # out_features), so the product is written in place, with no temporary.
+                    if 2 * member + 1 in slot:
+                        torch.addmm(views[slot[2 * member + 1]], x2d, weight.t(), out=out[:, start:stop])
+                    else:
+                        torch.mm(x2d, weight.t(), out=out[:, start:stop])
+
+            tensors = [param for _, param in present]
+            start = message.as_is(tensors)
+            if start is None:
+                start = lambda buffer: message.pack(buffer, ring.rank, tensors)  # noqa: E731
+            with record_function(f"rsdp::ring_forward ({layer.name})"):
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+            return tuple(outs)
+
+        outs = kept_or_run(layer, rotate)
         ctx.save_for_backward(x2d, *weights)
         ctx.layer, ctx.members, ctx.out_features = layer, members, out_features
         ctx.has_bias = [p is not None for p in params[1::2]]
         ctx.x_shape, ctx.x_dtype, ctx.dtype = x.shape, x.dtype, dtype
-        return tuple(outs)
+        return outs
 
     @staticmethod
     @once_differentiable
@@ -258,36 +264,41 @@ class _RingEmbeddingFunction(torch.autograd.Function):
             (Segment(layout, weight.shape[1:], dtype), Segment(ShardLayout(ring.size, ring.size), torch.Size(), torch.uint8))
         )
         flat_indices = indices.reshape(-1)
-        out_of_range = ((flat_indices < 0) | (flat_indices >= num_embeddings)).any()
-        selects, rows_in = _shard_selection(flat_indices, layout, None)
-        out = torch.zeros(*indices.shape, *weight.shape[1:], dtype=dtype, device=weight.device)
-        out2d = out.view(flat_indices.numel(), math.prod(weight.shape[1:]))
-        scratch = torch.empty_like(out2d)
 
-        def start(buffer: torch.Tensor) -> None:
-            rows, flag = message.views(buffer, ring.rank)
-            rows.copy_(weight)
-            flag.copy_(out_of_range)
+        def rotate() -> tuple[torch.Tensor]:
+            out_of_range = ((flat_indices < 0) | (flat_indices >= num_embeddings)).any()
+            selects, rows_in = _shard_selection(flat_indices, layout, None)
+            out = torch.zeros(*indices.shape, *weight.shape[1:], dtype=dtype, device=weight.device)
+            out2d = out.view(flat_indices.numel(), math.prod(weight.shape[1:]))
+            scratch = torch.empty_like(out2d)
 
-        def during(step: int, buffer: torch.Tensor) -> None:
-            shard = ring.weight_shard_at(step)
-            rows, _ = message.views(buffer, shard)
-            if layout.rows_of(shard):
-                torch.index_select(rows.reshape(rows.shape[0], -1), 0, rows_in[shard], out=scratch)
-                out2d.add_(scratch.masked_fill_(~selects[shard].unsqueeze(1), 0))
+            def start(buffer: torch.Tensor) -> None:
+                rows, flag = message.views(buffer, ring.rank)
+                rows.copy_(weight)
+                flag.copy_(out_of_range)
 
-        def on_arrival(step: int, buffer: torch.Tensor) -> None:
-            _, flag = message.views(buffer, ring.weight_shard_at(step))
-            flag.bitwise_or_(out_of_range)
+            def during(step: int, buffer: torch.Tensor) -> None:
+                shard = ring.weight_shard_at(step)
+                rows, _ = message.views(buffer, shard)
+                if layout.rows_of(shard):
+                    torch.index_select(rows.reshape(rows.shape[0], -1), 0, rows_in[shard], out=scratch)
+                    out2d.add_(scratch.masked_fill_(~selects[shard].unsqueeze(1), 0))
 
-        with record_function(f"rsdp::ring_forward ({layer.name})"):
-            final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival)
-        _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
-        torch._assert_async(
-            (flag | out_of_range) == 0,
-            f"rsdp Embedding: an index is out of range [0, {num_embeddings}) on at least one rank "
-            "(every rank raises this; check the token ids against num_embeddings)",
-        )
+            def on_arrival(step: int, buffer: torch.Tensor) -> None:
+                _, flag = message.views(buffer, ring.weight_shard_at(step))
+                flag.bitwise_or_(out_of_range)
+
+            with record_function(f"rsdp::ring_forward ({layer.name})"):
+                final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival)
+            _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
+            torch._assert_async(
+                (flag | out_of_range) == 0,
+                f"rsdp Embedding: an index is out of range [0, {num_embeddings}) on at least one rank "
+                "(every rank raises this; check the token ids against num_embeddings)",
+            )
+            return (out,)
+
+        (out,) = kept_or_run(layer, rotate)
         ctx.save_for_backward(flat_indices)
         ctx.layer, ctx.num_embeddings, ctx.padding_idx = layer, num_embeddings, padding_idx
         ctx.weight_dtype, ctx.trailing = weight.dtype, weight.shape[1:]

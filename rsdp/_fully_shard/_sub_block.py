@@ -42,6 +42,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype
+from ._checkpoint import kept_or_run
 from ._ops import RingLayer, autocast_like, finished_gradients, local_shard
 from ._param import Segment, ShardLayout, message_of
 from ._ring import RING_BUFFERS, Phase
@@ -150,7 +151,7 @@ class _Call:
 
     def __init__(self, block: SubBlock, leaves: list, spec, tensor_at: list[int]):
         self.block, self.leaves, self.spec, self.tensor_at = block, leaves, spec, tensor_at
-        self.output_spec = None
+        self.output_spec, self.output_position = None, None
 
     def run(self, tensors, shard_params) -> torch.Tensor:
         """The sub-block's forward on ``tensors`` with one shard's parameters installed; returns the
@@ -221,22 +222,28 @@ class _RingSubBlockFunction(torch.autograd.Function):
         dtype = state.matmul_dtype(present[0].dtype)
         message = message_of(tuple(_segments(block, dtype, ring.size)))
         cast = [t.to(input_dtype) if t.is_floating_point() else t for t in tensors]
-        total = None
 
-        def during(step: int, buffer: torch.Tensor) -> None:
-            nonlocal total
-            shard = ring.weight_shard_at(step)
-            if ShardLayout(block.row.in_features, ring.size).rows_of(shard) == 0:
-                return
-            partial = call.run(cast, _shard_params(block, message.views(buffer, shard)))
-            total = partial.clone() if total is None else total.add_(partial)
+        def rotate() -> tuple[torch.Tensor]:
+            total = None
 
-        def start(buffer: torch.Tensor) -> None:
-            packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
-            message.pack(buffer, ring.rank, packed)
+            def during(step: int, buffer: torch.Tensor) -> None:
+                nonlocal total
+                shard = ring.weight_shard_at(step)
+                if ShardLayout(block.row.in_features, ring.size).rows_of(shard) == 0:
+                    return
+                partial = call.run(cast, _shard_params(block, message.views(buffer, shard)))
+                total = partial.clone() if total is None else total.add_(partial)
 
-        with record_function(f"rsdp::ring_forward ({layer.name})"):
-            ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+            def start(buffer: torch.Tensor) -> None:
+                packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
+                message.pack(buffer, ring.rank, packed)
+
+            with record_function(f"rsdp::ring_forward ({layer.name})"):
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+            return total, call.output_spec, call.output_position
+
+        # A recomputation that takes the kept output learns the output's structure from the forward.
+        total, call.output_spec, call.output_position = kept_or_run(layer, rotate)
         ctx.call, ctx.dtype, ctx.input_dtype = call, dtype, input_dtype
         ctx.autocast = autocast_dtype(ring.device.type)  # the recomputations in backward run under it too
         ctx.save_for_backward(*tensors, *params)
