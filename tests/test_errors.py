@@ -367,3 +367,27 @@ def test_bad_input_on_one_rank_raises_there_and_after_the_timeout_on_its_peers(k
     assert results[1]["raised"] in ("ValueError", "TypeError") and results[1]["seconds"] < 1, results[1]
     assert results[0]["raised"] is not None, results[0]
     assert PEER_TIMEOUT_S * 0.8 <= results[0]["seconds"] < PEER_TIMEOUT_S * 3, results[0]
+
+
+def error_inside_a_ring_step_case():
+    """Every rank raises inside a ring step (a planned sub-block that does not return its rowwise
+    output), after that step's exchange was posted: the exchange is still completed, so the process
+    group stays usable and idle (left unwaited, gloo's transport thread spun on the socket, a core
+    per rank, and a later collective timed out)."""
+    from test_sub_block import TITAN_PLAN, Block, ScaledMLP
+
+    torch.manual_seed(0)
+    block = Block(6, 2, 2, 3, 4)
+    block.mlp = ScaledMLP(6, 4)
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    _raises(ValueError, "must return its rowwise Linear's output", lambda: block(torch.randn(1, 3, 6)))
+    start = time.process_time()
+    time.sleep(1.0)
+    idle_cpu_s = time.process_time() - start
+    assert idle_cpu_s < 0.25, f"the process used {idle_cpu_s:.2f} s of CPU in 1 s idle after the error"
+    linear = rsdp_shard(nn.Linear(3, 5))
+    linear(torch.randn(2, 3)).sum().backward()
+
+
+def test_an_error_inside_a_ring_step_leaves_the_process_group_usable(ranks):
+    ranks.run(2, error_inside_a_ring_step_case)

@@ -25,7 +25,8 @@ Pitfalls this file exists to contain (design.md §3):
   disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
 - NCCL ignores tags and needs every rank to issue P2P ops in the same order: ``circulate`` issues one
   send and one receive per step in a fixed order, with no data-dependent branches.
-- Waiting twice on a completed gloo send blocks until the timeout, so each work is waited exactly once.
+- Waiting twice on a completed gloo send blocks until the timeout, so each work is waited exactly once;
+  and every work is waited, also when the step's computation raised (``_drain``).
 - A buffer is received into only after the send that last read it was waited for (ping-pong).
 - On CUDA, ProcessGroupNCCL runs P2P on its own stream, orders it after the compute that produced the
   buffers, and ``wait()`` makes the compute stream wait for the received data.
@@ -201,7 +202,11 @@ class Ring:
                 part = slice(None) if region is None else region(step)
                 works = self.exchange(current[part], incoming[part], tag)
             if during is not None:
-                during(step, current)
+                try:
+                    during(step, current)
+                except BaseException:
+                    _drain(works)
+                    raise
             if works:
                 for work in works:
                     work.wait()
@@ -209,3 +214,15 @@ class Ring:
                 if on_arrival is not None:
                     on_arrival(step + 1, current)
         return current
+
+
+def _drain(works: list) -> None:
+    """Wait for the exchange in flight when a ring step raised, ignoring its own errors (the step's
+    error is the one to report). The peers posted the matching operations, so it completes; left
+    unwaited, gloo keeps the abandoned operations in its transport, which then spins on the socket and
+    can match a later message with the same tag to them."""
+    for work in works:
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
