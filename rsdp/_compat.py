@@ -58,6 +58,22 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def send_and_receive(group, send: torch.Tensor, to: int, receive: torch.Tensor, source: int, tag: int) -> list:
+    """Start sending ``send`` to group rank ``to`` and receiving ``receive`` from group rank ``source``
+    as one batch (NCCL runs them as one group, which W=2, where both peers are one rank, needs);
+    returns the works. For CPU tensors this is what ``batch_isend_irecv`` does, without its per-call
+    checks and ``P2POp`` objects (on torch's fake process group, 39% of the Python calls of an rsdp
+    step of Llama blocks at W=8)."""
+    if send.device.type == "cpu":
+        return [group.send([send], to, tag), group.recv([receive], source, tag)]
+    return dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, send, dist.get_global_rank(group, to), group, tag),
+            dist.P2POp(dist.irecv, receive, dist.get_global_rank(group, source), group, tag),
+        ]
+    )
+
+
 # Refills a tensor autograd saved without bumping its version (FSDP2 refills its unsharded parameters so).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
 
@@ -160,6 +176,7 @@ __all__ = [
     "in_backward",
     "in_selective_checkpoint",
     "selective_checkpoint_region",
+    "send_and_receive",
     "insert_module_state",
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",

@@ -15,6 +15,7 @@ from torch.distributed.tensor import distribute_tensor
 import rsdp
 from models import TinyLM, assert_close, assert_param_grads_match, rank_and_world, twin
 from rank_pool import RankFailure, RankPool
+from test_sub_block import TITAN_PLAN, Block, ScaledMLP
 from rsdp import Strategy, parallelize, rsdp_shard
 from rsdp._compat import Shard, fully_shard
 
@@ -374,8 +375,6 @@ def error_inside_a_ring_step_case():
     output), after that step's exchange was posted: the exchange is still completed, so the process
     group stays usable and idle (left unwaited, gloo's transport thread spun on the socket, a core
     per rank, and a later collective timed out)."""
-    from test_sub_block import TITAN_PLAN, Block, ScaledMLP
-
     torch.manual_seed(0)
     block = Block(6, 2, 2, 3, 4)
     block.mlp = ScaledMLP(6, 4)

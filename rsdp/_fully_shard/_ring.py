@@ -20,7 +20,6 @@ returns and when the backward ends, so they never add to the loss computation's 
 step's peak. ``release_ring_buffers()`` frees them at any other time.
 
 Pitfalls this file exists to contain (design.md §3):
-- ``P2POp`` peers are global ranks, so group ranks are translated once here.
 - gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
   disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
 - NCCL ignores tags and needs every rank to issue P2P ops in the same order: ``circulate`` issues one
@@ -39,7 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import at_end_of_backward, in_selective_checkpoint
+from .._compat import at_end_of_backward, in_selective_checkpoint, send_and_receive
 
 
 class Phase(enum.IntEnum):
@@ -68,13 +67,13 @@ class RingBuffers:
     def __init__(self):
         self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
         self._index: dict[int, int] = {}  # data_ptr of a live buffer -> its index in its pair
-        # Bumped whenever buffers are replaced or freed, so views of old ones are not reused.
+        # Bumped whenever buffers are replaced, so views of old ones are not reused.
         self.generation = 0
         self._reset_callbacks: list[Callable[[], None]] = []
         self._release_queued = False
 
     def on_reset(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` whenever buffers are replaced or freed (to drop cached views of them)."""
+        """Call ``callback`` whenever buffers are replaced (to drop cached views of them)."""
         self._reset_callbacks.append(callback)
 
     def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,21 +90,31 @@ class RingBuffers:
             # shared buffer exists already would change the ops issued.
             return torch.zeros(nbytes, dtype=torch.uint8, device=device)
         buffers = self._sets.setdefault(device, [None, None, None])
-        if buffers[index] is None or buffers[index].numel() < nbytes:
+        buffer = buffers[index]
+        if buffer is None or buffer.numel() < nbytes:
             self._reset()
-            # Zeroed once, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
-            buffers[index] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
+            buffers[index] = buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             self._reindex()
-        return buffers[index][:nbytes]
+        elif buffer.untyped_storage().nbytes() == 0:  # released at the end of the last pass
+            buffer.untyped_storage().resize_(buffer.numel())
+            buffer.zero_()
+            self._reindex()
+        return buffer[:nbytes]
 
     def index_of(self, buffer: torch.Tensor) -> int | None:
         """Which ring buffer ``buffer`` starts at (0 to 2), or None when it is none of them."""
         return self._index.get(buffer.data_ptr())
 
+    def _live(self):
+        """(index, buffer) of every buffer that holds memory now."""
+        for buffers in self._sets.values():
+            for index, buffer in enumerate(buffers):
+                if buffer is not None and buffer.untyped_storage().nbytes():
+                    yield index, buffer
+
     def _reindex(self) -> None:
-        self._index = {
-            buffer.data_ptr(): i for buffers in self._sets.values() for i, buffer in enumerate(buffers) if buffer is not None
-        }
+        self._index = {buffer.data_ptr(): index for index, buffer in self._live()}
 
     def _reset(self) -> None:
         self.generation += 1
@@ -114,7 +123,7 @@ class RingBuffers:
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.numel() for buffers in self._sets.values() for buffer in buffers if buffer is not None)
+        return sum(buffer.numel() for _, buffer in self._live())
 
     def release_at_end_of_backward(self) -> None:
         """Free the buffers when the backward now running ends (queued once per backward)."""
@@ -127,8 +136,11 @@ class RingBuffers:
         self.release()
 
     def release(self) -> None:
-        self._reset()
-        self._sets.clear()
+        """Free the buffers' memory. The tensors stay, with no storage, and so do the views of them that
+        messages cached: the next pass gives the same storages memory again (``resize_``, as FSDP2 frees
+        and refills its unsharded parameters), and its views need not be made again."""
+        for _, buffer in list(self._live()):
+            buffer.untyped_storage().resize_(0)
         self._reindex()
 
 
@@ -149,8 +161,7 @@ class Ring:
         self.device = device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._down = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self._up = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self._down, self._up = (self.rank - 1) % self.size, (self.rank + 1) % self.size  # group ranks
 
     def weight_shard_at(self, step: int) -> int:
         return (self.rank + step) % self.size
@@ -160,12 +171,7 @@ class Ring:
 
     def exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int) -> list:
         """Start sending ``send`` down and receiving ``receive`` from up, as one batch; returns the works."""
-        return dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, send, self._down, self.group, tag),
-                dist.P2POp(dist.irecv, receive, self._up, self.group, tag),
-            ]
-        )
+        return send_and_receive(self.group, send, self._down, receive, self._up, tag)
 
     def circulate(
         self,
