@@ -118,3 +118,26 @@ def test_bytes_per_step_are_the_zero3_figure(ranks, world, dim):
         zero3 = 3 * (world - 1) / world * layers * padded_rows * dim * 4
         assert sent["rsdp"] == pytest.approx(zero3), sent
         assert sent["fsdp"] == pytest.approx(zero3), sent
+
+
+def small_then_large_then_small_case():
+    """The ring buffers belong to the process: a model sharded after a larger one trains with buffers
+    of its own messages' size (measured as in a fresh process), not the larger one's."""
+
+    def measured_step(dim):
+        model = linear_stack("rsdp", dim, 2)
+        x = torch.randn(2, dim, requires_grad=True)
+        model(x).sum().backward()
+        release_ring_buffers()
+        with MemoryTracker() as tracker:
+            model(x).sum().backward()
+        return tracker.peak_bytes
+
+    small = measured_step(16)
+    measured_step(256)
+    return small, measured_step(16)
+
+
+def test_a_new_model_does_not_inherit_a_larger_models_ring_buffers(ranks):
+    for first, again in ranks.run(3, small_then_large_then_small_case):
+        assert first == again, (first, again)

@@ -18,7 +18,7 @@ from .._compat import (
 )
 from ._ops import RingLayer, ring_mixin_for
 from ._param import placements_for, shard_parameter
-from ._ring import new_layer_tags
+from ._ring import RING_BUFFERS, new_layer_tags
 from ._state import RSDPState
 from ._sub_block import RingSubBlock, plan_sub_blocks
 
@@ -74,6 +74,7 @@ def rsdp_shard(
         rsdp_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ring_plan=ring_plan)
         return wrapper
     _check_not_managed(module)
+    RING_BUFFERS.forget()  # sized from now on by this model's messages, not an earlier model's
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
     managed, nested = _managed_and_nested_modules(module)
     sharded_by_nested_calls = {

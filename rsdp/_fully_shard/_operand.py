@@ -50,7 +50,9 @@ from ._ops import (
     _ring_backward,
     _write_product,
     autocast_like,
+    first_message,
 )
+from ._prefetch import FORWARD_RING_ORDER
 from ._param import Segment, ShardLayout, message_of
 from ._ring import Phase
 
@@ -195,11 +197,9 @@ class _RingInputSplitFunction(torch.autograd.Function):
                 if layout.rows_of(shard):
                     out.addmm_(x2d[:, layout.start(shard) : layout.stop(shard)], message.views(buffer, shard)[0])
 
-            start = message.as_is([weight])
-            if start is None:
-                start = lambda buffer: message.pack(buffer, ring.rank, [weight])  # noqa: E731
             with record_function(f"rsdp::ring_forward ({layer.name})"):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, [weight]), during,
+                               before_last=FORWARD_RING_ORDER.prefetch_next)
             return (out,)
 
         (out,) = kept_or_run(layer, rotate)

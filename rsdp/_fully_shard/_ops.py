@@ -29,6 +29,7 @@ from torch.profiler import record_function
 from .._compat import DTensor, autocast_dtype
 from ._checkpoint import kept_or_run
 from ._param import Message, Segment, ShardLayout, message_of
+from ._prefetch import FORWARD_RING_ORDER
 from ._ring import RING_BUFFERS, Phase
 
 
@@ -122,6 +123,19 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
     return finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
 
 
+def first_message(layer: RingLayer, message: Message, tensors: list[torch.Tensor]):
+    """A forward ring's first message, for ``Ring.circulate``: the exchange prefetched for it, else
+    ``tensors`` themselves when they are the message, else a function that packs them."""
+    ring = layer.state.ring
+    prefetched = FORWARD_RING_ORDER.begin(ring, layer.tags[Phase.FORWARD], message, tensors)
+    if prefetched is not None:
+        return prefetched
+    as_is = message.as_is(tensors)
+    if as_is is not None:
+        return as_is
+    return lambda buffer: message.pack(buffer, ring.rank, tensors)
+
+
 def autocast_like(addend: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
     """A bias added to a ring product as autocast hands it to the stock op (``linear``, ``addmm``): in the
     product's dtype, else the sum would promote back to float32 where the stock op returns bfloat16."""
@@ -182,11 +196,9 @@ class _RingLinearFunction(torch.autograd.Function):
                         torch.mm(x2d, weight.t(), out=out[:, start:stop])
 
             tensors = [param for _, param in present]
-            start = message.as_is(tensors)
-            if start is None:
-                start = lambda buffer: message.pack(buffer, ring.rank, tensors)  # noqa: E731
             with record_function(f"rsdp::ring_forward ({layer.name})"):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, tensors), during,
+                               before_last=FORWARD_RING_ORDER.prefetch_next)
             return tuple(outs)
 
         outs = kept_or_run(layer, rotate)
@@ -288,8 +300,10 @@ class _RingEmbeddingFunction(torch.autograd.Function):
                 _, flag = message.views(buffer, ring.weight_shard_at(step))
                 flag.bitwise_or_(out_of_range)
 
+            FORWARD_RING_ORDER.begin(ring, layer.tags[Phase.FORWARD], None, [])  # the flag: not prefetchable
             with record_function(f"rsdp::ring_forward ({layer.name})"):
-                final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival)
+                final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
+                                       before_last=FORWARD_RING_ORDER.prefetch_next)
             _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
             torch._assert_async(
                 (flag | out_of_range) == 0,

@@ -25,12 +25,13 @@ Pitfalls this file exists to contain (design.md §3):
 - NCCL ignores tags and needs every rank to issue P2P ops in the same order: ``circulate`` issues one
   send and one receive per step in a fixed order, with no data-dependent branches.
 - Waiting twice on a completed gloo send blocks until the timeout, so each work is waited exactly once;
-  and every work is waited, also when the step's computation raised (``_drain``).
+  and every work is waited, also when the step's computation raised (``drain``).
 - A buffer is received into only after the send that last read it was waited for (ping-pong).
 - On CUDA, ProcessGroupNCCL runs P2P on its own stream, orders it after the compute that produced the
   buffers, and ``wait()`` makes the compute stream wait for the received data.
 """
 
+import dataclasses
 import enum
 import itertools
 from collections.abc import Callable
@@ -84,6 +85,13 @@ class RingBuffers:
         """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
         return self._buffer(2, nbytes, device)
 
+    def others(self, busy: torch.Tensor, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two buffers, ``nbytes`` long, other than ``busy`` (one of the three, in use): for the next
+        ring's first exchange, started during a ring's last step."""
+        busy_index = self.index_of(busy)
+        first, second = [index for index in (0, 1, 2) if index != busy_index][:2]
+        return self._buffer(first, nbytes, device), self._buffer(second, nbytes, device)
+
     def _buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
         if in_selective_checkpoint():
             # Fresh buffers (and so fresh views): SAC replays a recomputation op by op, and whether a
@@ -93,6 +101,8 @@ class RingBuffers:
         buffer = buffers[index]
         if buffer is None or buffer.numel() < nbytes:
             self._reset()
+            if buffer is not None:  # free it first: old and new alive at once would be the step's peak
+                buffer.untyped_storage().resize_(0)
             # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
             buffers[index] = buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             self._reindex()
@@ -143,16 +153,36 @@ class RingBuffers:
             buffer.untyped_storage().resize_(0)
         self._reindex()
 
+    def forget(self) -> None:
+        """Forget the buffers (``rsdp_shard`` calls it): the next pass allocates what its own largest
+        message needs. The buffers belong to the process, not to a model, and ``release`` keeps their
+        sizes; without this a model sharded after a larger one got the larger one's buffers back.
+        Nothing is resized: a holder of a buffer (there is none between passes) keeps its memory."""
+        self._sets.clear()
+        self._reset()
+        self._reindex()
+
 
 RING_BUFFERS = RingBuffers()
 
 
 def release_ring_buffers() -> int:
-    """Free the ring's message buffers (they are reallocated by the next ring step); returns the bytes
-    they held. Useful before measuring memory, or to hand their memory to something else for a while."""
+    """Free the ring's message buffers (the next ring step allocates them again, at the size they had);
+    returns the bytes they held. Useful before measuring memory, or to hand their memory to something
+    else for a while. Sharding a new module makes the buffers forget their sizes."""
     nbytes = RING_BUFFERS.nbytes
     RING_BUFFERS.release()
     return nbytes
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A ring's first exchange, started ahead of the ring (``_prefetch.py``): the message sent, the
+    buffer it is received into, and the works."""
+
+    send: torch.Tensor
+    receive: torch.Tensor
+    works: list
 
 
 class Ring:
@@ -177,52 +207,60 @@ class Ring:
         self,
         nbytes: int,
         tag: int,
-        start: torch.Tensor | Callable[[torch.Tensor], None],
+        start: torch.Tensor | Callable[[torch.Tensor], None] | InFlight,
         during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
         hops: int | None = None,
         region: Callable[[int], slice] | None = None,
+        before_last: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Pass a message of ``nbytes`` bytes ``hops`` (default W-1) times down the ring; return the one
         held last.
 
-        ``start`` is this rank's first message: a byte tensor sent as it is, or a function that writes
-        it into the buffer it is given. At step k, ``during(k, message)`` runs while the message held is
-        sent on and the next one received; ``on_arrival(k + 1, message)`` then sees the next message
-        before it is forwarded. ``region(k)`` is the part of the message that travels at step k (all of
-        it by default: a message whose weights are no longer needed sends its partials only). The
-        returned buffer is reused by the next ring: copy out what you keep.
+        ``start`` is this rank's first message: a byte tensor sent as it is, a function that writes it
+        into the buffer it is given, or the first exchange already in flight (prefetched). At step k,
+        ``during(k, message)`` runs while the message held is sent on and the next one received;
+        ``on_arrival(k + 1, message)`` then sees the next message before it is forwarded. ``region(k)``
+        is the part of the message that travels at step k (all of it by default: a message whose
+        weights are no longer needed sends its partials only). ``before_last(message)`` runs before the
+        last, compute-only step (to start the next ring's first exchange). The returned buffer is
+        reused by the next ring: copy out what you keep.
         """
         buffers = RING_BUFFERS.pair(nbytes, self.device)
-        if callable(start):
+        works = []
+        if isinstance(start, InFlight):
+            current, incoming, works = start.send, start.receive, start.works
+        elif callable(start):
             current = buffers[0]
             start(current)
-            receive_into = (buffers[1], buffers[0])
         else:
-            current, receive_into = start, buffers
+            current = start
         hops = self.size - 1 if hops is None else hops
         for step in range(hops + 1):
-            works = []
-            if step < hops:
-                incoming = receive_into[step % 2]
+            if step < hops and not works:
+                # Any buffer but the one held: the other's last send was waited for at the last step.
+                incoming = buffers[1] if current.data_ptr() == buffers[0].data_ptr() else buffers[0]
                 part = slice(None) if region is None else region(step)
                 works = self.exchange(current[part], incoming[part], tag)
+            if step == hops and before_last is not None:
+                before_last(current)
             if during is not None:
                 try:
                     during(step, current)
                 except BaseException:
-                    _drain(works)
+                    drain(works)
                     raise
             if works:
                 for work in works:
                     work.wait()
+                works = []
                 current = incoming
                 if on_arrival is not None:
                     on_arrival(step + 1, current)
         return current
 
 
-def _drain(works: list) -> None:
+def drain(works: list) -> None:
     """Wait for the exchange in flight when a ring step raised, ignoring its own errors (the step's
     error is the one to report). The peers posted the matching operations, so it completes; left
     unwaited, gloo keeps the abandoned operations in its transport, which then spins on the socket and

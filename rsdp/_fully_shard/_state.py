@@ -43,7 +43,8 @@ from ._collectives import GatheredParams
 from ._fusion import SharedInputFusion
 from ._operand import RingOperand
 from ._ops import local_shard
-from ._ring import Ring, release_ring_buffers
+from ._prefetch import FORWARD_RING_ORDER
+from ._ring import RING_BUFFERS, Ring
 
 
 # rsdp forwards running now on this thread (nested modules count once each).
@@ -191,7 +192,8 @@ class RSDPState(FSDPState):
         _open_forwards -= 1
         self.forward_depth -= 1
         if _open_forwards == 0 and not in_backward():
-            release_ring_buffers()
+            FORWARD_RING_ORDER.end_pass()
+            RING_BUFFERS.release()
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:

@@ -43,7 +43,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype
 from ._checkpoint import kept_or_run
-from ._ops import RingLayer, autocast_like, finished_gradients, local_shard
+from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard
+from ._prefetch import FORWARD_RING_ORDER
 from ._param import Segment, ShardLayout, message_of
 from ._ring import RING_BUFFERS, Phase
 
@@ -234,12 +235,10 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 partial = call.run(cast, _shard_params(block, message.views(buffer, shard)))
                 total = partial.clone() if total is None else total.add_(partial)
 
-            def start(buffer: torch.Tensor) -> None:
-                packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
-                message.pack(buffer, ring.rank, packed)
-
+            packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
             with record_function(f"rsdp::ring_forward ({layer.name})"):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during)
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, packed), during,
+                               before_last=FORWARD_RING_ORDER.prefetch_next)
             return total, call.output_spec, call.output_position
 
         # A recomputation that takes the kept output learns the output's structure from the forward.
