@@ -19,21 +19,32 @@ worlds = st.sampled_from([1, 2, 3, 4])
 sizes = st.integers(1, 9)
 
 
-def check_against_reference(model, reference, inputs, upstream):
+def own_rows(tensor, sizes, rank):
+    start = sum(sizes[:rank])
+    return tensor[start : start + sizes[rank]]
+
+
+def check_against_reference(model, reference, inputs, upstream, sizes=None):
+    """Outputs, input and parameter gradients against ``reference`` on the whole batch; each rank takes
+    its equal share of the rows, or ``sizes[rank]`` rows when ``sizes`` is given."""
     rank, world = rank_and_world()
-    local_inputs = local_rows(inputs, rank, world).clone()
+
+    def own(tensor):
+        return local_rows(tensor, rank, world) if sizes is None else own_rows(tensor, sizes, rank)
+
+    local_inputs = own(inputs).clone()
     if local_inputs.is_floating_point():
         local_inputs.requires_grad_(True)
     out = model(local_inputs)
-    (out * local_rows(upstream, rank, world)).sum().backward()
+    (out * own(upstream)).sum().backward()
 
     reference_inputs = inputs.clone().requires_grad_(inputs.is_floating_point())
     reference_out = reference(reference_inputs)
     (reference_out * upstream).sum().backward()
 
-    assert_close(out, local_rows(reference_out, rank, world), what="output")
+    assert_close(out, own(reference_out), what="output")
     if local_inputs.is_floating_point():
-        assert_close(local_inputs.grad, local_rows(reference_inputs.grad, rank, world), what="input grad")
+        assert_close(local_inputs.grad, own(reference_inputs.grad), what="input grad")
     assert_param_grads_match(model, reference, 1 / world)
 
 
@@ -181,28 +192,6 @@ def uneven_batches(world, empty):
     return [0 if rank in empty else 1 + rank % 2 for rank in range(world)]
 
 
-def own_rows(tensor, sizes, rank):
-    start = sum(sizes[:rank])
-    return tensor[start : start + sizes[rank]]
-
-
-def check_uneven_against_reference(model, reference, inputs, upstream, sizes):
-    """``check_against_reference`` with a batch of ``sizes[rank]`` rows on each rank."""
-    rank, world = rank_and_world()
-    local_inputs = own_rows(inputs, sizes, rank).clone().requires_grad_(inputs.is_floating_point())
-    out = model(local_inputs)
-    (out * own_rows(upstream, sizes, rank)).sum().backward()
-
-    reference_inputs = inputs.clone().requires_grad_(inputs.is_floating_point())
-    reference_out = reference(reference_inputs)
-    (reference_out * upstream).sum().backward()
-
-    assert_close(out, own_rows(reference_out, sizes, rank), what="output")
-    if local_inputs.is_floating_point():
-        assert_close(local_inputs.grad, own_rows(reference_inputs.grad, sizes, rank), what="input grad")
-    assert_param_grads_match(model, reference, 1 / world)
-
-
 class SharedInput(nn.Module):
     """Three Linears on one input: after the first forward they share one ring (a fused group)."""
 
@@ -238,7 +227,7 @@ def empty_batch_case(kind, empty):
     for _ in range(2):  # the second step runs the fused group's one ring
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
-        check_uneven_against_reference(model, reference, inputs, torch.randn(out_shape, dtype=torch.float64), sizes)
+        check_against_reference(model, reference, inputs, torch.randn(out_shape, dtype=torch.float64), sizes)
     if kind == "fused":
         assert len(model._get_rsdp_state().fusion._group_of) == 3, "q, k and v did not share a ring"
 

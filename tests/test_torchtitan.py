@@ -23,7 +23,7 @@ from torchtitan.models.llama3 import model_registry as llama3_model  # noqa: E40
 from torchtitan.models.qwen3 import model_registry as qwen3_model  # noqa: E402
 
 from rsdp import Strategy  # noqa: E402
-from rsdp.torchtitan.config import ParallelismConfig  # noqa: E402
+from rsdp.torchtitan.config import ParallelismConfig, head_under_chunked_loss  # noqa: E402
 from rsdp.torchtitan.parallelize import _check_supported, data_parallel_rules  # noqa: E402
 
 STEPS = 3
@@ -177,6 +177,24 @@ def test_replicated_or_tied_head_joins_the_root():
     assert rules(tied) == {"": Strategy.FSDP, "layers.*": Strategy.RSDP}
     with pytest.raises(ValueError, match="root cannot be rsdp"):
         rules(tied, dp_overrides="root=rsdp")
+
+
+def test_chunked_loss_makes_an_rsdp_head_fsdp_unless_an_override_names_it():
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    chunked, whole = ChunkedLossWrapper.Config(), CrossEntropyLoss.Config()
+
+    def overrides(loss, **fields):
+        return head_under_chunked_loss(ParallelismConfig(spmd_backend="partial_dtensor", **fields), loss)
+
+    assert overrides(chunked) == "lm_head=fsdp"
+    assert overrides(chunked, dp_overrides="layers.0=replicate") == "layers.0=replicate,lm_head=fsdp"
+    assert overrides(chunked, dp_overrides="lm_head=rsdp") == "lm_head=rsdp"
+    assert overrides(chunked, dp_strategy="replicate") == ""
+    assert overrides(whole) == ""
+    rules_ = data_parallel_rules(meta_model(llama3_model), None, None, ParallelismConfig(
+        spmd_backend="partial_dtensor", dp_overrides=overrides(chunked)))
+    assert rules_["lm_head"] is Strategy.FSDP and rules_["layers.*"] is Strategy.RSDP
 
 
 def test_unsupported_combinations_are_named():

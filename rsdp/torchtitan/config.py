@@ -13,11 +13,13 @@
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import ParallelismConfig as TorchTitanParallelismConfig
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..planner.cli import parse_bytes
-from ..policy import Strategy
+from ..policy import Strategy, name_matches
 
 ROOT = "root"
 
@@ -75,11 +77,36 @@ class ParallelismConfig(TorchTitanParallelismConfig):
 
 
 class RSDPTrainer(Trainer):
-    """torchtitan's Trainer, configured with :class:`ParallelismConfig`."""
+    """torchtitan's Trainer, configured with :class:`ParallelismConfig` (see :func:`head_under_chunked_loss`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+
+    def __init__(self, config: "RSDPTrainer.Config"):
+        # Here, not in the config's __post_init__: the command line's flags are applied after that.
+        config.parallelism.dp_overrides = head_under_chunked_loss(config.parallelism, config.loss)
+        super().__init__(config)
+
+
+def head_under_chunked_loss(parallelism: ParallelismConfig, loss) -> str:
+    """``dp_overrides`` with ``lm_head=fsdp`` added when torchtitan's chunked loss would run an rsdp head.
+
+    The chunked loss calls ``lm_head`` once per sequence chunk (8 by default), and an rsdp head rotates
+    its whole table on each call: 8x its forward and backward traffic, where FSDP gathers it once and
+    keeps it for the chunks. So under ``dp_strategy=rsdp`` the head is FSDP unless an override names
+    it (``lm_head=rsdp`` keeps the ring: it never holds the whole head, at that traffic).
+    """
+    chunked = isinstance(loss, ChunkedLossWrapper.Config)
+    if not chunked or parallelism.dp_strategy != Strategy.RSDP.value:
+        return parallelism.dp_overrides
+    if any(name_matches(name, "lm_head") for name in parallelism.overrides()):
+        return parallelism.dp_overrides
+    logger.info(
+        "rsdp: lm_head=fsdp: the chunked loss calls lm_head once per chunk and an rsdp head would rotate "
+        "its table each time; --parallelism.dp_overrides lm_head=rsdp keeps the ring"
+    )
+    return ",".join(filter(None, (parallelism.dp_overrides, "lm_head=fsdp")))
 
 
 def from_torchtitan(config: Trainer.Config, **parallelism) -> "RSDPTrainer.Config":

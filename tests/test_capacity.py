@@ -1,0 +1,109 @@
+"""benchmarks/capacity.py: the family is Hugging Face's Llama, the search finds the largest rung that
+fits (and tries the next), and a 2-rank run on a tiny budget reports peaks within it, next rungs beyond
+it, and rsdp at least as large as FSDP2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import capacity  # noqa: E402
+import common  # noqa: E402  (benchmarks/rtp, put on the path by capacity)
+
+MiB = 2**20
+# Small enough for a few seconds per strategy on 2 ranks; the vocabulary still dominates small rungs.
+TINY = ["--nproc=2", "--budget=40MiB", "--vocab=4096", "--no-plot"]
+STRATEGIES = ["fsdp", "rsdp", "rsdp_lora"]
+TIMEOUT_S = 240
+
+
+def test_family_has_hugging_face_llamas_parameters():
+    transformers = pytest.importorskip("transformers")
+    for index in (0, 1, 9):
+        shape = capacity.rung(index, vocab=32000)
+        config = transformers.LlamaConfig(
+            vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+            num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
+            tie_word_embeddings=False,
+        )
+        with torch.device("meta"):
+            reference = transformers.LlamaForCausalLM(config)
+        ours = capacity.build_on_meta(shape, lora_rank=None)
+        assert shape.parameters == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
+        bigger = capacity.rung(index + 1, vocab=32000)
+        assert all(getattr(bigger, f) >= getattr(shape, f) for f in ("layers", "hidden", "heads", "ffn"))
+
+
+@pytest.mark.parametrize("peaks_known", [True, False], ids=["interpolating", "bisecting"])
+def test_largest_fitting_finds_the_last_fitting_rung_from_any_hint_and_tries_the_next(peaks_known):
+    sizes = [10, 12, 15, 20, 26, 33, 41, 50, 61, 75]
+    peaks = [round(40 + 3 * size + 0.05 * size**2) for size in sizes]  # not quite linear in parameters
+    for budget in range(peaks[0] - 1, peaks[-1] + 2):
+        last_fitting = sum(peak <= budget for peak in peaks) - 1
+        for hint in range(len(sizes)):
+            tried = []
+
+            def try_rung(index):
+                assert index not in tried, "a rung was probed twice"
+                tried.append(index)
+                return peaks[index] <= budget, peaks[index] if peaks_known else None
+
+            assert capacity.largest_fitting(try_rung, sizes, budget, hint) == last_fitting
+            assert last_fitting + 1 == len(sizes) or last_fitting + 1 in tried
+            assert len(tried) <= len(sizes).bit_length() + 3, (budget, hint, tried)
+
+
+def test_bad_flags_name_the_fix(capsys):
+    for argv, message in (
+        (["--budget=0"], "--budget must be positive, got 0 bytes; pass e.g. --budget 512MiB"),
+        (["--budget=12XB"], "not a size: '12XB' (examples: 512MiB, 8GiB, 1000000)"),
+        (["--nproc=0"], "--nproc must be at least 1"),
+    ):
+        with pytest.raises(SystemExit):
+            capacity.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def _probe_on_rank(strategy: str, index: int) -> capacity.Probe:
+    args = capacity.parse_args(TINY)
+    world = dist.get_world_size()
+    worker = common.Worker(args, dist.get_rank(), world, torch.device("cpu"), init_device_mesh("cpu", (world,)))
+    return capacity.probe(strategy, index, worker)
+
+
+def test_two_rank_search_fits_the_budget_and_is_maximal(tmp_path, ranks):
+    out = tmp_path / "capacity.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "capacity.py"), *TINY, "--strategies", *STRATEGIES, f"--json={out}"],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert "| strategy | max params |" in done.stdout and "/proc/loadavg" in done.stdout
+    report = json.loads(out.read_text())
+    budget = report["budget_bytes"]
+    assert budget == 40 * MiB and report["nproc"] == 2 and report["device"] == "cpu" and len(report["loadavg"]) == 2
+    assert list(report["results"]) == STRATEGIES
+    for name, result in report["results"].items():
+        assert isinstance(result["max_params"], int) and result["max_params"] > 0, name
+        assert set(result["shape"]) == {"layers", "hidden", "heads", "ffn", "vocab"}
+        assert isinstance(result["peak_bytes"], int) and 0 < result["peak_bytes"] <= budget, name
+        assert isinstance(result["step_seconds"], float) and result["step_seconds"] > 0
+        assert result["next_peak_bytes"] > budget, name
+        assert result["next_params"] > result["max_params"]
+    results = report["results"]
+    assert results["rsdp"]["max_params"] >= results["fsdp"]["max_params"]
+    assert results["rsdp_lora"]["trainable_params"] < results["rsdp_lora"]["max_params"] / 10
+
+    # Maximality, measured again outside the search: the rung found fits, the next one does not.
+    for name, result in results.items():
+        found = ranks.run(2, _probe_on_rank, name, result["ladder_index"])[0]
+        after = ranks.run(2, _probe_on_rank, name, result["ladder_index"] + 1)[0]
+        assert found.fits and found.peak_bytes <= budget, (name, found)
+        assert not after.fits and after.peak_bytes > budget, (name, after)
