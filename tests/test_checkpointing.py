@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from models import TinyLM, lm_loss, local_rows, rank_and_world, twin
 from rsdp import ring_checkpoint_context, rsdp_shard
 from rsdp.memory import CommCounter
-from test_sub_block import HF_PLAN, LlamaLM
+from test_sub_block import LlamaLM, planned_llama
 from test_training import shard_lm, train_and_compare
 
 SAVE_MATMULS = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
@@ -58,12 +58,7 @@ class CheckpointedLlama(LlamaLM):
 def planned_case(seed=5):
     """Ring plans (whole attention and MLP sub-blocks) keep their summed outputs too."""
     torch.manual_seed(seed)
-    _, world = rank_and_world()
-    model = CheckpointedLlama(vocab=13, dim=6, heads=2 * world, kv_heads=world, head_dim=2, hidden=3 * world, layers=2).double()
-    reference = twin(model)
-    for layer in model.layers:
-        rsdp_shard(layer, ring_plan=HF_PLAN)
-    rsdp_shard(model)
+    model, reference = planned_llama(CheckpointedLlama)
     train_and_compare(model, reference, steps=2, rows=1, seq=5)
 
 

@@ -114,14 +114,22 @@ def test_planned_block_matches_reference(ranks, world, kv_heads, head_dim, hidde
     ranks.run(world, block_case, 20, kv_heads, head_dim, hidden_per_rank, rows)
 
 
-def lm_case(seed, sync_last_only):
-    torch.manual_seed(seed)
+def planned_llama(model_class=None):
+    """A 2-block fp64 ``LlamaLM`` (or subclass) with heads and hidden units over this world, sharded
+    with the Hugging Face ring plan, and its single-process twin."""
     _, world = rank_and_world()
-    model = LlamaLM(vocab=13, dim=6, heads=2 * world, kv_heads=world, head_dim=2, hidden=3 * world, layers=2).double()
+    model = (model_class or LlamaLM)(vocab=13, dim=6, heads=2 * world, kv_heads=world, head_dim=2, hidden=3 * world, layers=2)
+    model = model.double()
     reference = twin(model)
     for layer in model.layers:
         rsdp_shard(layer, ring_plan=HF_PLAN)
     rsdp_shard(model)
+    return model, reference
+
+
+def lm_case(seed, sync_last_only):
+    torch.manual_seed(seed)
+    model, reference = planned_llama()
     micro = 2 if sync_last_only else 1
     train_and_compare(model, reference, steps=3, rows=1, seq=5, micro_batches=micro, sync_last_only=sync_last_only, clip=1.0)
 
