@@ -24,6 +24,7 @@ from ._compat import (
     fully_shard,
     get_module_state,
     replicate,
+    share_fsdp_contexts,
     unwrap_activation_checkpoint,
 )
 from ._fully_shard import RSDPModule, rsdp_shard
@@ -86,6 +87,12 @@ def parallelize(
     names = dict((module, name) for name, module in model.named_modules())
     for module, strategy in sorted(units.items(), key=lambda item: -_depth(names[item[0]])):
         _apply(module, strategy, mesh, mp_policy or MixedPrecisionPolicy(), is_root=module is model)
+    if units[model] is not Strategy.FSDP:
+        # Under an rsdp or replicate root every FSDP unit would be an FSDP root of its own (see
+        # share_fsdp_contexts): make them one tree, as an FSDP root does.
+        share_fsdp_contexts(
+            [_state_of(module) for module, strategy in units.items() if strategy is not Strategy.RSDP]
+        )
     return model
 
 
@@ -174,6 +181,10 @@ def _check_ties(model: nn.Module, units: dict[nn.Module, Strategy]) -> None:
                 )
 
 
+def _state_of(module: nn.Module):
+    return get_module_state(module) or get_module_state(unwrap_activation_checkpoint(module))
+
+
 def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *, is_root: bool) -> None:
     if strategy is Strategy.RSDP:
         rsdp_shard(module, mesh=mesh, mp_policy=mp_policy)
@@ -192,5 +203,5 @@ def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *
             for param in sub.parameters()
         }
         replicate(module, mesh=flatten_mesh(mesh), mp_policy=mp_policy, ignored_params=nested_rsdp or None)
-    if get_module_state(module) is None and get_module_state(unwrap_activation_checkpoint(module)) is None:
+    if _state_of(module) is None:
         raise AssertionError(f"{strategy.value} left {type(module).__name__} unmanaged")

@@ -31,13 +31,26 @@ STEPS = 3
 # sharding agree to about 1e-6. The gradient norm is what catches a wrong reduction (mean instead of
 # torchtitan's sum): AdamW's steps, and so the losses, barely change when every gradient halves.
 RTOL = 2e-4
+AUTO_BUDGETS_MIB = (61, 75)  # a mixed plan and one that is all replicate but for the embedding (see the test)
 BF16_RTOL = 5e-4  # bf16 compute; the measured gap is under 1e-4
 STEP_LOG = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
+MEMORY_LOG = re.compile(r"rsdp: step (\d+) memory per rank: .* = ([0-9.]+) MiB")
 
 
-def train(workdir, name: str, *flags: str, nproc: int = 2, steps: int = STEPS, module: str = "rsdp.torchtitan",
-          config: str = "llama3_debugmodel_rsdp") -> dict[int, tuple[float, float]]:
+def train(workdir, name: str, *flags: str, **launch) -> dict[int, tuple[float, float]]:
     """Run the CPU launcher in ``workdir`` with dump folder ``name``; (loss, grad norm) per step."""
+    output = launch_training(workdir, name, *flags, **launch)
+    logged: dict[int, tuple[float, float]] = {}
+    for step, loss, grad_norm in STEP_LOG.findall(output):
+        # every rank logs the global values; they must agree
+        values = (float(loss), float(grad_norm))
+        assert logged.setdefault(int(step), values) == values, output[-3000:]
+    return logged
+
+
+def launch_training(workdir, name: str, *flags: str, nproc: int = 2, steps: int = STEPS, module: str = "rsdp.torchtitan",
+                    config: str = "llama3_debugmodel_rsdp") -> str:
+    """Run the CPU launcher in ``workdir`` with dump folder ``name``; what it printed."""
     command = [
         sys.executable, "-m", "rsdp.torchtitan.train", f"--nproc={nproc}", "--module", module, "--config", config,
         "--hf_assets_path", "assets/tokenizer", "--dataloader.dataset_path", "assets/dataset",
@@ -49,12 +62,7 @@ def train(workdir, name: str, *flags: str, nproc: int = 2, steps: int = STEPS, m
     output = done.stdout + done.stderr
     if done.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {done.returncode}:\n{output[-6000:]}")
-    logged: dict[int, tuple[float, float]] = {}
-    for step, loss, grad_norm in STEP_LOG.findall(output):
-        # every rank logs the global values; they must agree
-        values = (float(loss), float(grad_norm))
-        assert logged.setdefault(int(step), values) == values, output[-3000:]
-    return logged
+    return output
 
 
 def from_seed(workdir) -> list[str]:
@@ -98,6 +106,20 @@ def test_strategy_trains_like_torchtitan_fsdp(workdir, torchtitan_fsdp, flags):
     losses = train(workdir, "run-" + "-".join(f.split(".")[-1] for f in flags), *from_seed(workdir), *flags)
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert_losses_match(losses, torchtitan_fsdp)
+
+
+@pytest.mark.parametrize("budget_mib", AUTO_BUDGETS_MIB)
+def test_auto_plans_hold_their_budget(workdir, budget_mib):
+    """dp_strategy=auto plans with the cost model, whose peak bounds what a step measures: every step of
+    the plan holds at most the budget (parameters, optimizer state and the step's peak, the most of
+    any rank, as --parallelism.dp_measure_memory logs it). These budgets were exceeded before the cost
+    model counted FSDP2's carried buffers and the optimizer step (61 -> 65.2, 75 -> 79.4, 100 -> 107.7)."""
+    flags = ["--parallelism.dp_strategy=auto", f"--parallelism.dp_memory_budget={budget_mib}MiB", "--parallelism.dp_measure_memory"]
+    output = launch_training(workdir, f"auto-{budget_mib}", *from_seed(workdir), *flags)
+    measured = {int(step): float(total) for step, total in MEMORY_LOG.findall(output)}
+    assert sorted(measured) == list(range(1, STEPS + 1)), output[-3000:]
+    print(f"budget {budget_mib} MiB: measured per step {measured}")
+    assert max(measured.values()) <= budget_mib, (measured, output[-3000:])
 
 
 def test_checkpoint_saved_under_rsdp_resumes_under_replicate(workdir, torchtitan_fsdp):

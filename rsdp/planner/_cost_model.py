@@ -1,34 +1,58 @@
 """Estimates instead of measurements, to plan for a cluster this machine cannot run (8 to 1024 GPUs).
 
-One single-process training step of the model on the meta device (no memory, no compute) counts each
-unit's forward FLOPs, the bytes its forward saves for backward and its parameter bytes. A
-:class:`CostModel` turns those counts into the same phases the profiler measures:
+Counting. One single-process training step of the model on the meta device (no memory, no compute),
+forward and backward, with the profiler's boundary hooks, gives each part's forward FLOPs, its
+parameter bytes, and the phases of everything that is neither a parameter nor a parameter's gradient:
+activations, their gradients, the logits, the loss's temporaries, each phase's change and peak as a
+CPU run of the same step allocates them (storages counted as ``MemoryTracker`` counts them; parameter
+gradients are dropped as they are made, since where they live is the strategy's business).
 
-- memory: parameters, gradients and optimizer state (sharded 1/W, or whole when replicated), saved
-  activations, and each strategy's transient buffers: FSDP one unit's unsharded parameters in forward
-  and its unsharded parameters and gradient in backward (the root's unsharded parameters through the
-  whole step: FSDP2 does not reshard its root after forward); RSDP two shards of the unit's largest
-  layer in forward and five in backward (two messages of a weight shard and a partial, and the
-  scratch for the next contribution); replication none beyond its whole gradient;
-- time: compute at ``flops_per_s`` (backward twice forward), overlapped with communication at
-  ``bandwidth_bytes_per_s`` plus ``latency_s`` per message. FSDP all-gathers (W-1)/W of a unit per
-  phase and reduce-scatters as much; RSDP runs W ring steps per layer and phase, each the longer of its
-  share of compute and one message (a shard forward; a shard and a partial backward, one latency);
-  replication all-reduces 2(W-1)/W of the gradient.
+Estimating. A :class:`CostModel` adds what each strategy allocates for the parameters, as FSDP2,
+torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on one rank, W the world):
 
-The optimizer step's time is not modelled.
+- every strategy: L of parameters and L x ``optimizer_state_bytes_per_param_byte`` of optimizer state
+  all the time, L of gradients from the part's backward on, and L x ``optimizer_step_bytes_per_param_byte``
+  during the optimizer step;
+- FSDP: the unsharded parameters (P) while the part computes, the unsharded gradients (P) through its
+  backward; its all-gather output and its reduce-scatter input (P each) outlive the part's phase and
+  are carried (``_profile.Carried``); a root's unsharded parameters stay for the whole step;
+- replicate: an unsharded copy of the parameters (P) from its forward to its backward (the FSDP-based
+  ``replicate`` all-gathers over one rank into a buffer of its own), and in backward the gradients, the
+  reduce-scatter input and the divided copy (2P); the reduce-scatter input is carried;
+- rsdp: the ring's two messages of a shard of the part's largest layer in forward, two messages of a
+  weight shard and a gradient partial and the scratch of the next contribution in backward (5 shards),
+  carried for the rest of the pass; its vectors (norm weights, biases; V bytes) gathered whole and kept
+  from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
+  gradients and V of contributions.
+
+Everything is counted in the parameters' and the model's own dtype: lower-precision compute (a bf16
+``param_dtype``) allocates less. Time: compute at ``flops_per_s`` (backward twice forward), overlapped
+with communication at ``bandwidth_bytes_per_s`` plus ``latency_s`` per message. FSDP all-gathers
+(W-1)/W of a unit per phase and reduce-scatters as much; RSDP runs W ring steps per layer and phase,
+each the longer of its share of compute and one message (a shard forward; a shard and a partial
+backward, one latency); replication all-reduces 2(W-1)/W of the gradient. The optimizer step's time is
+not modelled.
+
+The estimate is an upper bound of what a run measures (``tests/test_planner.py`` runs plans of several
+shapes, every strategy and mixed, and compares): where the timing of a buffer depends on its
+neighbours, it is counted as if it lived as long as it can. What it does not see: buffers a
+communication backend allocates internally, and a matrix that an rsdp module uses in an op with no
+ring form (gathered whole, with a warning at run time).
 """
 
+import collections
 import copy
 import dataclasses
 import math
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..memory import _LiveStorages
 from ..policy import Strategy
-from ._profile import Phase, RootCost, UnitCost
+from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +62,25 @@ class CostModel:
     bandwidth_bytes_per_s: float  # per device, for collectives and point-to-point
     latency_s: float  # per message
     optimizer_state_bytes_per_param_byte: float = 2.0  # AdamW keeps two moments
+    # The optimizer step's temporaries: AdamW's foreach implementation (torch's default on GPUs) allocates
+    # the square root of every second moment at once (per byte of all parameters), its for-loop
+    # implementation (the default on CPUs) that root and its quotient for one parameter at a time (per
+    # byte of the largest), its fused one nothing. Both are counted.
+    optimizer_step_bytes_per_param_byte: float = 1.0
+    optimizer_step_bytes_per_largest_param_byte: float = 2.0
 
 
 @dataclasses.dataclass
-class _Counts:
+class PartCounts:
     """What one part of the model holds and does in one step, counted on the meta device."""
 
     param_bytes: int = 0
+    largest_param_bytes: int = 0
+    vector_bytes: int = 0  # of 1-D parameters: gathered whole under rsdp
+    # One module's own parameters, or the Linears' called on one input: what rsdp's messages are shards of.
     largest_layer_bytes: int = 0
     layers: int = 0
     forward_flops: int = 0
-    saved_bytes: int = 0
 
     def add_layer(self, module: nn.Module, seen: set[int]) -> None:
         """Count ``module``'s own parameters, each parameter once however often it is tied (``seen``
@@ -57,23 +89,92 @@ class _Counts:
         layer_bytes = 0
         for name, param in module.named_parameters(recurse=False):
             identity = originals.get(name, id(param))
-            layer_bytes += param.numel() * param.element_size()
+            nbytes = param.numel() * param.element_size()
+            layer_bytes += nbytes
             if identity not in seen:
                 seen.add(identity)
-                self.param_bytes += param.numel() * param.element_size()
+                self.param_bytes += nbytes
+                self.largest_param_bytes = max(self.largest_param_bytes, nbytes)
+                self.vector_bytes += nbytes if param.dim() < 2 else 0
         if layer_bytes:  # a tied weight is stored once but still moves wherever it is used
             self.layers += 1
             self.largest_layer_bytes = max(self.largest_layer_bytes, layer_bytes)
 
 
-def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> tuple[dict[str, _Counts], _Counts, _Counts]:
-    """Counts for every unit, for the root's work before the first unit, and for the root's work after
-    it (the head and the loss)."""
+@dataclasses.dataclass
+class Counts:
+    units: dict[str, PartCounts]
+    before: PartCounts  # the root's parameters and work before the first unit
+    after: PartCounts  # after the last unit: the head and the loss
+    activations: StepPhases  # the step's phases, without parameters and their gradients
+
+
+class _MetaStorages(_LiveStorages):
+    """``MemoryTracker``'s storage count (fresh results of every op, freed when their storage dies),
+    for the meta device, whose storages it leaves out elsewhere: the step counts its own allocations.
+
+    Allocations are numbered in the order the step makes them; those listed in ``skipped`` are not
+    counted (a step is deterministic, so a second run can leave out what the first found)."""
+
+    def __init__(self, skipped: frozenset[int] = frozenset()):
+        super().__init__()
+        self.skipped = skipped
+        self.allocations = 0
+        self.allocation_of: dict[int, int] = {}  # storage identity -> its allocation's number
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(ret.alias_info is None for ret in func._schema.returns):
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    storage = leaf.untyped_storage()
+                    self.allocation_of[id(storage)] = self.allocations
+                    if self.allocations not in self.skipped:
+                        self.resized(storage, storage.nbytes())
+                    self.allocations += 1
+        return out
+
+    def mark(self) -> tuple[int, int]:
+        current, peak = self.current, self.peak_since_mark
+        self.peak_since_mark = current
+        return current, peak
+
+
+def _activation_phases(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> StepPhases:
+    """The phases of one step of ``meta`` (on the meta device) without its parameters' gradients, which
+    are the strategies' to count (whole, sharded, or one shard at a time): the step runs twice, the
+    first to find the allocations that become them, the second leaving those out."""
+    gradients: set[int] = set()
+    storages = _MetaStorages()
+
+    def drop_gradient(param: nn.Parameter) -> None:
+        gradients.add(storages.allocation_of[id(param.grad.untyped_storage())])
+        param.grad = None
+
+    def step(timeline) -> None:
+        loss_fn(meta, batch).backward()
+        timeline.mark("backward-done")
+
+    handles = [param.register_post_accumulate_grad_hook(drop_gradient) for param in meta.parameters() if param.requires_grad]
+    try:
+        with storages:
+            run_marked_step(meta, units, storages, step)
+        storages = _MetaStorages(frozenset(gradients))
+        with storages:
+            return StepPhases.of(run_marked_step(meta, units, storages, step), units)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> Counts:
+    """Counts for every unit, for the root's work before the first unit and after the last, and the
+    activation phases of one training step (``loss_fn(model, batch).backward()``)."""
     meta = copy.deepcopy(model).to("meta")
     for original, moved in zip(model.modules(), meta.modules()):
         moved._rsdp_original_params = {name: id(p) for name, p in original.named_parameters(recurse=False)}
-    per_unit = {name: _Counts() for name in units}
-    before, after = _Counts(), _Counts()
+    per_unit = {name: PartCounts() for name in units}
+    before, after = PartCounts(), PartCounts()
     seen: set[int] = set()
     for name in units:
         for module in meta.get_submodule(name).modules():
@@ -83,9 +184,17 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> t
     flops = FlopCounterMode(display=False)
     current = {"section": before, "flops_at_entry": 0}
 
-    def switch_to(section: _Counts) -> None:
+    def switch_to(section: PartCounts) -> None:
         current["section"].forward_flops += flops.get_total_flops() - current["flops_at_entry"]
         current["section"], current["flops_at_entry"] = section, flops.get_total_flops()
+
+    # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``).
+    shared_input: dict[tuple[int, int], int] = collections.defaultdict(int)  # (part, input) -> bytes
+
+    def note_linear(module: nn.Linear, args) -> None:
+        part = current["section"]
+        shared_input[id(part), id(args[0])] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        part.largest_layer_bytes = max(part.largest_layer_bytes, shared_input[id(part), id(args[0])])
 
     handles = []
     for name in units:
@@ -95,40 +204,32 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> t
     for module in meta.modules():
         if id(module) not in in_units and any(True for _ in module.parameters(recurse=False)):
             handles.append(module.register_forward_pre_hook(lambda m, args: current["section"].add_layer(m, seen)))
+        if isinstance(module, nn.Linear):
+            handles.append(module.register_forward_pre_hook(note_linear))
 
-    # Autograd saves parameters (and views of them) for backward too; they are not activations.
-    parameter_storages = {param.untyped_storage()._cdata for param in meta.parameters()}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.untyped_storage()._cdata not in parameter_storages:
-            current["section"].saved_bytes += tensor.numel() * tensor.element_size()
-        return tensor
-
-    with flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with flops:
         loss_fn(meta, batch.to("meta"))
         switch_to(after)
     for handle in handles:
         handle.remove()
-    return per_unit, before, after
+    return Counts(per_unit, before, after, _activation_phases(meta, units, batch.to("meta"), loss_fn))
 
 
-class _Estimate:
-    """One part's phases under one strategy, from its counts and the cost model."""
+class _Parallelism:
+    """What one part's parameters cost on one rank under one strategy."""
 
-    def __init__(self, counts: _Counts, strategy: Strategy, cost: CostModel):
+    def __init__(self, counts: PartCounts, strategy: Strategy, cost: CostModel):
         self.counts, self.strategy, self.cost = counts, strategy, cost
         world = cost.world_size
+        self.params = counts.param_bytes
         whole = strategy is Strategy.REPLICATE or world == 1
-        self.local_bytes = counts.param_bytes if whole else math.ceil(counts.param_bytes / world)
-        self.static_bytes = int(self.local_bytes * (1 + cost.optimizer_state_bytes_per_param_byte))
-        shard = math.ceil(counts.largest_layer_bytes / world)
-        self.forward_transient, self.backward_transient = {
-            Strategy.REPLICATE: (0, 0),
-            Strategy.FSDP: (counts.param_bytes, 2 * counts.param_bytes),
-            # Two messages in flight; in backward each carries a weight shard and a partial, plus the
-            # scratch where the next contribution is computed.
-            Strategy.RSDP: (2 * shard, 5 * shard),
-        }[strategy]
+        self.local = self.params if whole else math.ceil(self.params / world)
+        self.static = int(self.local * (1 + cost.optimizer_state_bytes_per_param_byte))
+        self.optimizer_step = int(self.local * cost.optimizer_step_bytes_per_param_byte)
+        # Two messages of a weight shard and a gradient partial of its largest layer, and the scratch of
+        # the next contribution.
+        self.ring = 5 * math.ceil(counts.largest_layer_bytes / world) if strategy is Strategy.RSDP else 0
+        self.vectors = counts.vector_bytes
 
     def seconds(self, flops: float, streams: int) -> float:
         """Compute of ``flops`` overlapped with ``streams`` concurrent transfers of this part's weights
@@ -150,36 +251,90 @@ class _Estimate:
             return compute
         return max(compute, 2 * share * counts.param_bytes / cost.bandwidth_bytes_per_s + 2 * (world - 1) * cost.latency_s)
 
-    def forward(self) -> Phase:
-        saved = self.counts.saved_bytes
-        return Phase(saved, saved + self.forward_transient, self.seconds(self.counts.forward_flops, 1))
+    def unit(self, forward: Phase, backward: Phase, below_ring_root: bool) -> UnitCost:
+        """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
+        holds the ring's buffers through its forward (an rsdp root) or not."""
+        counts, params, local, vectors = self.counts, self.params, self.local, self.vectors
+        if self.strategy is Strategy.FSDP:
+            # Unsharded parameters and the all-gather output they were copied from while computing (the
+            # output outlives the forward: carried); in backward the unsharded parameters and gradients,
+            # and at the reduce the gradients, the reduce-scatter input (which outlives it: carried) and
+            # the reduced shard.
+            forward_bytes, backward_bytes = (0, 2 * params), (local, 2 * params + local)
+            carried = Carried(gather=params, reduce=params, ringed=below_ring_root)
+        elif self.strategy is Strategy.REPLICATE:
+            # The copy lives from forward to backward; in backward, the gradients, then beside them the
+            # reduce-scatter input, its divided copy and the reduced gradient, the copy freed (the
+            # gradient replaces it).
+            forward_bytes, backward_bytes = (params, params), (0, 3 * params)
+            carried = Carried(reduce=params, ringed=below_ring_root)
+        else:
+            # Vectors: gathered with a send and a receive buffer, kept; their gradients and the
+            # reduce-scatter's contributions. The ring buffers are carried.
+            forward_bytes, backward_bytes = (vectors, 3 * vectors), (local - vectors, local + 2 * vectors)
+            carried = Carried(ring=self.ring, ringed=True)
+        return UnitCost(
+            self.static,
+            Phase(forward.delta + forward_bytes[0], forward.peak + forward_bytes[1], self.seconds(counts.forward_flops, 1)),
+            Phase(backward.delta + backward_bytes[0], backward.peak + backward_bytes[1], self.seconds(2 * counts.forward_flops, 2)),
+            0.0,
+            carried,
+            self.optimizer_step,
+        )
 
-    def backward(self) -> Phase:
-        gradient = self.local_bytes
-        return Phase(gradient - self.counts.saved_bytes, gradient + self.backward_transient, self.seconds(2 * self.counts.forward_flops, 2))
+
+def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, cost: CostModel) -> dict[str, UnitCost]:
+    """Every unit's cost under ``strategy``, below a root under ``root_strategy``."""
+    phases, below_ring_root = counts.activations, root_strategy is Strategy.RSDP
+    return {
+        name: _Parallelism(part, strategy, cost).unit(phases.forward[name], phases.backward[name], below_ring_root)
+        for name, part in counts.units.items()
+    }
 
 
-def estimate(counts, strategy: Strategy, cost: CostModel) -> tuple[dict[str, UnitCost], RootCost]:
-    """The profiler's output for ``strategy`` everywhere, estimated from ``count``'s counts."""
-    per_unit, before, after = counts
-    costs = {}
-    for name, counts in per_unit.items():
-        unit = _Estimate(counts, strategy, cost)
-        costs[name] = UnitCost(unit.static_bytes, unit.forward(), unit.backward(), 0.0)
-    head, embedding = _Estimate(after, strategy, cost), _Estimate(before, strategy, cost)
-    head_forward, head_backward = head.forward(), head.backward()
-    # FSDP2 keeps its root's parameters unsharded from the start of forward to the end of backward.
-    held = before.param_bytes + after.param_bytes if strategy is Strategy.FSDP and cost.world_size > 1 else 0
-    start, end = embedding.forward(), embedding.backward()
-    middle = Phase(
-        head_forward.delta + head_backward.delta,
-        held + max(head_forward.peak, head_forward.delta + head_backward.peak),
-        head_forward.seconds + head_backward.seconds,
+def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCost:
+    """The root's cost under ``strategy``: its parameters are those of the work before the first unit
+    (embedding) and after the last (head); the head's gradients appear in the middle phase."""
+    embedding, head = _Parallelism(counts.before, strategy, cost), _Parallelism(counts.after, strategy, cost)
+    whole = PartCounts(
+        param_bytes=counts.before.param_bytes + counts.after.param_bytes,
+        largest_param_bytes=max(counts.before.largest_param_bytes, counts.after.largest_param_bytes),
+        vector_bytes=counts.before.vector_bytes + counts.after.vector_bytes,
+        largest_layer_bytes=max(counts.before.largest_layer_bytes, counts.after.largest_layer_bytes),
     )
-    return costs, RootCost(
-        head.static_bytes + embedding.static_bytes,
-        Phase(start.delta + held, max(start.peak, start.delta + held), start.seconds),
-        middle,
-        Phase(end.delta - held, end.peak + held, end.seconds),
+    root = _Parallelism(whole, strategy, cost)
+    params, local, head_params, vectors = root.params, root.local, counts.after.param_bytes, root.vectors
+    before, middle, after = counts.activations.before, counts.activations.middle, counts.activations.after
+    if strategy is Strategy.RSDP:
+        # Vectors as in units, the head's gradient shards from its backward on; the ring's buffers carried.
+        before_bytes = (vectors, 3 * vectors)
+        middle_bytes = (head.local, head.local + 2 * vectors)
+        after_bytes = (local - head.local - vectors, local + 2 * vectors)
+        carried = Carried(ring=root.ring, ringed=True)
+    else:
+        # FSDP2 does not reshard its root after forward and replicate keeps its copy: the parameters are
+        # whole from the first forward to the end of the backward, the head's gradient from the head's
+        # backward; all gradients are reduced at the end, when the parameters are freed (FSDP: beside
+        # the gradients the reduce-scatter input and the reduced shard; replicate: the reduce-scatter
+        # input, its divided copy and the reduced gradient).
+        gathering = params if strategy is Strategy.FSDP else 0  # the all-gather output, beside the copy-out
+        before_bytes = (params, params + gathering)
+        middle_bytes = (head_params, head_params)
+        after_bytes = (local - params - head_params, params + local if strategy is Strategy.FSDP else 3 * params)
+        carried = Carried(gather=gathering)
+    # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts').
+    largest_param = max(part.largest_param_bytes for part in (*counts.units.values(), counts.before, counts.after))
+    return RootCost(
+        root.static,
+        Phase(before.delta + before_bytes[0], before.peak + before_bytes[1], embedding.seconds(counts.before.forward_flops, 1)),
+        Phase(
+            middle.delta + middle_bytes[0],
+            middle.peak + middle_bytes[1],
+            head.seconds(counts.after.forward_flops, 1) + head.seconds(2 * counts.after.forward_flops, 2),
+        ),
+        Phase(after.delta + after_bytes[0], after.peak + after_bytes[1], embedding.seconds(2 * counts.before.forward_flops, 2)),
         0.0,
+        carried,
+        root.optimizer_step,
+        int(largest_param * cost.optimizer_step_bytes_per_largest_param_byte),
     )

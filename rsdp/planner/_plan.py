@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import MixedPrecisionPolicy
 from ..policy import Strategy, _default_mesh
-from ._cost_model import CostModel, count, estimate
+from ._cost_model import CostModel, count, estimate_root, estimate_units
 from ._profile import RootCost, UnitCost, find_units, profile
 from ._search import FrontierTooLarge, Partial, pareto_plans, predicted_peak
 
@@ -22,7 +22,7 @@ MAX_VERIFICATIONS = 8
 SMALLEST_VERIFIED = 3  # plans of least predicted peak run before a budget is declared too small
 # A plan whose measured peak is within this fraction of its prediction is preferred.
 PREDICTION_TOLERANCE = 0.1
-# The search rounds byte figures up to memory_budget / SEARCH_GRID_STEPS (see _search).
+# The search rounds byte figures up to 1 / SEARCH_GRID_STEPS of the largest plan's bytes (see _search).
 SEARCH_GRID_STEPS = 4096
 
 
@@ -191,8 +191,9 @@ def plan(
         if cost_model is not None:
             if batch_size not in counted:
                 counted[batch_size] = count(model, units, _resize_batch(sample_input, batch_size), loss_fn)
-            estimates = {s: estimate(counted[batch_size], s, cost_model) for s in strategies}
-            return {s: estimates[s][0] for s in strategies}, estimates[root_strategy][1]
+            counts = counted[batch_size]
+            units_ = {s: estimate_units(counts, s, root_strategy, cost_model) for s in strategies}
+            return units_, estimate_root(counts, root_strategy, cost_model)
         runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
         unit_costs_, root_, peak = runs[root_strategy]  # measured outright: a plan whose numbers are facts
         seconds = sum(c.seconds for c in unit_costs_.values()) + root_.seconds
@@ -207,7 +208,7 @@ def plan(
         for root_strategy in strategies:
             by_strategy, root = costs(batch_size, root_strategy)
             unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
-            for partial in _search(unit_costs, memory_budget):
+            for partial in _search(unit_costs):
                 peak = predicted_peak(partial, root)
                 seconds = partial.seconds + root.seconds
                 candidates.append(
@@ -255,7 +256,7 @@ def plan(
     # The plans of least predicted peak, run: several, because plans a few kilobytes apart swap places
     # from run to run (the search keeps the faster of near-equal peaks, and times are noisy), and the
     # budget an error names must be one a second call finds a plan for.
-    by_peak = sorted((c[2] for c in candidates), key=lambda c: c.predicted_peak_bytes)
+    by_peak = sorted((c[2] for c in candidates), key=lambda c: (c.predicted_peak_bytes, _key(c)))
     smallest = [verified(candidate) for candidate in by_peak[:SMALLEST_VERIFIED]]
     fits = [c for c in smallest if c.verified_peak_bytes <= memory_budget]
     if fits:
@@ -281,9 +282,18 @@ def _raise_infeasible(budget: int, smallest: Plan, needed: int) -> None:
     )
 
 
-def _search(unit_costs: list[dict[Strategy, UnitCost]], budget: int) -> list[Partial]:
-    """The non-dominated plans, on the finest grid whose frontier stays within bounds."""
-    grid = max(1, budget // SEARCH_GRID_STEPS)
+def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> list[Partial]:
+    """The non-dominated plans, on the finest grid whose frontier stays within bounds.
+
+    The grid is a fraction of what the largest choice of every unit holds, not of the budget: the plans
+    found and their predicted peaks are then the same whatever the budget, so a budget that an
+    infeasible call names is one a second call finds that plan for.
+    """
+    largest = sum(
+        max(cost.static_bytes + max(cost.forward.peak, cost.forward.delta + cost.backward.peak, 0) for cost in options.values())
+        for options in unit_costs
+    )
+    grid = max(1, largest // SEARCH_GRID_STEPS)
     while True:
         try:
             return pareto_plans(unit_costs, grid)

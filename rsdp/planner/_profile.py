@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import DTensor
 from .._fully_shard import release_ring_buffers
+from .._fully_shard._ring import RING_BUFFERS
 from ..memory import MemoryTracker
 from ..policy import Strategy, parallelize
 
@@ -54,6 +55,29 @@ class Phase:
 
 
 @dataclasses.dataclass(frozen=True)
+class Carried:
+    """Buffers a part's parallelism leaves alive past its own phases, freed at a point that depends on
+    the other parts' strategies (the cost model's; a measured phase contains whatever was alive during
+    it, so measured costs carry nothing). The search places them (``_search``):
+
+    - ``gather``: FSDP2 keeps a module's all-gather output until the next FSDP module's all-gather (or
+      the root's forward ends), and in backward all-gathers a module during the previous FSDP2
+      module's backward (prefetch);
+    - ``reduce``: FSDP2 (and the FSDP-based ``replicate``) keeps a module's reduce-scatter input until
+      the next such module's reduce, or the backward's end;
+    - ``ring``: the ring's message buffers, one set per process, grown to the largest message and
+      refilled to that size whenever a pass runs a ring: a plan's largest, in every phase that runs
+      with them (``ringed``: an rsdp part's, and every part's below an rsdp root, whose forward holds
+      them throughout), and in every backward phase after the first that does.
+    """
+
+    gather: int = 0
+    reduce: int = 0
+    ring: int = 0
+    ringed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class UnitCost:
     """One unit under one strategy at one batch size."""
 
@@ -61,6 +85,8 @@ class UnitCost:
     forward: Phase
     backward: Phase
     optimizer_seconds: float  # its share of the optimizer step
+    carried: Carried = Carried()
+    optimizer_step_bytes: int = 0  # what the optimizer step allocates for its parameters (the cost model's)
 
     @property
     def seconds(self) -> float:
@@ -74,8 +100,13 @@ class RootCost:
     static_bytes: int
     before: Phase  # step start -> first unit's forward
     middle: Phase  # last unit's forward -> its backward: head, loss and their backward
-    after: Phase  # first unit's backward done -> step end, optimizer step included
+    after: Phase  # first unit's backward done -> step end (measured: the optimizer step included)
     optimizer_seconds: float
+    carried: Carried = Carried()
+    # The cost model's optimizer step, which it puts after ``after``: the root's share of what it
+    # allocates per parameter byte, and the least it allocates whatever the plan.
+    optimizer_step_bytes: int = 0
+    optimizer_step_floor_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -194,6 +225,9 @@ def measure_peak(model: nn.Module, batch, loss_fn: Callable, optimizer_fn: Calla
     """Peak bytes per rank of a steady-state training step of an already parallelized ``model``:
     parameters and optimizer state plus the step's peak, the maximum over ranks. To check a plan."""
     optimizer = optimizer_fn(model.parameters())
+    # Sized by this model's messages, not by a larger model's measured earlier in the process.
+    release_ring_buffers()
+    RING_BUFFERS.forget()
 
     def step() -> None:
         loss_fn(model, batch).backward()
@@ -239,44 +273,74 @@ def profile(
     step()  # warm-up: optimizer state exists from here on, as in every later step
     release_ring_buffers()  # resident after the first step: counted in the measured one
     with without_cyclic_gc(), MemoryTracker(device) as tracker:
-        timeline = _Timeline(tracker)
-        handles = _hook_boundaries(copy_, units, timeline)
-        timeline.mark("start")
-        step(timeline)
-        timeline.mark("end")
-        for handle in handles:
-            handle.remove()
+        timeline = run_marked_step(copy_, units, tracker, step)
+    phases = StepPhases.of(timeline, units)
+    optimizer_seconds = timeline.phase("backward-done", "end").seconds
 
-    first, last = units[0], units[-1]
     unit_params = {name: list(copy_.get_submodule(name).parameters()) for name in units}
     in_units = {id(p) for params in unit_params.values() for p in params}
     root_params = [p for p in copy_.parameters() if id(p) not in in_units]
     total_static = parameter_and_optimizer_bytes(list(copy_.parameters()), optimizer) or 1
-
-    end_of_backward = f"backward-done:{first}" if f"backward-done:{first}" in timeline.events else "backward-done"
-    after = timeline.phase(end_of_backward, "end")
-    optimizer_seconds = timeline.phase("backward-done", "end").seconds
-
     costs = {}
-    for index, name in enumerate(units):
-        forward_end = f"forward:{units[index + 1]}" if index + 1 < len(units) else f"forward-done:{last}"
-        backward_end = f"backward:{units[index - 1]}" if index > 0 else end_of_backward
+    for name in units:
         static = parameter_and_optimizer_bytes(unit_params[name], optimizer)
         costs[name] = UnitCost(
-            static,
-            timeline.phase(f"forward:{name}", forward_end),
-            timeline.phase(f"backward:{name}", backward_end),
-            optimizer_seconds * static / total_static,
+            static, phases.forward[name], phases.backward[name], optimizer_seconds * static / total_static
         )
     root_static = parameter_and_optimizer_bytes(root_params, optimizer)
     root = RootCost(
         root_static,
-        timeline.phase("start", f"forward:{first}"),
-        timeline.phase(f"forward-done:{last}", f"backward:{last}"),
-        dataclasses.replace(after, seconds=after.seconds - optimizer_seconds),
+        phases.before,
+        phases.middle,
+        dataclasses.replace(phases.after, seconds=phases.after.seconds - optimizer_seconds),
         optimizer_seconds * root_static / total_static,
     )
     return _agree(costs, root, total_static + tracker.peak_bytes)
+
+
+def run_marked_step(model: nn.Module, units: list[str], tracker, step: Callable[[_Timeline], None]) -> _Timeline:
+    """Run ``step(timeline)`` (which marks ``backward-done`` when its backward returns) with marks at
+    every unit boundary; ``tracker`` is a started tracker with ``mark()``."""
+    timeline = _Timeline(tracker)
+    handles = _hook_boundaries(model, units, timeline)
+    timeline.mark("start")
+    try:
+        step(timeline)
+        timeline.mark("end")
+    finally:
+        for handle in handles:
+            handle.remove()
+    return timeline
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPhases:
+    """One step's timeline cut into the phases a plan is replayed from."""
+
+    forward: dict[str, Phase]  # unit -> its forward, up to the next unit's
+    backward: dict[str, Phase]  # unit -> its backward, up to the previous unit's
+    before: Phase
+    middle: Phase
+    after: Phase
+
+    @classmethod
+    def of(cls, timeline: _Timeline, units: list[str]) -> "StepPhases":
+        first, last = units[0], units[-1]
+        # The first unit's input needs no gradient when it is the token ids: its backward ends the pass.
+        end_of_backward = f"backward-done:{first}" if f"backward-done:{first}" in timeline.events else "backward-done"
+        forward, backward = {}, {}
+        for index, name in enumerate(units):
+            forward_end = f"forward:{units[index + 1]}" if index + 1 < len(units) else f"forward-done:{last}"
+            backward_end = f"backward:{units[index - 1]}" if index > 0 else end_of_backward
+            forward[name] = timeline.phase(f"forward:{name}", forward_end)
+            backward[name] = timeline.phase(f"backward:{name}", backward_end)
+        return cls(
+            forward,
+            backward,
+            timeline.phase("start", f"forward:{first}"),
+            timeline.phase(f"forward-done:{last}", f"backward:{last}"),
+            timeline.phase(end_of_backward, "end"),
+        )
 
 
 def _agree(costs: dict[str, UnitCost], root: RootCost, peak: int) -> tuple[dict[str, UnitCost], RootCost, int]:
@@ -298,9 +362,9 @@ def _flatten(record) -> list[float]:
 def _rebuild(cls, values):
     fields = []
     for field in dataclasses.fields(cls):
-        if field.type in ("Phase", Phase):
-            fields.append(Phase(int(next(values)), int(next(values)), next(values)))
+        if dataclasses.is_dataclass(field.type):
+            fields.append(_rebuild(field.type, values))
         else:
             value = next(values)
-            fields.append(int(value) if field.type in ("int", int) else value)
+            fields.append(int(value) if field.type is int else value)
     return cls(*fields)

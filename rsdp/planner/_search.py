@@ -2,7 +2,7 @@
 
 A plan's peak is not a sum over units: it is the highest point of the step's timeline, so each unit's
 choice moves every later level. Walking the units from the innermost (last in forward, first in
-backward) outwards, six running quantities describe a partial plan completely, and the final peak grows
+backward) outwards, a few running quantities describe a partial plan completely, and the final peak grows
 with each of them:
 
 - ``forward_peak``: the highest forward level reached from this unit on, above the level where it starts;
@@ -11,13 +11,30 @@ with each of them:
   where the last unit's backward starts;
 - ``backward_delta``: how much those backwards changed the live bytes (gradients made, activations freed);
 - ``static``: parameters and optimizer state;
-- ``seconds``.
+- ``seconds``;
 
-A partial plan no better than another in all six can be dropped without losing the optimum (dominance
-pruning), which makes this a multiple-choice knapsack solved exactly over the memory timeline. Byte
-figures are first rounded up to a grid (``grid_bytes``, the planner uses 1/4096 of the budget): the
-search is exact for the rounded figures, which overstate a plan's peak by at most one grid step per
-unit, and the rounding keeps the number of distinct partial plans small for models with many layers.
+and, for the buffers a unit's parallelism leaves alive past its own phases (``_profile.Carried``: the
+cost model's; measured phases contain them already and carry nothing), where they are:
+
+- ``until_gathering``: the highest forward level from this unit's start up to the first FSDP unit's
+  all-gather (the whole forward when there is none), through which an earlier FSDP unit's all-gather
+  output lives; ``gather``: the largest FSDP unit's, which bounds what the last one leaves to the root;
+- ``retained``: the reduce-scatter input the last unit reduced by FSDP2 leaves to the next one's
+  backward;
+- ``since_gathering``: the highest backward level since the last backward that all-gathers the
+  previous FSDP module ahead of time (FSDP2's prefetch), which that all-gather output lives through
+  (``since_gathering_ringed``: among those that hold the ring's buffers);
+- ``ringed_forward``, ``ringed_backward``: the highest levels among the phases that hold the ring's
+  buffers (forwards of rsdp units or below an rsdp root; backwards from the first such on), and
+  ``ring``: the largest buffers, which they may hold;
+- ``optimizer_step``: what the optimizer step allocates for their parameters.
+
+A partial plan no better than another in all of them can be dropped without losing the optimum
+(dominance pruning), which makes this a multiple-choice knapsack solved exactly over the memory
+timeline. Byte figures are first rounded up to a grid (``grid_bytes``, the planner uses 1/4096 of what
+the largest choice of every unit holds): the search is exact for the rounded figures, which overstate a
+plan's peak by at most one grid step per unit, and the rounding keeps the number of distinct partial
+plans small for models with many layers.
 """
 
 import dataclasses
@@ -32,40 +49,86 @@ from ._profile import Phase, RootCost, UnitCost
 @dataclasses.dataclass(frozen=True)
 class Partial:
     forward_peak: float
+    until_gathering: float
+    gather: float
+    ringed_forward: float
     activations: float
     backward_peak: float
     backward_delta: float
+    retained: float
+    since_gathering: float
+    since_gathering_ringed: float
+    ringed_backward: float
+    ring: float
     static: float
+    optimizer_step: float
     seconds: float
     choices: tuple[Strategy, ...]  # for the units walked so far, in forward order
 
     def key(self) -> tuple[float, ...]:
-        return (self.forward_peak, self.activations, self.backward_peak, self.backward_delta, self.static, self.seconds)
+        return dataclasses.astuple(self)[:-1]
 
     def extend(self, strategy: Strategy, cost: UnitCost) -> "Partial":
-        """Add the unit just before the ones walked so far."""
+        """Add the unit just before the ones walked so far (forward order), which is the unit just after
+        them in backward."""
+        forward, backward, carried = cost.forward, cost.backward, cost.carried
+        gathers, reduces = carried.gather > 0, carried.reduce > 0
+        # Forward: this unit's all-gather output lives until the next FSDP unit's all-gather (counted
+        # with the ring's buffers too where any later phase holds them).
+        later, later_ringed = self.forward_peak, self.ringed_forward
+        if gathers:
+            later = max(later, self.until_gathering + carried.gather)
+            later_ringed = max(later_ringed, self.until_gathering + carried.gather) if later_ringed > -math.inf else later_ringed
+        until_gathering = carried.gather if gathers else max(forward.peak, forward.delta + self.until_gathering)
+        ringed_forward = max(forward.peak if carried.ringed else -math.inf, forward.delta + later_ringed)
+        # Backward: the reduce-scatter input the earlier backward left, and this unit's all-gather,
+        # prefetched by the last FSDP2 module's backward.
+        phase_peak = self.backward_delta + backward.peak + self.retained
+        ringed_peak = phase_peak if carried.ringed or self.ringed_backward > -math.inf else -math.inf
+        prefetched = self.since_gathering + carried.gather if gathers else -math.inf
+        prefetched_ringed = self.since_gathering_ringed + carried.gather if gathers else -math.inf
         return Partial(
-            max(cost.forward.peak, cost.forward.delta + self.forward_peak),
-            self.activations + cost.forward.delta,
-            max(self.backward_peak, self.backward_delta + cost.backward.peak),
-            self.backward_delta + cost.backward.delta,
+            max(forward.peak, forward.delta + later),
+            until_gathering,
+            max(self.gather, carried.gather),
+            ringed_forward,
+            self.activations + forward.delta,
+            max(self.backward_peak, phase_peak, prefetched),
+            self.backward_delta + backward.delta,
+            carried.reduce if reduces else self.retained,
+            phase_peak if reduces else max(self.since_gathering, phase_peak),
+            ringed_peak if reduces else max(self.since_gathering_ringed, ringed_peak),
+            max(self.ringed_backward, ringed_peak, prefetched_ringed),
+            max(self.ring, carried.ring),
             self.static + cost.static_bytes,
+            self.optimizer_step + cost.optimizer_step_bytes,
             self.seconds + cost.seconds,
             (strategy, *self.choices),
         )
 
 
+EMPTY = Partial(-math.inf, -math.inf, 0.0, -math.inf, 0.0, -math.inf, 0.0, 0.0, -math.inf, -math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0, ())
+
+
 def predicted_peak(partial: Partial, root: RootCost) -> float:
-    """Peak bytes of a whole plan: the highest of the step's phases, plus parameters and optimizer state."""
+    """Peak bytes of a whole plan: the highest of the step's phases, each with the buffers carried into
+    it, plus parameters and optimizer state."""
+    carried = root.carried
+    ring = max(partial.ring, carried.ring)
+    # Below an rsdp root every unit's phases hold the ring's buffers, and the root's own do too.
+    root_ring = ring if carried.ringed else 0
+    backward_ring = ring if carried.ringed or partial.ringed_backward > -math.inf else 0
     start = root.before.delta
     after_forward = start + partial.activations
     before_backward = after_forward + root.middle.delta
+    end_of_backward = before_backward + partial.backward_delta
     return root.static_bytes + partial.static + max(
-        root.before.peak,
-        start + partial.forward_peak,
-        after_forward + root.middle.peak,
-        before_backward + partial.backward_peak,
-        before_backward + partial.backward_delta + root.after.peak,
+        root.before.peak + root_ring,
+        start + max(partial.forward_peak, partial.until_gathering + carried.gather, partial.ringed_forward + ring),
+        after_forward + root.middle.peak + max(partial.gather, carried.gather) + root_ring,
+        before_backward + max(partial.backward_peak, partial.ringed_backward + ring),
+        end_of_backward + root.after.peak + partial.retained + backward_ring,
+        end_of_backward + root.after.delta + max(root.optimizer_step_bytes + partial.optimizer_step, root.optimizer_step_floor_bytes),
     )
 
 
@@ -94,7 +157,13 @@ def _rounded_up(cost: UnitCost, grid: int) -> UnitCost:
     def phase(p: Phase) -> Phase:
         return Phase(up(p.delta), up(p.peak), p.seconds)
 
-    return UnitCost(up(cost.static_bytes), phase(cost.forward), phase(cost.backward), cost.optimizer_seconds)
+    carried = dataclasses.replace(
+        cost.carried, gather=up(cost.carried.gather), reduce=up(cost.carried.reduce), ring=up(cost.carried.ring)
+    )
+    return UnitCost(
+        up(cost.static_bytes), phase(cost.forward), phase(cost.backward), cost.optimizer_seconds, carried,
+        up(cost.optimizer_step_bytes),
+    )
 
 
 def pareto_plans(
@@ -105,7 +174,7 @@ def pareto_plans(
     Raises:
         FrontierTooLarge: when more than ``max_partials`` remain after some unit.
     """
-    partials = [Partial(-math.inf, 0.0, -math.inf, 0.0, 0.0, 0.0, ())]
+    partials = [EMPTY]
     for options in reversed(unit_costs):
         partials = _without_dominated(
             [

@@ -1,25 +1,35 @@
-"""The torchtitan config with a data-parallel strategy per module.
+"""The torchtitan config with a data-parallel strategy per module, and its trainer.
 
-``ParallelismConfig`` adds four flags to torchtitan's (``--parallelism.<name>`` on the command line):
+``ParallelismConfig`` adds these flags to torchtitan's (``--parallelism.<name>`` on the command line):
 
 - ``dp_strategy``: ``rsdp``, ``fsdp``, ``replicate``, or ``auto`` (the planner picks per module);
 - ``dp_overrides``: per-module exceptions, ``"layers.0=replicate,lm_head=fsdp"`` (module names as in
   ``named_modules()``, globs as in :func:`rsdp.parallelize`; the root is ``root``);
 - ``dp_memory_budget``: bytes per rank for ``auto``, e.g. ``"60GiB"``;
 - ``dp_flops_per_s`` / ``dp_bandwidth_bytes_per_s`` / ``dp_latency_s``: the cost model ``auto`` plans
-  with (the model is still on the meta device when the plan is made, so it is estimated, not measured).
+  with (the model is still on the meta device when the plan is made, so it is estimated, not measured);
+- ``dp_measure_memory``: log what each step holds per rank, to check a plan against its budget.
+
+``RSDPTrainer`` is torchtitan's Trainer with that config, and the measurement.
 """
 
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+import torch
+import torch.distributed as dist
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import ParallelismConfig as TorchTitanParallelismConfig
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from .._fully_shard import release_ring_buffers
+from ..memory import MemoryTracker
+from ..planner._profile import parameter_and_optimizer_bytes, without_cyclic_gc
 from ..planner.cli import parse_bytes
 from ..policy import Strategy, name_matches
+
+MiB = 2**20
 
 ROOT = "root"
 
@@ -44,6 +54,11 @@ class ParallelismConfig(TorchTitanParallelismConfig):
 
     dp_latency_s: float = 10e-6
     """auto's cost model: seconds per message."""
+
+    dp_measure_memory: bool = False
+    """Log each step's memory per rank (the most of any rank): parameters and optimizer state plus the
+    step's peak above its start, by rsdp's MemoryTracker (on CPU it counts every allocation, which slows
+    the step)."""
 
     def __post_init__(self):
         TorchTitanParallelismConfig.__post_init__(self)
@@ -87,6 +102,28 @@ class RSDPTrainer(Trainer):
         # Here, not in the config's __post_init__: the command line's flags are applied after that.
         config.parallelism.dp_overrides = head_under_chunked_loss(config.parallelism, config.loss)
         super().__init__(config)
+
+    def train_step(self, data_iterator):
+        if not self.config.parallelism.dp_measure_memory:
+            return super().train_step(data_iterator)
+        # What the step starts with, counted before it: the first step creates the optimizer state
+        # inside, where the tracker sees it. The ring buffers (freed after each pass) are counted by it.
+        held = sum(
+            parameter_and_optimizer_bytes([p for group in optimizer.param_groups for p in group["params"]], optimizer)
+            for optimizer in self.optimizers
+        )
+        release_ring_buffers()
+        with without_cyclic_gc(), MemoryTracker(self.device) as tracker:
+            super().train_step(data_iterator)
+        measured = torch.tensor([held, tracker.peak_bytes, held + tracker.peak_bytes], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        held, peak, total = (value / MiB for value in measured.tolist())
+        budget = self.config.parallelism.dp_memory_budget
+        logger.info(
+            f"rsdp: step {self.step} memory per rank: {held:.2f} MiB parameters and optimizer state + {peak:.2f} "
+            f"MiB step peak = {total:.2f} MiB" + (f" of a {budget} budget" if budget else "")
+        )
 
 
 def head_under_chunked_loss(parallelism: ParallelismConfig, loss) -> str:
