@@ -35,6 +35,10 @@ built: on CUDA it reads the caching allocator's allocated bytes (``max_memory_al
 counts the storages that ops create and ``UntypedStorage.resize_`` grows; the same count for every
 strategy. Not counted: the backend's own buffers (gloo's, NCCL's) and the CUDA allocator's cached but
 unallocated blocks. The figure is the maximum over ranks, and a rung fits when it is within the budget.
+On CUDA the budget is measured by the allocator, not enforced by it (``set_per_process_memory_fraction``):
+an enforced budget turns a probe above it into an out-of-memory error on one rank in the middle of a
+collective, with the other ranks waiting in NCCL until its timeout, and the search needs the measured
+peak of the rung after the answer.
 
 Pitfalls this file handles:
 - rsdp's ring buffers are shared by the whole process and keep their size from pass to pass: left by
