@@ -483,6 +483,7 @@ def search(strategy: str, worker: common.Worker, hint: int) -> dict:
     best = largest_fitting(try_rung, sizes, worker.args.budget, hint)
     found = probes.get(best)
     after = probes.get(best + 1)
+    ordered = sorted(probes.values(), key=lambda p: p.index)
     return {
         "description": RECIPES[strategy].description,
         "ladder_index": best,
@@ -496,7 +497,7 @@ def search(strategy: str, worker: common.Worker, hint: int) -> dict:
         # Planned rungs whose plan measured above the budget: the planner did not hold it (auto only).
         "exceeded": [
             {"index": p.index, "params": p.parameters, "peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes}
-            for p in sorted(probes.values(), key=lambda p: p.index)
+            for p in ordered
             if p.predicted_peak_bytes is not None and not p.fits
         ],
         # The search's maximality: the next rung, tried and refused (None at the end of the ladder).
@@ -508,7 +509,7 @@ def search(strategy: str, worker: common.Worker, hint: int) -> dict:
         "probes": [
             {"index": p.index, "params": p.parameters, "peak_bytes": p.peak_bytes, "fits": p.fits, "measured": p.measured,
              "step_seconds": p.step_seconds}
-            for p in sorted(probes.values(), key=lambda p: p.index)
+            for p in ordered
         ],
         "search_seconds": time.perf_counter() - start,
     }
