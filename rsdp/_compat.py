@@ -74,6 +74,12 @@ def send_and_receive(group, send: torch.Tensor, to: int, receive: torch.Tensor, 
     )
 
 
+def sharded_like(local: torch.Tensor, param: DTensor) -> DTensor:
+    """``local`` as a DTensor laid out like ``param``, made without autograd (FSDP2's
+    ``_from_local_no_grad``; ``DTensor.from_local`` is a differentiable op with checks): a gradient."""
+    return DTensor(local, param._spec, requires_grad=False)
+
+
 # Refills a tensor autograd saved without bumping its version (FSDP2 refills its unsharded parameters so).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
 
@@ -217,6 +223,7 @@ __all__ = [
     "selective_checkpoint_region",
     "send_and_receive",
     "share_fsdp_contexts",
+    "sharded_like",
     "insert_module_state",
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",

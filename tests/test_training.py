@@ -20,6 +20,7 @@ from models import (
     twin,
 )
 from rsdp import MixedPrecisionPolicy, rsdp_shard
+from rsdp.memory import CommCounter
 from rsdp._compat import fully_shard
 
 TRAJECTORY_RTOL = 1e-6
@@ -138,14 +139,53 @@ def test_rsdp_blocks_under_fully_shard_root(ranks, world):
 
 
 def hsdp_case(seed):
-    """A 2x2 (replicate x shard) mesh: ring within each pair, all-reduce across pairs."""
+    """A 2x2 (replicate x shard) mesh: ring within each pair, all-reduce across pairs; two micro-batches,
+    so a backward's all-reduce must not sum the gradient an earlier one left in ``.grad`` again."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model, reference = rsdp_lm(seed, mesh=mesh, vocab=15, dim=6, heads=2, hidden=7, layers=2)
-    train_and_compare(model, reference, steps=3, rows=1, seq=4)
+    train_and_compare(model, reference, steps=3, rows=1, seq=4, micro_batches=2)
 
 
 def test_hsdp_two_by_two(ranks):
     ranks.run(4, hsdp_case, 8)
+
+
+def hsdp_all_reduce_count_case(seed):
+    model, _ = rsdp_lm(seed, mesh=init_device_mesh("cpu", (2, 2)), vocab=15, dim=6, heads=2, hidden=7, layers=2)
+    tokens = torch.randint(0, 15, (1, 4))
+    lm_loss(model(tokens), tokens).backward()  # warm-up: the shared-input groups form
+    with CommCounter() as comm:
+        lm_loss(model(tokens), tokens).backward()
+    return comm.calls["c10d::allreduce_"]
+
+
+def test_hsdp_all_reduces_once_per_module(ranks):
+    """Under HSDP a module's backward ends in one all-reduce over the replicas of everything it produced
+    (ring and gathered gradients in one flat tensor), not one per ring: 3 per backward for 2 blocks and
+    the root, where one per ring and one per module for the gathered norms made 13."""
+    assert ranks.run(4, hsdp_all_reduce_count_case, 8) == [3] * 4
+
+
+def gradient_hooks_case(seed):
+    """A ring weight's hooks run as on a leaf: ``register_hook`` on each backward's gradient (a DTensor)
+    before it is accumulated, ``register_post_accumulate_grad_hook`` after."""
+    rank, world = rank_and_world()
+    model, reference = rsdp_lm(seed, vocab=9, dim=6, layers=1)
+    weight = model.layers[0].up.weight
+    seen = []
+    weight.register_hook(lambda grad: seen.append(type(grad).__name__) or grad * 2)
+    weight.register_post_accumulate_grad_hook(lambda param: seen.append(param.grad is not None))
+    tokens = torch.randint(0, 9, (world, 4))
+    mine = local_rows(tokens, rank, world)
+    for _ in range(2):
+        lm_loss(model(mine), mine).backward()
+    lm_loss(reference(tokens), tokens).backward()
+    assert seen == ["DTensor", True] * 2, seen
+    assert_close(weight.grad.full_tensor(), 2 * 2 * reference.layers[0].up.weight.grad, what="hooked gradient")
+
+
+def test_ring_weight_gradient_hooks(ranks):
+    ranks.run(2, gradient_hooks_case, 12)
 
 
 def divide_factor_case(seed):

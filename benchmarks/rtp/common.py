@@ -132,6 +132,9 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
         parser.error("no dataset is bundled (nothing is downloaded); pass --use_synthetic_data")
     if args.nproc is None:
         args.nproc = torch.cuda.device_count() if args.device == "cuda" else 4
+    if args.device == "cuda" and not _launched_by_torchrun() and args.nproc > torch.cuda.device_count():
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), after every rank has started.
+        parser.error(f"--nproc {args.nproc} needs one GPU per rank; this machine has {torch.cuda.device_count()}")
     if args.max_batch < 1 or args.warmup < 0 or args.nproc < 1:
         parser.error("--max_batch and --nproc must be at least 1, --warmup at least 0")
     return args

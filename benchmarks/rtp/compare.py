@@ -6,7 +6,7 @@ within a round) and each strategy's step time is its median round. This prints a
 every figure also as a ratio to fsdp's, the per-round step-time ratios and ``/proc/loadavg``, and draws
 a chart.
 
-    python benchmarks/rtp/compare.py                  # default: 4 CPU ranks, 3 rounds (~3 min, 2 cores)
+    python benchmarks/rtp/compare.py                  # default: 4 CPU ranks (one per GPU on CUDA), 3 rounds (~3 min, 2 cores)
     python benchmarks/rtp/compare.py --preset small   # the batch-1 regime rsdp is for
     python benchmarks/rtp/compare.py --batch_size 1 --vocab_size 32768 --chart img/wide_vocab.png
 """
@@ -40,8 +40,6 @@ DEFAULT_CONFIG = {
     "batch_size": 2,
     "max_batch": 10,
     "warmup": 2,
-    "nproc": 4,
-    "device": "cpu",
 }
 # The regime of fine-tuning at small per-GPU batches (shared/design.md §7's "small LM").
 PRESETS = {
@@ -73,6 +71,11 @@ def run_strategy(name: str, args, workdir: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def ratio(value: float, baseline: float) -> str:
+    # One rank sends nothing, so its byte and exchange ratios have no baseline.
+    return f"{value / baseline:.2f}" if baseline else "–"
+
+
 def markdown_table(results: dict[str, dict]) -> str:
     baseline = results.get(BASELINE)
     header = ["strategy"]
@@ -85,7 +88,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         for _, key, fmt, _ in METRICS:
             row.append(fmt(result[key]))
             if baseline:
-                row.append(f"{result[key] / baseline[key]:.2f}")
+                row.append(ratio(result[key], baseline[key]))
         row.append(f"{result['final_loss']:.4f}")
         rows.append(row)
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
@@ -103,7 +106,7 @@ def draw_chart(results: dict[str, dict], title: str, path: Path) -> None:
         bars = axis.bar(names, [v / scale for v in values], color=colors)
         if BASELINE in results:
             baseline = results[BASELINE][key]
-            axis.bar_label(bars, labels=[f"{v / baseline:.2f}×" for v in values], padding=2)
+            axis.bar_label(bars, labels=[ratio(v, baseline) + "×" for v in values], padding=2)
         axis.set_title(f"{label} ({'higher' if more_is_better else 'lower'} is better)")
         axis.set_ylabel(unit)
         axis.margins(y=0.15)

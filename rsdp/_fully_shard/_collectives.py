@@ -10,7 +10,9 @@ While installed they are **leaf** ``nn.Parameter``s, one persistent tensor per p
 is allocated for a gather and freed afterwards (FSDP2's unsharded parameters): tools that hook module
 parameters during forward (torch's ``MemTracker``, ``register_post_accumulate_grad_hook``) work, and
 autograd saves the same tensor the backward's gather refills. Their gradients land in ``.grad`` of the
-full tensors; the module's post-backward reduce-scatters them into the ``Shard(0)`` ``.grad``.
+full tensors; the module's post-backward reduce-scatters them and hands the result to the module's
+``RingGradients`` (``_grad.py``), which writes the ``Shard(0)`` ``.grad`` (under HSDP, after the one
+all-reduce over replicas it makes of the module's gradients).
 
 Resharding after forward (``reshard_after_forward=True``) frees the full tensors between forward and
 backward, which then gathers them again: one more all-gather per module and step. rsdp's default keeps
@@ -19,18 +21,20 @@ them (FSDP2's ``reshard_after_forward=False``): each costs one activation row.
 Pitfalls:
 - A parameter no rank used gets ``None`` as its gradient, as with FSDP2, not a zero (AdamW would decay
   it). Each rank adds one "used" flag per parameter to every rank's segment of the reduce-scatter, so
-  whether *some* rank used it arrives with the gradients and costs no collective; only a rank that did
-  not use it itself reads its flag (a host sync on CUDA, in that case alone).
+  whether *some* rank (of any replica) used it arrives with the gradients and costs no collective; only
+  a rank that did not use it itself reads its flag (a host sync on CUDA, in that case alone).
 - The refill must not bump the version counter of the tensor autograd saved
   (``preserve_version_counter``), or backward would report an in-place modification.
 """
 
+import functools
 import math
 
 import torch
 import torch.nn as nn
 
-from .._compat import DTensor, all_gather_flat, preserve_version_counter, reduce_scatter_flat
+from .._compat import all_gather_flat, preserve_version_counter, reduce_scatter_flat
+from ._grad import write_gradient
 from ._param import ShardLayout
 
 
@@ -131,16 +135,14 @@ class GatheredParams:
 
         reduced = torch.empty(self.segment_numel + count, dtype=dtype, device=state.device)
         reduce_scatter_flat(reduced, contributions.view(-1), group=state.ring.group)
-        reduced = state.finish_gradient(reduced)
+        state.divide_gradient(reduced)
+        state.gradients.add_reduced(reduced, functools.partial(self._write_gradients, used_here))
+
+    def _write_gradients(self, used_here: list[bool], reduced: torch.Tensor) -> None:
+        """Each used parameter's shard of ``reduced`` (summed over replicas, under HSDP) into its ``.grad``."""
         for index, (param, used) in enumerate(zip(self.params, used_here)):
             if not param.requires_grad:
                 continue
             if not used and not bool(reduced[self.segment_numel + index] > 0):
                 continue  # no rank used it
-            local = self.segment_view(reduced, index, state.ring.rank).to(param.dtype)
-            if param.grad is None:
-                param.grad = DTensor.from_local(
-                    local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-                )
-            else:
-                param.grad._local_tensor.add_(local)
+            write_gradient(param, self.segment_view(reduced, index, self.state.ring.rank).to(param.dtype))

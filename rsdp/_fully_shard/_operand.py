@@ -74,7 +74,7 @@ class RingOperand(torch.Tensor):
             cls,
             shape,
             dtype=sharded_param.dtype,
-            device=sharded_param.to_local().device,
+            device=sharded_param.device,
             requires_grad=sharded_param.requires_grad,
         )
         operand.sharded_param, operand.layer, operand.transposed = sharded_param, layer, transposed
@@ -87,7 +87,8 @@ class RingOperand(torch.Tensor):
         return self
 
     def local(self) -> torch.Tensor:
-        return self.sharded_param.to_local()
+        """The local shard, as the gradient leaf ring functions compute with (``_grad.py``)."""
+        return self.layer.state.gradients.leaf(self.sharded_param)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -171,7 +172,7 @@ class _GatherShards(torch.autograd.Function):
         padded[: layout.rows].copy_(grad)
         reduced = padded.new_empty(layout.chunk, *grad.shape[1:])
         reduce_scatter_flat(reduced, padded, group=state.ring.group)
-        state.finish_gradient(reduced)
+        state.divide_gradient(reduced)
         return reduced[: layout.rows_of(state.ring.rank)].to(ctx.local_dtype), None, None
 
 

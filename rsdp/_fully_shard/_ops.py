@@ -1,8 +1,8 @@
 """Ring autograd functions for Linear and Embedding, and the module classes that call them.
 
-Each function receives the *local* shards (``param.to_local()``) and returns the gradients of those
-shards, so autograd accumulates micro-batches into the ``Shard(0)`` DTensor ``.grad`` by itself, and
-only the local shards are saved for backward. See design.md §1 for the algorithm.
+Each function receives the *local* shards (as gradient leaves, ``_grad.py``) and returns the reduced
+gradients of those shards, which rsdp writes into the ``Shard(0)`` DTensor ``.grad``; only the local
+shards are saved for backward. See design.md §1 for the algorithm.
 
 One Linear function serves a *group* of Linears that consume the same input (q/k/v, gate/up; see
 ``_fusion.py``): their shards travel as one message, so the group costs one ring per pass, and a lone
@@ -45,9 +45,9 @@ class RingLayer:
 
 def finished_gradients(state, message: Message, first: int, final: torch.Tensor, dtype: torch.dtype):
     """This rank's reduced shards of the gradient segments ``first:`` of the last message, copied out of
-    the ring buffer and finished (HSDP all-reduce, division) in one piece."""
+    the ring buffer and divided in one piece."""
     own = final[message.offsets[first] :].clone()
-    state.finish_gradient(own.view(dtype))
+    state.divide_gradient(own.view(dtype))
     return message.tail(first).views(own, state.ring.rank)
 
 
@@ -361,24 +361,33 @@ def _shard_selection(flat_indices: torch.Tensor, layout: ShardLayout, padding_id
     return selects, rows_in
 
 
-def local_shard(param: nn.Parameter | None, module: nn.Module, name: str) -> torch.Tensor | None:
+def sharded(param: nn.Parameter | None, module: nn.Module, name: str) -> DTensor | None:
+    """``module.<name>``: the sharded DTensor parameter rsdp installed (a ring operand stands in for it
+    while its module runs); raises if it was replaced by something else."""
     if param is None:
         return None
-    param = getattr(param, "sharded_param", param)  # a RingOperand stands in for it while its module runs
+    param = getattr(param, "sharded_param", param)
     if not isinstance(param, DTensor):
         raise RuntimeError(
             f"rsdp: {type(module).__name__}.{name} is no longer the sharded DTensor parameter that "
             "rsdp_shard installed (was it reassigned?). Assign new values in place, e.g. "
             "`with torch.no_grad(): param.copy_(value)`, or load them with load_state_dict."
         )
-    return param.to_local()
+    return param
+
+
+def local_shard(param: nn.Parameter | None, module: nn.Module, name: str, layer: RingLayer) -> torch.Tensor | None:
+    """What a ring function computes with for ``module.<name>``: its local shard, as the gradient leaf
+    through which rsdp accumulates its gradient (``_grad.py``)."""
+    param = sharded(param, module, name)
+    return None if param is None else layer.state.gradients.leaf(param)
 
 
 def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The outputs of ``modules`` (ring Linears of one rsdp module) on one input, in one ring."""
     params = []
     for module in modules:
-        params += [local_shard(module.weight, module, "weight"), local_shard(module.bias, module, "bias")]
+        params += [local_shard(module.weight, module, "weight", layer), local_shard(module.bias, module, "bias", layer)]
     members = tuple(LinearMember(module.out_features, id(module)) for module in modules)
     return _RingLinearFunction.apply(input, layer, members, *params)
 
@@ -413,7 +422,7 @@ class RingLinear:
             )
         # Checked before the ring starts: a rank that failed half-way through a ring step would leave
         # its peers waiting for the process group's timeout.
-        weight = local_shard(self.weight, self, "weight")
+        weight = sharded(self.weight, self, "weight")
         if not input.is_floating_point():
             raise TypeError(f"rsdp {type(self).__name__}: input must be floating point, got {input.dtype}")
         if input.dim() == 0 or input.shape[-1] != self.in_features:
@@ -432,7 +441,7 @@ class RingEmbedding:
 
     @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = local_shard(self.weight, self, "weight")
+        weight = local_shard(self.weight, self, "weight", self._rsdp_ring)
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"rsdp {type(self).__name__}: indices must be int32 or int64, got {input.dtype}")
         _check_device(input, weight, self)

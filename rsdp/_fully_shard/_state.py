@@ -25,7 +25,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.utils import _apply_to_tensors
@@ -41,8 +40,9 @@ from .._compat import (
 )
 from ._collectives import GatheredParams
 from ._fusion import SharedInputFusion
+from ._grad import RUNNING_BACKWARD, RingGradients
 from ._operand import RingOperand
-from ._ops import local_shard
+from ._ops import sharded
 from ._prefetch import FORWARD_RING_ORDER
 from ._ring import RING_BUFFERS, Ring
 
@@ -101,6 +101,7 @@ class RSDPState(FSDPState):
         # The backward (graph task) whose post-backward this state awaits, None when none does.
         self._post_backward_task: int | None = None
         self.forward_depth = 0  # this module's forwards running now (nested calls count)
+        self.gradients = RingGradients(self)
 
     def compute_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.mp_policy.param_dtype or param_dtype
@@ -116,11 +117,9 @@ class RSDPState(FSDPState):
     def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.mp_policy.reduce_dtype or self.compute_dtype(param_dtype)
 
-    def finish_gradient(self, reduced: torch.Tensor) -> torch.Tensor:
-        """Sum across replica groups (HSDP), then divide: the mean over all data-parallel ranks unless
-        a divide factor was set."""
-        if self.replicate_group is not None:
-            dist.all_reduce(reduced, group=self.replicate_group)
+    def divide_gradient(self, reduced: torch.Tensor) -> torch.Tensor:
+        """Divide a shard group's reduced gradient: the mean over all data-parallel ranks once the
+        replica groups' are summed (HSDP, ``RingGradients.flush``), unless a divide factor was set."""
         factor = self.gradient_divide_factor or self.mesh.size()
         if factor != 1:
             reduced.div_(factor)
@@ -158,6 +157,8 @@ class RSDPState(FSDPState):
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         global _open_forwards
+        if _open_forwards == 0 and not in_backward():
+            RUNNING_BACKWARD.abandon()
         _open_forwards += 1
         self.forward_depth += 1
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
@@ -227,7 +228,7 @@ class RSDPState(FSDPState):
         for owner, name, layer in self.operand_slots:
             current = owner._parameters.get(name)
             if not isinstance(current, RingOperand):
-                local_shard(current, owner, name)  # raises if it is no longer a sharded parameter
+                sharded(current, owner, name)  # raises if it is no longer a sharded parameter
                 owner._parameters[name] = RingOperand(current, layer)
 
     def _await_post_backward(self) -> None:
@@ -241,12 +242,14 @@ class RSDPState(FSDPState):
         _awaiting_post_backward[task].append(self)
 
     def post_backward(self) -> None:
-        """Reduce the gathered parameters' gradients, put the sharded parameters back, free the full ones."""
+        """Reduce the gathered parameters' gradients, write the module's gradients (``_grad.py``), put the
+        sharded parameters back, free the full ones."""
         if self._post_backward_task is None:
             return
         self._post_backward_task = None
         if self.gathered is not None:
             self.gathered.reduce_gradients()
+        self.gradients.flush()
         self.restore_sharded_params()
         if self.gathered is not None:
             self.gathered.free()

@@ -138,8 +138,8 @@ class RingSubBlock:
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         params = []
         for column in block.columns:
-            params += [local_shard(column.weight, column, "weight"), local_shard(column.bias, column, "bias")]
-        params.append(local_shard(block.row.weight, block.row, "weight"))
+            params += [local_shard(column.weight, column, "weight", block.ring), local_shard(column.bias, column, "bias", block.ring)]
+        params.append(local_shard(block.row.weight, block.row, "weight", block.ring))
         call = _Call(block, leaves, spec, tensor_at)
         total = _RingSubBlockFunction.apply(call, *(leaves[i] for i in tensor_at), *params)
         if block.row.bias is not None:
@@ -163,13 +163,15 @@ class _Call:
         args, kwargs = tree_unflatten(leaves, self.spec)
         block = self.block
         linears = block.columns + [block.row]
+        # Through __dict__: nn.Module.__setattr__ checks parameters, buffers and submodules first, which
+        # is a large share of a small sub-block step's host time.
         for linear, (weight, bias) in zip(linears, shard_params):
-            linear._rsdp_local = (weight, bias)
+            linear.__dict__["_rsdp_local"] = (weight, bias)
         try:
             output = block.forward(block.module, *args, **kwargs)
         finally:
             for linear in linears:
-                linear._rsdp_local = None
+                linear.__dict__["_rsdp_local"] = None
         out_leaves, self.output_spec = tree_flatten(output)
         produced = block.row.__dict__.pop("_rsdp_output", None)  # set by the rowwise Linear, if it ran
         positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]

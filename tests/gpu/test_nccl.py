@@ -95,6 +95,7 @@ def test_ring_on_nccl_matches_fsdp2_without_host_syncs():
         fsdp, rsdp = results[rank]["fsdp"], results[rank]["rsdp"]
         print(f"rank {rank}: fsdp {fsdp}\nrank {rank}: rsdp {rsdp}")
         torch.testing.assert_close(torch.tensor(rsdp["losses"]), torch.tensor(fsdp["losses"]), rtol=1e-4, atol=1e-4)
-        # The ring's ping-pong buffers are reused, so the caching allocator holds little beyond what is
-        # allocated (NCCL's stream does not pin a freed block per ring step).
-        assert rsdp["peak_reserved"] <= 2 * rsdp["peak_allocated"] + 64 * 2**20, rsdp
+        # The ring's ping-pong buffers are reused, so the caching allocator reserves no more for rsdp than
+        # for FSDP2 (NCCL's stream does not pin a freed block per ring step). Both figures include the
+        # model and optimizer state; the cache is emptied between the two runs.
+        assert rsdp["peak_reserved"] <= fsdp["peak_reserved"], (rsdp, fsdp)
