@@ -122,10 +122,16 @@ except ImportError:
     _SELECTIVE_CHECKPOINT_MODES = ()
 
 
+# How many dispatch modes are active (private; every ring step asks, through in_selective_checkpoint).
+_dispatch_stack_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
 def in_selective_checkpoint() -> bool:
     """Whether selective activation checkpointing records or replays ops now: it matches the ops of a
     recomputation to those of the original forward one by one, so their sequence must not depend on
     state such as whether a buffer already exists."""
+    if _dispatch_stack_depth is not None and _dispatch_stack_depth() == 0:  # the common case, cheaply
+        return False
     return any(isinstance(mode, _SELECTIVE_CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack())
 
 

@@ -29,14 +29,20 @@ class ShardLayout:
     def chunk(self) -> int:
         return math.ceil(self.rows / self.world)
 
+    @functools.cached_property
+    def _bounds(self) -> tuple[tuple[int, int], ...]:
+        # Looked up by every ring step, for every segment: computed once per layout.
+        return tuple((min(s * self.chunk, self.rows), min((s + 1) * self.chunk, self.rows)) for s in range(self.world))
+
     def start(self, shard: int) -> int:
-        return min(shard * self.chunk, self.rows)
+        return self._bounds[shard][0]
 
     def stop(self, shard: int) -> int:
-        return min((shard + 1) * self.chunk, self.rows)
+        return self._bounds[shard][1]
 
     def rows_of(self, shard: int) -> int:
-        return self.stop(shard) - self.start(shard)
+        start, stop = self._bounds[shard]
+        return stop - start
 
 
 def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple:

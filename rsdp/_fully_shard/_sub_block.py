@@ -225,6 +225,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
         dtype = state.matmul_dtype(present[0].dtype)
         message = message_of(tuple(_segments(block, dtype, ring.size)))
         cast = [t.to(input_dtype) if t.is_floating_point() else t for t in tensors]
+        row_layout = message.segments[-1].layout  # the cached message's: its bounds are computed once
 
         def rotate() -> tuple[torch.Tensor]:
             total = None
@@ -232,7 +233,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             def during(step: int, buffer: torch.Tensor) -> None:
                 nonlocal total
                 shard = ring.weight_shard_at(step)
-                if ShardLayout(block.row.in_features, ring.size).rows_of(shard) == 0:
+                if row_layout.rows_of(shard) == 0:
                     return
                 partial = call.run(cast, _shard_params(block, message.views(buffer, shard)))
                 total = partial.clone() if total is None else total.add_(partial)
@@ -270,6 +271,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
         grad_segments = [Segment(weight_segments[slot].layout, weight_segments[slot].trailing, reduce_dtype) for slot in grad_index]
         message = message_of(tuple(weight_segments + grad_segments))
         first_grad = len(weight_segments)
+        row_layout = message.segments[first_grad - 1].layout
         grads = message.tail(first_grad)
         keys = [(id(block), slot) for slot in grad_index]
         grad_inputs = [None] * n
@@ -279,7 +281,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
         def step(shard: int, weight_views: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
             """Recompute the sub-block for ``shard`` and backpropagate: input gradients into this rank's,
             weight gradients written or added (``add``) into ``into``."""
-            if ShardLayout(block.row.in_features, ring.size).rows_of(shard) == 0:
+            if row_layout.rows_of(shard) == 0:
                 if into is not None and not add:
                     for view in into:
                         view.zero_()
