@@ -74,6 +74,17 @@ def send_and_receive(group, send: torch.Tensor, to: int, receive: torch.Tensor, 
     )
 
 
+def local_of(tensor: DTensor) -> torch.Tensor:
+    """A DTensor's local tensor with no autograd op (``to_local()`` is a differentiable op, ~10 µs)."""
+    return tensor._local_tensor
+
+
+def gradient_hooks(param: torch.Tensor) -> tuple[list, list]:
+    """A leaf's ``register_hook`` hooks and its post-accumulate-grad hooks, for code that accumulates its
+    gradient itself (FSDP2 runs the latter so)."""
+    return list((param._backward_hooks or {}).values()), list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
+
+
 def sharded_like(local: torch.Tensor, param: DTensor) -> DTensor:
     """``local`` as a DTensor laid out like ``param``, made without autograd (FSDP2's
     ``_from_local_no_grad``; ``DTensor.from_local`` is a differentiable op with checks): a gradient."""
@@ -230,6 +241,8 @@ __all__ = [
     "send_and_receive",
     "share_fsdp_contexts",
     "sharded_like",
+    "gradient_hooks",
+    "local_of",
     "insert_module_state",
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",

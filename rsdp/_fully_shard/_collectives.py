@@ -33,7 +33,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .._compat import all_gather_flat, preserve_version_counter, reduce_scatter_flat
+from .._compat import all_gather_flat, local_of, preserve_version_counter, reduce_scatter_flat
 from ._grad import write_gradient
 from ._param import ShardLayout
 
@@ -85,7 +85,7 @@ class GatheredParams:
                 full.untyped_storage().resize_(full.numel() * full.element_size())
         send = torch.empty(self.segment_numel, dtype=dtype, device=state.device)
         for index, param in enumerate(self.params):
-            self.segment_view(send, index, state.ring.rank).copy_(param.to_local())
+            self.segment_view(send, index, state.ring.rank).copy_(local_of(param))
         received = torch.empty(world, self.segment_numel, dtype=dtype, device=state.device)
         all_gather_flat(received.view(-1), send, group=state.ring.group)
         for index, (full, param) in enumerate(zip(self.full, self.params)):

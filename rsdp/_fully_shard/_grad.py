@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import at_end_of_backward, current_graph_task_id, sharded_like
+from .._compat import at_end_of_backward, current_graph_task_id, gradient_hooks, local_of, sharded_like
 
 
 class _Leaf:
@@ -55,7 +55,7 @@ class RingGradients:
 
     def leaf(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The tensor a ring function computes with for ``param`` (a DTensor)."""
-        local = param._local_tensor
+        local = local_of(param)
         entry = self._leaves.get(id(param))
         if entry is None or entry.local is not local or entry.tensor.requires_grad != param.requires_grad:
             tensor = local.detach()
@@ -117,14 +117,15 @@ def write_gradient(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
     """``grad`` into ``param.grad`` (a DTensor laid out like ``param``), as autograd would accumulate it
     into a leaf: its ``register_hook`` hooks first, its post-accumulate-grad hooks after."""
     new = sharded_like(grad, param)
-    for hook in (param._backward_hooks or {}).values():
+    before, after = gradient_hooks(param)
+    for hook in before:
         changed = hook(new)
         new = new if changed is None else changed
     if param.grad is None:
         param.grad = new
     else:
-        param.grad._local_tensor.add_(new._local_tensor)
-    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        local_of(param.grad).add_(local_of(new))
+    for hook in after:
         hook(param)
 
 
