@@ -18,6 +18,7 @@ Pitfalls:
 - Outputs are returned as fresh tensors, not views, so in-place ops on them work as on stock layers.
 """
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -152,6 +153,48 @@ def _write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         dst.copy_(a @ b)
 
 
+class _Stacked:
+    """A Linear group's shard-s weights as one matrix: the members' weight segments lead the message and
+    are adjacent, each padded to its ``chunk`` rows, so shard s of all of them is ``[width, in]``
+    (``width`` the sum of the chunks) starting where the first member's view starts. Its products fill
+    ``[tokens, W, width]``, whose member columns, unpadded, are that member's output."""
+
+    def __init__(self, layouts: list[ShardLayout]):
+        self.layouts = layouts
+        self.offsets = list(itertools.accumulate((layout.chunk for layout in layouts), initial=0))
+        self.width = self.offsets[-1]
+
+    def rows(self, first: torch.Tensor) -> torch.Tensor:
+        """``[width, trailing]`` from the first member's view of one shard (its real rows only)."""
+        trailing = first.shape[1:]
+        return first.as_strided((self.width, *trailing), (math.prod(trailing), *first.stride()[1:]), first.storage_offset())
+
+    def spread(self, outputs: list[torch.Tensor], world: int) -> torch.Tensor:
+        """``[tokens, W, width]`` laid out like the products, holding ``outputs`` (every member's
+        ``[tokens, out_features]``) and zeros in the padding columns."""
+        padded = any(layout.chunk * world != layout.rows for layout in self.layouts)
+        tokens = outputs[0].shape[0]
+        spread = (outputs[0].new_zeros if padded else outputs[0].new_empty)(tokens, world, self.width)
+        for layout, start, output in zip(self.layouts, self.offsets, outputs):
+            columns = spread[:, :, start : start + layout.chunk]
+            if layout.chunk * world == layout.rows:
+                columns.copy_(output.view(tokens, world, layout.chunk))
+            else:
+                whole = output.new_zeros(tokens, world * layout.chunk)
+                whole[:, : layout.rows] = output
+                columns.copy_(whole.view(tokens, world, layout.chunk))
+        return spread
+
+    def copy_member(self, out: torch.Tensor, products: torch.Tensor, member: int) -> None:
+        """Member ``member``'s ``[tokens, out_features]`` columns of ``products`` into ``out``."""
+        layout, start = self.layouts[member], self.offsets[member]
+        columns = products[:, :, start : start + layout.chunk]
+        if layout.chunk * layout.world == layout.rows:
+            out.view(out.shape[0], layout.world, layout.chunk).copy_(columns)
+        else:
+            out.copy_(columns.reshape(out.shape[0], layout.world * layout.chunk)[:, : layout.rows])
+
+
 class LinearMember(NamedTuple):
     """One Linear of a ring group: its output features, and the key of its parameters' sync-off
     gradient accumulators (``RSDPState.unsynced_gradient``)."""
@@ -171,34 +214,53 @@ class _RingLinearFunction(torch.autograd.Function):
         weights = params[0::2]
         dtype = state.matmul_dtype(weights[0].dtype)
         layouts = [ShardLayout(rows, ring.size) for rows in out_features]
-        present = [(index, param) for index, param in enumerate(params) if param is not None]
-        message = message_of(tuple(Segment(layouts[index // 2], param.shape[1:], dtype) for index, param in present))
-        slot = {index: position for position, (index, _) in enumerate(present)}
+        # Every member's weight, then the biases there are: the weights of one shard are then adjacent
+        # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
+        order = [index for index in range(0, len(params), 2)] + [i for i in range(1, len(params), 2) if params[i] is not None]
+        message = message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
+        slot = {index: position for position, index in enumerate(order)}
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+        stacked = _Stacked(layouts) if len(members) > 1 else None
+        all_biases = all(bias is not None for bias in params[1::2])
 
         def rotate() -> tuple[torch.Tensor, ...]:
             outs = [x2d.new_empty(*x.shape[:-1], rows) for rows in out_features]
             outs2d = [out.view(-1, rows) for out, rows in zip(outs, out_features)]
+            products = None if stacked is None else x2d.new_empty(x2d.shape[0], ring.size, stacked.width)
 
             def during(step: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(step)
                 views = message.views(buffer, shard)
-                for member, (layout, out) in enumerate(zip(layouts, outs2d)):
-                    start, stop = layout.start(shard), layout.stop(shard)
-                    if start == stop:
-                        continue
-                    weight = views[slot[2 * member]]
-                    # A column block of a row-major matrix is a valid BLAS output (leading dimension
-                    # out_features), so the product is written in place, with no temporary.
-                    if 2 * member + 1 in slot:
-                        torch.addmm(views[slot[2 * member + 1]], x2d, weight.t(), out=out[:, start:stop])
-                    else:
-                        torch.mm(x2d, weight.t(), out=out[:, start:stop])
+                if stacked is not None:
+                    # Padding rows give columns that are never read.
+                    product = products[:, shard]
+                    if all_biases:  # adjacent too, right after the weights
+                        torch.addmm(stacked.rows(views[len(layouts)]), x2d, stacked.rows(views[0]).t(), out=product)
+                        return
+                    torch.mm(x2d, stacked.rows(views[0]).t(), out=product)
+                    for member, layout in enumerate(layouts):
+                        if 2 * member + 1 in slot and layout.rows_of(shard):
+                            start = stacked.offsets[member]
+                            product[:, start : start + layout.rows_of(shard)].add_(views[slot[2 * member + 1]])
+                    return
+                layout, out = layouts[0], outs2d[0]
+                start, stop = layout.start(shard), layout.stop(shard)
+                if start == stop:
+                    return
+                # A column block of a row-major matrix is a valid BLAS output (leading dimension
+                # out_features), so the product is written in place, with no temporary.
+                if 1 in slot:
+                    torch.addmm(views[slot[1]], x2d, views[0].t(), out=out[:, start:stop])
+                else:
+                    torch.mm(x2d, views[0].t(), out=out[:, start:stop])
 
-            tensors = [param for _, param in present]
+            tensors = [params[index] for index in order]
             with record_function(f"rsdp::ring_forward ({layer.name})"):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, tensors), during,
                                before_last=FORWARD_RING_ORDER.prefetch_next)
+                if stacked is not None:
+                    for member, out in enumerate(outs2d):
+                        stacked.copy_member(out, products, member)
             return tuple(outs)
 
         outs = kept_or_run(layer, rotate)
@@ -221,12 +283,19 @@ class _RingLinearFunction(torch.autograd.Function):
         layouts = [ShardLayout(rows, ring.size) for rows in ctx.out_features]
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
 
-        # Gradients in the message: (member, is_bias) for every parameter that needs one.
-        wanted = [
-            (index // 2, index % 2 == 1)
-            for index, need in enumerate(need_params)
-            if need and (index % 2 == 0 or ctx.has_bias[index // 2])
-        ]
+        # Gradients in the message: (member, is_bias) for every parameter that needs one, the weights'
+        # first, so that a group's are adjacent (one GEMM per shard when every member's is wanted).
+        wanted = sorted(
+            ((index // 2, index % 2 == 1) for index, need in enumerate(need_params)
+             if need and (index % 2 == 0 or ctx.has_bias[index // 2])),
+            key=lambda entry: (entry[1], entry[0]),
+        )
+        stacked = None
+        if len(layouts) > 1 and wanted[: len(layouts)] == [(member, False) for member in range(len(layouts))]:
+            stacked = _Stacked(layouts)
+            dy_stacked = stacked.spread(dys, ring.size)
+        members = range(len(layouts))
+        stacked_biases = stacked is not None and wanted == [(m, False) for m in members] + [(m, True) for m in members]
         weight_segments = [Segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
         grad_segments = [
             Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
@@ -245,7 +314,14 @@ class _RingLinearFunction(torch.autograd.Function):
                     grad_x.addmm_(dy[:, layout.start(shard) : layout.stop(shard)], weight)
 
         def contribute(shard: int, views: list[torch.Tensor]) -> None:
+            if stacked is not None:
+                _write_product(stacked.rows(views[0]), dy_stacked[:, shard].t(), x2d)
+                if stacked_biases:
+                    stacked.rows(views[len(layouts)]).copy_(dy_stacked[:, shard].sum(0))
+                    return
             for (member, is_bias), view in zip(wanted, views):
+                if stacked is not None and not is_bias:
+                    continue
                 layout = layouts[member]
                 dy_shard = dys[member][:, layout.start(shard) : layout.stop(shard)]
                 if is_bias:
