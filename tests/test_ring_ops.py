@@ -203,6 +203,46 @@ class SharedInput(nn.Module):
         return self.q(x) * self.k(x) + self.v(x)
 
 
+class Group(nn.Module):
+    """Linears of any widths on one input, each with or without a bias: one ring after the first forward,
+    each ring step one GEMM for all of them (an ``addmm`` when every one has a bias)."""
+
+    def __init__(self, dim, widths, biases):
+        super().__init__()
+        self.members = nn.ModuleList(nn.Linear(dim, width, bias=bias) for width, bias in zip(widths, biases))
+
+    def forward(self, x):
+        return torch.cat([member(x) for member in self.members], -1)
+
+
+def fused_group_case(dim, widths, biases, frozen):
+    torch.manual_seed(7)
+    _, world = rank_and_world()
+    model = Group(dim, widths, biases).double()
+    if frozen:  # a frozen member: the weight gradients are not adjacent in the message, one GEMM each
+        model.members[0].weight.requires_grad_(False)
+    reference = twin(model)
+    rsdp_shard(model)
+    sizes = uneven_batches(world, set())
+    inputs = torch.randn(sum(sizes), 3, dim, dtype=torch.float64)
+    for _ in range(2):  # the second step runs the group's one ring
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        check_against_reference(model, reference, inputs, torch.randn(sum(sizes), 3, sum(widths), dtype=torch.float64), sizes)
+    assert len(model._get_rsdp_state().fusion._group_of) == len(widths), "the members did not share a ring"
+
+
+@given(
+    world=worlds,
+    dim=sizes,
+    widths=st.lists(sizes, min_size=2, max_size=3),
+    biases=st.lists(st.booleans(), min_size=3, max_size=3),
+    frozen=st.booleans(),
+)
+def test_fused_group_of_any_widths_and_biases_matches_reference(ranks, world, dim, widths, biases, frozen):
+    ranks.run(world, fused_group_case, dim, widths, biases[: len(widths)], frozen)
+
+
 def empty_batch_case(kind, empty):
     torch.manual_seed(5)
     _, world = rank_and_world()

@@ -169,11 +169,11 @@ class _Stacked:
         trailing = first.shape[1:]
         return first.as_strided((self.width, *trailing), (math.prod(trailing), *first.stride()[1:]), first.storage_offset())
 
-    def spread(self, outputs: list[torch.Tensor], world: int) -> torch.Tensor:
+    def spread(self, outputs: list[torch.Tensor]) -> torch.Tensor:
         """``[tokens, W, width]`` laid out like the products, holding ``outputs`` (every member's
         ``[tokens, out_features]``) and zeros in the padding columns."""
+        world, tokens = self.layouts[0].world, outputs[0].shape[0]
         padded = any(layout.chunk * world != layout.rows for layout in self.layouts)
-        tokens = outputs[0].shape[0]
         spread = (outputs[0].new_zeros if padded else outputs[0].new_empty)(tokens, world, self.width)
         for layout, start, output in zip(self.layouts, self.offsets, outputs):
             columns = spread[:, :, start : start + layout.chunk]
@@ -216,7 +216,7 @@ class _RingLinearFunction(torch.autograd.Function):
         layouts = [ShardLayout(rows, ring.size) for rows in out_features]
         # Every member's weight, then the biases there are: the weights of one shard are then adjacent
         # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
-        order = [index for index in range(0, len(params), 2)] + [i for i in range(1, len(params), 2) if params[i] is not None]
+        order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
         message = message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
         slot = {index: position for position, index in enumerate(order)}
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
@@ -293,9 +293,9 @@ class _RingLinearFunction(torch.autograd.Function):
         stacked = None
         if len(layouts) > 1 and wanted[: len(layouts)] == [(member, False) for member in range(len(layouts))]:
             stacked = _Stacked(layouts)
-            dy_stacked = stacked.spread(dys, ring.size)
-        members = range(len(layouts))
-        stacked_biases = stacked is not None and wanted == [(m, False) for m in members] + [(m, True) for m in members]
+            dy_stacked = stacked.spread(dys)
+        every = range(len(layouts))
+        stacked_biases = stacked is not None and wanted == [(m, False) for m in every] + [(m, True) for m in every]
         weight_segments = [Segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
         grad_segments = [
             Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
