@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier in one command: the NCCL tests, then the benchmark comparison on NCCL (one rank per GPU),
-# the small preset too. Needs the test environment (the README's second command) and CUDA.
+# the small preset too. Needs the test environment (the README's second command) and CUDA, or an existing
+# CUDA torch: PYTHON=python3 PYTHONPATH=. bash tests/gpu/run.sh (as on the lent H100: one rank per GPU).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
