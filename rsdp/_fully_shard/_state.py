@@ -117,13 +117,12 @@ class RSDPState(FSDPState):
     def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.mp_policy.reduce_dtype or self.compute_dtype(param_dtype)
 
-    def divide_gradient(self, reduced: torch.Tensor) -> torch.Tensor:
-        """Divide a shard group's reduced gradient: the mean over all data-parallel ranks once the
+    def divide_gradient(self, reduced: torch.Tensor) -> None:
+        """Divide a shard group's reduced gradient in place: the mean over all data-parallel ranks once the
         replica groups' are summed (HSDP, ``RingGradients.flush``), unless a divide factor was set."""
         factor = self.gradient_divide_factor or self.mesh.size()
         if factor != 1:
             reduced.div_(factor)
-        return reduced
 
     def unsynced_gradient(self, key, segment) -> torch.Tensor:
         """The full-size gradient (every shard, ``[W, padded shard]``) accumulated for one parameter of a
