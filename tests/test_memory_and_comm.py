@@ -7,6 +7,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from rsdp import release_ring_buffers, rsdp_shard
+from rsdp._fully_shard._ring import RING_BUFFERS
 from rsdp._compat import fully_shard
 from rsdp.memory import CommCounter, MemoryTracker
 
@@ -141,3 +142,47 @@ def small_then_large_then_small_case():
 def test_a_new_model_does_not_inherit_a_larger_models_ring_buffers(ranks):
     for first, again in ranks.run(3, small_then_large_then_small_case):
         assert first == again, (first, again)
+
+
+class TiedLM(nn.Module):
+    """A table tied between the Embedding and the head: the head's backward ring (weights and partials)
+    is the first and largest of the backward, the Embedding's (partials only) the last."""
+
+    def __init__(self, vocab: int, dim: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers)))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.buffer_bytes_before_embedding_backward: list[int] = []
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        if x.requires_grad:
+            x.register_hook(lambda grad: self.buffer_bytes_before_embedding_backward.append(RING_BUFFERS.nbytes))
+        return self.head(self.blocks(x))
+
+
+def shrinking_buffers_case(vocab, dim):
+    torch.manual_seed(0)
+    model = TiedLM(vocab, dim, layers=2)
+    for block in model.blocks:
+        rsdp_shard(block)
+    rsdp_shard(model)
+    tokens = torch.randint(0, vocab, (2, 3))
+    for _ in range(3):  # the first backward teaches the buffer sizes of the next ones
+        model(tokens).sum().backward()
+    world = dist.get_world_size()
+    shard_bytes = -(-vocab // world) * dim * 4
+    return model.buffer_bytes_before_embedding_backward, shard_bytes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_backward_frees_ring_buffers_its_last_rings_do_not_need(ranks, world):
+    """When the Embedding's backward begins, all that is left of the ring buffers is what it needs: two
+    messages of one table shard (its partials). Before, the head's buffers stayed to the end of the
+    backward — two messages of weights and partials, and a scratch: five table shards."""
+    for seen, shard_bytes in ranks.run(world, shrinking_buffers_case, 64, 16):
+        first, *later = seen
+        assert first >= 5 * shard_bytes, (first, shard_bytes)  # no earlier backward to learn from
+        assert later and all(nbytes <= 2 * shard_bytes for nbytes in later), (later, shard_bytes)

@@ -52,38 +52,47 @@ def finished_gradients(state, message: Message, first: int, final: torch.Tensor,
     return message.tail(first).views(own, state.ring.rank)
 
 
-def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, grad_keys: list, pack_weights, use_weights, contribute):
+def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, grad_keys: list, pack_weights, use_weights, contribute, adds: bool = False):
     """The backward ring shared by Linear groups and Embedding: the weights (segments
     ``:weight_segments`` of ``message``, for the input gradient) and the gradient partials (the rest,
     one per key of ``grad_keys``) travel together. ``pack_weights(views)`` writes this rank's weight
     shards, ``use_weights(shard, views)`` adds their input-gradient terms, ``contribute(shard, views)``
-    writes this rank's contribution to shard ``shard`` of every gradient.
+    writes this rank's contribution to shard ``shard`` of every gradient into ``views`` — or, with
+    ``adds``, adds it there. A dense contribution (a Linear's GEMM) is written into a scratch buffer
+    while the partial travels and added on arrival; a sparse one (an Embedding's: a few rows) is added
+    straight into the arrived partial, with no scratch buffer and no dense addition.
 
     Returns this rank's reduced gradient shards, or None when gradient synchronisation is off: then
     each contribution is added to a local accumulator for every shard (one full-size gradient, as with
     FSDP2), which the next synchronised backward adds into the travelling partials.
     """
     state, ring = layer.state, layer.state.ring
-    RING_BUFFERS.release_at_end_of_backward()
     grads = message.tail(weight_segments)
     weights = message_of(message.segments[:weight_segments])
-    # The message is at least as long as its gradient segments, so the ring buffers are sized first.
     RING_BUFFERS.pair(message.nbytes, ring.device)
-    scratch = RING_BUFFERS.scratch(grads.nbytes, ring.device)
+    scratch = None if adds else RING_BUFFERS.scratch(grads.nbytes, ring.device)
 
-    def unsynced_views(accumulators: list[torch.Tensor], shard: int) -> list[torch.Tensor]:
+    def shard_of(accumulators: list[torch.Tensor], shard: int) -> list[torch.Tensor | None]:
         return [
-            None if total is None else state.unsynced_shard(total, shard, view)
-            for total, view in zip(accumulators, grads.views(scratch, shard))
+            None if total is None else state.unsynced_shard(total, shard, (segment.layout.rows_of(shard), *segment.trailing))
+            for total, segment in zip(accumulators, grads.segments)
         ]
+
+    def contribute_into(shard: int, views: list[torch.Tensor]) -> None:
+        """Add this rank's contribution to shard ``shard`` into ``views``."""
+        if adds:
+            contribute(shard, views)
+            return
+        mine = grads.views(scratch, shard)
+        contribute(shard, mine)
+        for view, part in zip(views, mine):
+            view.add_(part)
 
     has_grads = len(grad_keys) > 0
     if has_grads and not state.requires_gradient_sync:
         accumulators = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
         for shard in range(ring.size):
-            contribute(shard, grads.views(scratch, shard))
-            for total, part in zip(unsynced_views(accumulators, shard), grads.views(scratch, shard)):
-                total.add_(part)
+            contribute_into(shard, shard_of(accumulators, shard))
         has_grads, message = False, weights
     if not has_grads:
         if weight_segments:
@@ -93,35 +102,51 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
                 lambda buffer: pack_weights(message.views(buffer, ring.rank)),
                 lambda step, buffer: use_weights(ring.weight_shard_at(step), message.views(buffer, ring.weight_shard_at(step))),
             )
+            RING_BUFFERS.trim()
         return None
 
     unsynced = [state.take_unsynced(key) for key in grad_keys]
 
-    def contribute_to(shard: int, views: list[torch.Tensor]) -> None:
-        contribute(shard, views)
-        for view, earlier in zip(views, unsynced_views(unsynced, shard)):
+    def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
+        for view, earlier in zip(views, shard_of(unsynced, shard)):
             if earlier is not None:
                 view.add_(earlier)
 
     def start(buffer: torch.Tensor) -> None:
         if weight_segments:
             pack_weights(message.views(buffer, ring.rank)[:weight_segments])
-        contribute_to(ring.partial_shard_at(0), message.views(buffer, ring.partial_shard_at(0), weight_segments))
+        shard = ring.partial_shard_at(0)
+        partials = message.views(buffer, shard, weight_segments)
+        if adds:
+            for partial in partials:
+                partial.zero_()
+        contribute(shard, partials)
+        add_unsynced(shard, partials)
 
     def during(step: int, buffer: torch.Tensor) -> None:
         if weight_segments:
             shard = ring.weight_shard_at(step)
             use_weights(shard, message.views(buffer, shard)[:weight_segments])
-        if step + 1 < ring.size:  # the contribution the next message's partial needs, while it travels
-            contribute_to(ring.partial_shard_at(step + 1), grads.views(scratch, ring.partial_shard_at(step + 1)))
+        if not adds and step + 1 < ring.size:  # the contribution the next partial needs, while it travels
+            shard = ring.partial_shard_at(step + 1)
+            mine = grads.views(scratch, shard)
+            contribute(shard, mine)
+            add_unsynced(shard, mine)
 
     def on_arrival(step: int, buffer: torch.Tensor) -> None:
         shard = ring.partial_shard_at(step)
-        for partial, mine in zip(message.views(buffer, shard, weight_segments), grads.views(scratch, shard)):
+        partials = message.views(buffer, shard, weight_segments)
+        if adds:
+            contribute(shard, partials)
+            add_unsynced(shard, partials)
+            return
+        for partial, mine in zip(partials, grads.views(scratch, shard)):
             partial.add_(mine)
 
     final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival)
-    return finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
+    reduced = finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
+    RING_BUFFERS.trim()
+    return reduced
 
 
 def first_message(layer: RingLayer, message: Message, tensors: list[torch.Tensor]):
@@ -409,15 +434,14 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
         masked = torch.empty(dy.shape, dtype=reduce_dtype, device=dy.device)
 
-        def contribute(shard: int, views: list[torch.Tensor]) -> None:
+        def add_contribution(shard: int, views: list[torch.Tensor]) -> None:
             (rows,) = views
-            rows.zero_()
             if layout.rows_of(shard):
                 masked.copy_(dy).masked_fill_(~selects[shard].unsqueeze(1), 0)
                 rows.view(rows.shape[0], dy.shape[1]).index_add_(0, rows_in[shard], masked)
 
         with record_function(f"rsdp::ring_backward ({layer.name})"):
-            reduced = _ring_backward(layer, message, 0, [(id(layer), "weight")], None, None, contribute)
+            reduced = _ring_backward(layer, message, 0, [(id(layer), "weight")], None, None, add_contribution, adds=True)
         grad_weight = None if reduced is None else reduced[0].to(ctx.weight_dtype)
         return None, grad_weight, None, None, None
 

@@ -19,6 +19,12 @@ caching allocator. They live for one pass, not longer: freed when the outermost 
 returns and when the backward ends, so they never add to the loss computation's or the optimizer
 step's peak. ``release_ring_buffers()`` frees them at any other time.
 
+A buffer's memory is the most the rest of its pass will ask of it, learned from the previous pass of
+the same kind (``_PassSizes``), so it is allocated once per pass; and in backward it is freed after a
+ring when the rest of the backward needs less (``RingBuffers.trim``): gradients pile up as a backward
+goes on, so its end is where memory peaks, and the buffers of a tied table's head (the first ring of
+a backward, weights and partials) must not stay for the Embedding's and the blocks' (the last rings).
+
 Pitfalls this file exists to contain (design.md §3):
 - gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
   disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
@@ -39,7 +45,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import at_end_of_backward, in_selective_checkpoint, send_and_receive
+from .._compat import at_end_of_backward, current_graph_task_id, in_backward, in_selective_checkpoint, send_and_receive
 
 
 class Phase(enum.IntEnum):
@@ -56,13 +62,57 @@ def new_layer_tags() -> dict[Phase, int]:
     return {phase: layer * len(Phase) + phase for phase in Phase}
 
 
+class _PassSizes:
+    """What the ring buffers are asked for during the passes of one kind (forward or backward): from
+    each request of the pass running to its end, the most each buffer will be asked for, predicted
+    from the previous pass of that kind as long as this one has asked for the same sizes in the same
+    order (every step of a training loop does). Otherwise None: no prediction.
+
+    Only a prediction: a wrong one costs a buffer made again, never a wrong result."""
+
+    def __init__(self):
+        self._asked: list[tuple[int, int]] = []  # (buffer index, bytes) of the pass running, in order
+        self._previous: list[tuple[int, int]] = []
+        self._rest: list[tuple[int, int, int]] = []  # per request of the previous pass: the most each buffer was asked from it on
+        self._on_track = True
+
+    def ask(self, index: int, nbytes: int) -> int:
+        """Record a request; return the size to make the buffer if it must be made (at least ``nbytes``)."""
+        position = len(self._asked)
+        self._asked.append((index, nbytes))
+        self._on_track = self._on_track and position < len(self._previous) and self._previous[position] == (index, nbytes)
+        return self._rest[position][index] if self._on_track else nbytes
+
+    def upcoming(self) -> tuple[int, int, int] | None:
+        """The most each buffer will be asked for by the rest of the pass running, or None."""
+        if not self._on_track:
+            return None
+        position = len(self._asked)
+        return self._rest[position] if position < len(self._rest) else (0, 0, 0)
+
+    def end(self) -> None:
+        """The pass ended: it is the prediction for the next one (unless it asked for nothing)."""
+        if not self._asked:
+            return
+        self._previous, self._asked, self._on_track = self._asked, [], True
+        most, rest = [0, 0, 0], []
+        for index, nbytes in reversed(self._previous):
+            most[index] = max(most[index], nbytes)
+            rest.append(tuple(most))
+        self._rest = rest[::-1]
+
+
 class RingBuffers:
     """Two flat byte buffers per device for the messages, and one for a backward's own contribution,
-    shared by every ring of the process and grown on demand.
+    shared by every ring of the process.
 
     Rings never run concurrently on one rank (a ring layer's computation calls no other ring), so one
     set serves them all: two of the largest message (weights and partials, ~2/W of the largest ring
-    layer each in backward) and one of the largest gradient contribution.
+    layer each in backward) and one of the largest gradient contribution. A buffer is given the memory
+    the rest of its pass will ask of it (``_PassSizes``) when it is asked for more than it holds, so
+    once per pass; in backward, one that holds more than the rest of the backward needs is freed after
+    a ring (``trim``). The tensors stay, at the largest size ever asked, and so do the views of them
+    that messages cached.
     """
 
     def __init__(self):
@@ -71,7 +121,8 @@ class RingBuffers:
         # Bumped whenever buffers are replaced, so views of old ones are not reused.
         self.generation = 0
         self._reset_callbacks: list[Callable[[], None]] = []
-        self._release_queued = False
+        self._release_task = -1  # the backward at whose end a release is queued
+        self._sizes = {False: _PassSizes(), True: _PassSizes()}  # by "in backward"
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever buffers are replaced (to drop cached views of them)."""
@@ -97,20 +148,43 @@ class RingBuffers:
             # Fresh buffers (and so fresh views): SAC replays a recomputation op by op, and whether a
             # shared buffer exists already would change the ops issued.
             return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        if in_backward():
+            self._release_at_end_of_backward()
+        size = self._sizes[in_backward()].ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
+        # A buffer that holds this request is kept as it is: it may be in flight (a prefetch).
         if buffer is None or buffer.numel() < nbytes:
             self._reset()
             if buffer is not None:  # free it first: old and new alive at once would be the step's peak
                 buffer.untyped_storage().resize_(0)
             # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
-            buffers[index] = buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
             self._reindex()
-        elif buffer.untyped_storage().nbytes() == 0:  # released at the end of the last pass
-            buffer.untyped_storage().resize_(buffer.numel())
-            buffer.zero_()
+        elif buffer.untyped_storage().nbytes() < nbytes:  # freed at the end of the last pass, or by ``trim``
+            # Storage only: the tensor and the views of it that messages cached stay (as FSDP2 frees
+            # and refills its unsharded parameters), and a view is only used after a request covering it.
+            storage = buffer.untyped_storage()
+            size = min(size, buffer.numel())
+            storage.resize_(0)  # nothing to keep: no copy
+            storage.resize_(size)
+            buffer[:size].zero_()
             self._reindex()
         return buffer[:nbytes]
+
+    def trim(self) -> None:
+        """Free the buffers that are larger than the rest of the backward running needs; called by a
+        backward ring once it has copied out its result. Gradients pile up as a backward goes on, so
+        its end is where memory peaks: the buffers of its first, largest rings (a tied table's head:
+        weights and partials) must not stay for its last ones (the Embedding's partials). The next
+        request makes a freed buffer again, at the size the rest of the backward needs."""
+        upcoming = self._sizes[True].upcoming() if in_backward() else None
+        if upcoming is None:
+            return
+        for index, buffer in list(self._live()):
+            if 8 * buffer.untyped_storage().nbytes() > 9 * upcoming[index]:  # more than an eighth to spare
+                buffer.untyped_storage().resize_(0)
+        self._reindex()
 
     def index_of(self, buffer: torch.Tensor) -> int | None:
         """Which ring buffer ``buffer`` starts at (0 to 2), or None when it is none of them."""
@@ -133,17 +207,15 @@ class RingBuffers:
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.numel() for _, buffer in self._live())
+        return sum(buffer.untyped_storage().nbytes() for _, buffer in self._live())
 
-    def release_at_end_of_backward(self) -> None:
-        """Free the buffers when the backward now running ends (queued once per backward)."""
-        if not self._release_queued:
-            self._release_queued = True
-            at_end_of_backward(self._release_after_backward)
-
-    def _release_after_backward(self) -> None:
-        self._release_queued = False
-        self.release()
+    def _release_at_end_of_backward(self) -> None:
+        """Free the buffers when the backward now running ends (queued once per backward; a backward
+        that raised runs no end callbacks, and the next one queues its own)."""
+        task = current_graph_task_id()
+        if task != self._release_task:
+            self._release_task = task
+            at_end_of_backward(self.release)
 
     def release(self) -> None:
         """Free the buffers' memory. The tensors stay, with no storage, and so do the views of them that
@@ -152,6 +224,8 @@ class RingBuffers:
         for _, buffer in list(self._live()):
             buffer.untyped_storage().resize_(0)
         self._reindex()
+        for sizes in self._sizes.values():
+            sizes.end()
 
     def forget(self) -> None:
         """Forget the buffers (``rsdp_shard`` calls it): the next pass allocates what its own largest
@@ -159,6 +233,7 @@ class RingBuffers:
         sizes; without this a model sharded after a larger one got the larger one's buffers back.
         Nothing is resized: a holder of a buffer (there is none between passes) keeps its memory."""
         self._sets.clear()
+        self._sizes = {False: _PassSizes(), True: _PassSizes()}
         self._reset()
         self._reindex()
 

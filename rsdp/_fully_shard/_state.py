@@ -134,9 +134,9 @@ class RSDPState(FSDPState):
         return self._unsynced[key]
 
     @staticmethod
-    def unsynced_shard(total: torch.Tensor, shard: int, like: torch.Tensor) -> torch.Tensor:
-        """Shard ``shard`` of an accumulator from ``unsynced_gradient``, shaped like its message view."""
-        return total[shard, : like.numel()].view(like.shape)
+    def unsynced_shard(total: torch.Tensor, shard: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Shard ``shard`` of an accumulator from ``unsynced_gradient``, shaped ``shape`` (its message view's)."""
+        return total[shard, : math.prod(shape)].view(shape)
 
     def take_unsynced(self, key) -> torch.Tensor | None:
         return self._unsynced.pop(key, None)

@@ -276,7 +276,6 @@ class _RingSubBlockFunction(torch.autograd.Function):
         keys = [(id(block), slot) for slot in grad_index]
         grad_inputs = [None] * n
         dy = grad_total.to(dtype)
-        RING_BUFFERS.release_at_end_of_backward()
 
         def step(shard: int, weight_views: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
             """Recompute the sub-block for ``shard`` and backpropagate: input gradients into this rank's,
@@ -322,7 +321,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
                 for view, total in zip(views, unsynced):
                     if total is not None:
-                        view.add_(state.unsynced_shard(total, shard, view))
+                        view.add_(state.unsynced_shard(total, shard, view.shape))
 
             def start(buffer: torch.Tensor) -> None:
                 pack(buffer)
@@ -370,13 +369,14 @@ class _RingSubBlockFunction(torch.autograd.Function):
             def during(hop: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(hop)
                 views = weights_only.views(buffer, shard)
-                into = [state.unsynced_shard(total, shard, views[slot]) for total, slot in zip(totals, grad_index)]
+                into = [state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, grad_index)]
                 step(shard, views, into, add=True)
 
             with record_function(f"rsdp::ring_backward ({layer.name})"):
                 ring.circulate(
                     weights_only.nbytes, layer.tags[Phase.BACKWARD], lambda buffer: pack(buffer, weights_only), during
                 )
+        RING_BUFFERS.trim()
 
         grad_params = [None] * len(params)
         if reduced is not None:
