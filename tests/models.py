@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
+from rsdp import release_ring_buffers
 from rsdp._compat import DTensor
+from rsdp.memory import MemoryTracker
 
 
 class Block(nn.Module):
@@ -97,3 +99,21 @@ def assert_params_match(model, reference, **tol):
     reference_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert_close(full(param.detach()).to(torch.float64), reference_params[name].detach(), what=name, **tol)
+
+
+def training_step_transient(model: nn.Module, loss) -> int:
+    """Peak bytes allocated by one AdamW step (``loss().backward()``, ``step``, ``zero_grad``) above what
+    existed before it, measured after a first step has made the optimizer state and taught the ring
+    its buffer sizes; the ring buffers, resident between steps, are counted in the measured step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        loss().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    release_ring_buffers()
+    with MemoryTracker() as tracker:
+        step()
+    return tracker.peak_bytes

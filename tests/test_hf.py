@@ -14,10 +14,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import assert_close, assert_param_grads_match, assert_params_match, full, local_rows, rank_and_world
-from rsdp import release_ring_buffers, rsdp_shard
+from models import (
+    assert_close,
+    assert_param_grads_match,
+    assert_params_match,
+    full,
+    local_rows,
+    rank_and_world,
+    training_step_transient,
+)
+from rsdp import rsdp_shard
 from rsdp._compat import DTensor, fully_shard
-from rsdp.memory import MemoryTracker
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,19 +131,8 @@ def gpt2_transient_case(strategy):
     for block in model.transformer.h:
         shard(block)
     shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, config.vocab_size, (1, 8))
-
-    def step():
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    release_ring_buffers()
-    with MemoryTracker() as tracker:
-        step()
-    return tracker.peak_bytes
+    return training_step_transient(model, lambda: model(input_ids=tokens, labels=tokens).loss)
 
 
 def test_gpt2_transient_memory_is_under_a_third_of_fsdp2s_on_4_ranks(ranks):

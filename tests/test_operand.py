@@ -20,10 +20,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import assert_close, assert_param_grads_match, assert_params_match, local_rows, rank_and_world, twin
-from rsdp import release_ring_buffers, rsdp_shard
+from models import (
+    assert_close,
+    assert_param_grads_match,
+    assert_params_match,
+    local_rows,
+    rank_and_world,
+    training_step_transient,
+    twin,
+)
+from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
-from rsdp.memory import CommCounter, MemoryTracker
+from rsdp.memory import CommCounter
 
 
 class CustomLinear(nn.Linear):
@@ -161,19 +169,8 @@ def test_only_vectors_are_gathered(ranks):
 def memory_case(strategy):
     torch.manual_seed(0)
     model = shard_gpt(GPTLike(vocab=64, dim=96, hidden=192, layers=3), strategy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 64, (1, 4))
-
-    def step():
-        loss_of(model(tokens), tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    release_ring_buffers()
-    with MemoryTracker() as tracker:
-        step()
-    return tracker.peak_bytes
+    return training_step_transient(model, lambda: loss_of(model(tokens), tokens))
 
 
 def test_transient_memory_is_a_fraction_of_fsdp2s_on_4_ranks(ranks):
