@@ -13,8 +13,8 @@ while they travel, waits, and gives the arrived message to ``on_arrival`` (add t
 computed meanwhile) before it is forwarded.
 
 Messages live in byte buffers shared by every ring of the process (``RING_BUFFERS``: two ping-pong
-message buffers and a scratch, grown to the largest message of a pass and then reused), so a ring step
-allocates nothing; on CUDA this also keeps NCCL's stream from pinning a freed block per step in the
+message buffers and a scratch, given memory once per pass and then reused), so a ring step allocates
+nothing; on CUDA this also keeps NCCL's stream from pinning a freed block per step in the
 caching allocator. They live for one pass, not longer: freed when the outermost rsdp module's forward
 returns and when the backward ends, so they never add to the loss computation's or the optimizer
 step's peak. ``release_ring_buffers()`` frees them at any other time.
