@@ -66,7 +66,8 @@ class _PassSizes:
     """What the ring buffers are asked for during the passes of one kind (forward or backward): from
     each request of the pass running to its end, the most each buffer will be asked for, predicted
     from the previous pass of that kind as long as this one has asked for the same sizes in the same
-    order (every step of a training loop does). Otherwise None: no prediction.
+    order (every step of a training loop does). Otherwise there is no prediction for the rest of the
+    pass: a buffer is made at the size asked, and none is freed early.
 
     Only a prediction: a wrong one costs a buffer made again, never a wrong result."""
 
@@ -148,9 +149,10 @@ class RingBuffers:
             # Fresh buffers (and so fresh views): SAC replays a recomputation op by op, and whether a
             # shared buffer exists already would change the ops issued.
             return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        if in_backward():
+        backward = in_backward()
+        if backward:
             self._release_at_end_of_backward()
-        size = self._sizes[in_backward()].ask(index, nbytes)
+        size = self._sizes[backward].ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
         # A buffer that holds this request is kept as it is: it may be in flight (a prefetch).
