@@ -119,6 +119,13 @@ def in_backward() -> bool:
     return current_graph_task_id() != -1
 
 
+def saved_tensors_hooks_active() -> bool:
+    """Whether a ``saved_tensors_hooks`` context decides what autograd saves now: activation
+    checkpointing's (which saves nothing and recomputes) or CPU offloading's (private:
+    ``torch.autograd.graph.saved_tensors_hooks`` sets the default hooks this reads)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def at_end_of_backward(callback) -> None:
     """Run ``callback`` when the backward pass now running ends (FSDP2's root post-backward uses the same
     engine callback)."""

@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.checkpoint import checkpoint
 
-from models import rank_and_world, twin
+from models import assert_param_grads_match, local_rows, rank_and_world, twin
 from rsdp import rsdp_shard
+from rsdp._compat import in_backward
 from rsdp.memory import CommCounter
 from test_ring_ops import check_against_reference
 from test_training import train_and_compare
@@ -160,6 +162,71 @@ def test_llama_block_with_a_plan_rotates_2_rings_per_pass(ranks):
     for forward, backward in ranks.run(world, exchanges_case):
         assert forward["c10d::send"] == 2 * (world - 1), forward
         assert backward["c10d::send"] == 2 * world, backward
+
+
+class CountedMLP(MLP):
+    """Counts its forward's runs, in forward passes and in backward (recomputations)."""
+
+    runs = {"forward": 0, "backward": 0}
+
+    def forward(self, x):
+        CountedMLP.runs["backward" if in_backward() else "forward"] += 1
+        return super().forward(x)
+
+
+class CheckpointedBlock(Block):
+    def __init__(self, *args, checkpointing):
+        super().__init__(*args)
+        self.checkpointing = checkpointing
+
+    def forward(self, x):
+        if self.checkpointing == "none":
+            return super().forward(x)
+        return checkpoint(super().forward, x, use_reentrant=self.checkpointing == "reentrant")
+
+
+def kept_graphs_case(checkpointing, backwards):
+    """The MLP sub-block's runs per pass, and its gradients against the reference (after ``backwards``
+    backwards through one retained graph)."""
+    torch.manual_seed(3)
+    _, world = rank_and_world()
+    block = CheckpointedBlock(5, 2 * world, world, 2, 3 * world, checkpointing=checkpointing).double()
+    block.mlp = CountedMLP(5, 3 * world).double()
+    reference = twin(block)
+    reference.checkpointing = "none"
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    inputs = torch.randn(world * 2, 4, 5, dtype=torch.float64)
+    upstream = torch.randn_like(inputs)
+    reference_loss = (reference(inputs) * upstream).sum()
+    for _ in range(backwards):
+        reference_loss.backward(retain_graph=True)
+    CountedMLP.runs.update(forward=0, backward=0)
+    local_inputs = local_rows(inputs, *rank_and_world()).clone().requires_grad_(True)
+    loss = (block(local_inputs) * local_rows(upstream, *rank_and_world())).sum()
+    runs = [CountedMLP.runs["forward"]]
+    for _ in range(backwards):
+        before = CountedMLP.runs["backward"]
+        loss.backward(retain_graph=True)
+        runs.append(CountedMLP.runs["backward"] - before)
+    assert_param_grads_match(block, reference, 1 / world)
+    return runs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_planned_backward_reuses_the_forwards_graphs_unless_checkpointing_recomputes(ranks, world):
+    """Each forward step's graph is kept (its weights resolved from the backward's ring buffer), so the
+    backward runs the sub-block no more. Under activation checkpointing the forward keeps nothing: a
+    non-reentrant recomputation runs the ring (W steps) under checkpointing's hooks, so the backward
+    recomputes each step again; a reentrant one runs it under no hooks, so it keeps its graphs. A second
+    backward through a retained graph recomputes. Gradients match the reference in every case."""
+    expected = {
+        ("none", 2): [world, 0, world],
+        ("non-reentrant", 1): [world, 2 * world],
+        ("reentrant", 1): [world, world],
+    }
+    for (checkpointing, backwards), runs in expected.items():
+        for got in ranks.run(world, kept_graphs_case, checkpointing, backwards):
+            assert got == runs, (checkpointing, got)
 
 
 def uneven_case():

@@ -16,13 +16,19 @@ siblings; their parent module is the sub-block. The rowwise weight is stored as 
 
 - **Forward**: W steps; at step k the sub-block's own forward runs on the shards held (installed as
   plain tensors in its Linears) while the next shards travel, and its output is added to the total.
-- **Backward**: the weights rotate again. At each step the rank recomputes the sub-block for the shards
-  held and backpropagates through it (a recomputation, like activation checkpointing of one head
-  group: the forward keeps only the inputs), adding the input gradient to its own and the weight
-  gradient to the partial of that shard. A shard's gradient needs that shard's weights (it flows back
-  through the rowwise weight), so a partial starts one rank below its owner, collects W-1 ranks'
-  contributions and returns to the owner, which adds its own, computed from its local shard at step 0:
-  W exchanges per backward, one message each (weights and partial), the ZeRO-3 bytes.
+- **Backward**: the weights rotate again. At each step the rank backpropagates through the sub-block
+  for the shards held, adding the input gradient to its own and the weight gradient to the partial of
+  that shard. A shard's gradient needs that shard's weights (it flows back through the rowwise weight),
+  so a partial starts one rank below its owner, collects W-1 ranks' contributions and returns to the
+  owner, which adds its own, computed from its local shard at step 0: W exchanges per backward, one
+  message each (weights and partial), the ZeRO-3 bytes.
+- **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
+  its activations, so the backward runs no forward again. The graphs would save the weights, which
+  are views of a ring buffer the next ring overwrites; a saved-tensor hook saves where in the message
+  each one was instead, and the backward hands them the same views of the buffer that holds that
+  shard then. Under activation checkpointing (or any other ``saved_tensors_hooks``) the forward keeps
+  only the inputs and the backward recomputes each step, as it does when a graph was already used
+  (a second backward through a retained graph).
 
 Pitfalls:
 - The sub-block must return its rowwise Linear's output (or a tuple of it and Nones, as Hugging Face's
@@ -34,6 +40,7 @@ Pitfalls:
 """
 
 import fnmatch
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -41,7 +48,7 @@ from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype
+from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, saved_tensors_hooks_active
 from ._checkpoint import kept_or_run
 from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard
 from ._prefetch import FORWARD_RING_ORDER
@@ -141,6 +148,8 @@ class RingSubBlock:
             params += [local_shard(column.weight, column, "weight", block.ring), local_shard(column.bias, column, "bias", block.ring)]
         params.append(local_shard(block.row.weight, block.row, "weight", block.ring))
         call = _Call(block, leaves, spec, tensor_at)
+        # Decided here: inside the autograd Function's forward, grad mode is off.
+        call.keeps_graphs = torch.is_grad_enabled() and not saved_tensors_hooks_active()
         total = _RingSubBlockFunction.apply(call, *(leaves[i] for i in tensor_at), *params)
         if block.row.bias is not None:
             total = total + autocast_like(block.row.bias, total)
@@ -153,6 +162,7 @@ class _Call:
     def __init__(self, block: SubBlock, leaves: list, spec, tensor_at: list[int]):
         self.block, self.leaves, self.spec, self.tensor_at = block, leaves, spec, tensor_at
         self.output_spec, self.output_position = None, None
+        self.keeps_graphs = False
 
     def run(self, tensors, shard_params) -> torch.Tensor:
         """The sub-block's forward on ``tensors`` with one shard's parameters installed; returns the
@@ -210,6 +220,77 @@ def _shard_params(block: SubBlock, views: list[torch.Tensor]) -> list[tuple]:
     return params
 
 
+class _SavedWeight(NamedTuple):
+    """What autograd saves in place of a view of a weight in the forward's ring buffer: which weight
+    segment, and the view's place in it."""
+
+    slot: int
+    offset: int  # elements from the segment's start
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+class _ShardGraphs:
+    """The autograd graph of each forward step of one sub-block call, kept for its backward.
+
+    A step's graph starts from leaves: the call's inputs (shared by every step) and the weight views
+    of the shard held. Autograd saves views of the ring buffer for the backward of the matmuls; the
+    pack hook saves a ``_SavedWeight`` for each instead, and ``backward`` unpacks them as the same views
+    of the buffer that holds the shard's weights in the backward ring.
+    """
+
+    def __init__(self, call: _Call, inputs: list[torch.Tensor], needs_params: list[bool]):
+        self.call, self.inputs, self.needs_params = call, inputs, needs_params
+        self._graphs: dict[int, tuple] = {}  # shard -> (partial output, weight leaves, whether the output may be freed)
+        self._weights: list[torch.Tensor] = []  # the weight views of the step running
+
+    def _unpack(self, saved):
+        if isinstance(saved, _SavedWeight):
+            view = self._weights[saved.slot]
+            return view.as_strided(saved.size, saved.stride, view.storage_offset() + saved.offset)
+        return saved
+
+    def forward(self, shard: int, views: list[torch.Tensor]) -> torch.Tensor:
+        """Run the sub-block on shard ``shard``'s weight ``views``, keeping its graph; returns its partial
+        output, whose memory is freed once the caller has added it (only its graph is needed)."""
+        buffer = views[0].untyped_storage().data_ptr()
+        regions = [(v.storage_offset(), v.storage_offset() + v.numel(), v.dtype) for v in views]
+        other_saved = set()
+
+        def pack(tensor: torch.Tensor):
+            if tensor.untyped_storage().data_ptr() == buffer:
+                at = tensor.storage_offset()
+                for slot, (start, stop, dtype) in enumerate(regions):
+                    if start <= at < stop and tensor.dtype == dtype:
+                        return _SavedWeight(slot, at - start, tensor.shape, tensor.stride())
+                raise RuntimeError("rsdp: a ring sub-block saved a part of its ring buffer that is no weight")
+            other_saved.add(tensor.untyped_storage().data_ptr())
+            return tensor
+
+        leaves = [v.detach().requires_grad_(need) for v, need in zip(views, self.needs_params)]
+        self._weights = views
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            partial = self.call.run(self.inputs, _shard_params(self.call.block, leaves))
+        self._graphs[shard] = (partial, leaves, partial.untyped_storage().data_ptr() not in other_saved)
+        return partial
+
+    def release_output(self, shard: int) -> None:
+        partial, _, unsaved = self._graphs[shard]
+        if unsaved:  # backward reads only its shape; a graph that saved it (a sub-block's own use) keeps it
+            partial.untyped_storage().resize_(0)
+
+    def backward(self, shard: int, weights: list[torch.Tensor], dy: torch.Tensor, needs_inputs: list[bool], grad_slots: list[int]):
+        """Gradients of the needed inputs, then of the weights ``grad_slots``, from the kept graph of
+        ``shard`` with its weights read from ``weights``; None when there is none (then recompute)."""
+        kept = self._graphs.pop(shard, None)
+        if kept is None:
+            return None
+        partial, leaves, _ = kept
+        wanted = [x for x, need in zip(self.inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_slots]
+        self._weights = weights
+        return torch.autograd.grad(partial, wanted, dy.to(partial.dtype), allow_unused=True)
+
+
 class _RingSubBlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, *tensors_and_params):
@@ -226,6 +307,11 @@ class _RingSubBlockFunction(torch.autograd.Function):
         message = message_of(tuple(_segments(block, dtype, ring.size)))
         cast = [t.to(input_dtype) if t.is_floating_point() else t for t in tensors]
         row_layout = message.segments[-1].layout  # the cached message's: its bounds are computed once
+        needs = ctx.needs_input_grad[1:]
+        graphs = None
+        if call.keeps_graphs and any(needs):
+            inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(cast, needs)]
+            graphs = _ShardGraphs(call, inputs, [need for need, p in zip(needs[len(tensors) :], params) if p is not None])
 
         def rotate() -> tuple[torch.Tensor]:
             total = None
@@ -235,8 +321,14 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 shard = ring.weight_shard_at(step)
                 if row_layout.rows_of(shard) == 0:
                     return
-                partial = call.run(cast, _shard_params(block, message.views(buffer, shard)))
+                views = message.views(buffer, shard)
+                if graphs is None:
+                    partial = call.run(cast, _shard_params(block, views))
+                else:
+                    partial = graphs.forward(shard, views)
                 total = partial.clone() if total is None else total.add_(partial)
+                if graphs is not None:
+                    graphs.release_output(shard)
 
             packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
             with record_function(f"rsdp::ring_forward ({layer.name})"):
@@ -246,7 +338,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
 
         # A recomputation that takes the kept output learns the output's structure from the forward.
         total, call.output_spec, call.output_position = kept_or_run(layer, rotate)
-        ctx.call, ctx.dtype, ctx.input_dtype = call, dtype, input_dtype
+        ctx.call, ctx.dtype, ctx.input_dtype, ctx.graphs = call, dtype, input_dtype, graphs
         ctx.autocast = autocast_dtype(ring.device.type)  # the recomputations in backward run under it too
         ctx.save_for_backward(*tensors, *params)
         return total
@@ -278,23 +370,25 @@ class _RingSubBlockFunction(torch.autograd.Function):
         dy = grad_total.to(dtype)
 
         def step(shard: int, weight_views: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
-            """Recompute the sub-block for ``shard`` and backpropagate: input gradients into this rank's,
-            weight gradients written or added (``add``) into ``into``."""
+            """Backpropagate through the sub-block for ``shard`` (its kept graph, or a recomputation): input
+            gradients into this rank's, weight gradients written or added (``add``) into ``into``."""
             if row_layout.rows_of(shard) == 0:
                 if into is not None and not add:
                     for view in into:
                         view.zero_()
                 return
-            leaves = [v.detach().requires_grad_(needs_params[present[slot]]) for slot, v in enumerate(weight_views)]
-            inputs = [
-                (t.detach().to(ctx.input_dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
-                for t, need in zip(tensors, needs_inputs)
-            ]
-            autocast = torch.autocast(ring.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
-            with torch.enable_grad(), autocast:
-                partial = call.run(inputs, _shard_params(block, leaves))
-                wanted = [x for x, need in zip(inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_index]
-                got = torch.autograd.grad(partial, wanted, dy, allow_unused=True)
+            got = None if ctx.graphs is None else ctx.graphs.backward(shard, weight_views, dy, needs_inputs, grad_index)
+            if got is None:  # recompute the step
+                leaves = [v.detach().requires_grad_(needs_params[present[slot]]) for slot, v in enumerate(weight_views)]
+                inputs = [
+                    (t.detach().to(ctx.input_dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
+                    for t, need in zip(tensors, needs_inputs)
+                ]
+                autocast = torch.autocast(ring.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
+                with torch.enable_grad(), autocast:
+                    partial = call.run(inputs, _shard_params(block, leaves))
+                    wanted = [x for x, need in zip(inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_index]
+                    got = torch.autograd.grad(partial, wanted, dy, allow_unused=True)
             got = iter(got)
             for index, need in enumerate(needs_inputs):
                 if need:
@@ -323,11 +417,13 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     if total is not None:
                         view.add_(state.unsynced_shard(total, shard, view.shape))
 
-            def start(buffer: torch.Tensor) -> None:
-                pack(buffer)
-                own = grads.views(mine, ring.rank)
-                step(ring.rank, message.views(buffer, ring.rank)[:first_grad], own, add=False)
-                add_unsynced(ring.rank, own)
+            def own_contribution(hop: int, buffer: torch.Tensor) -> None:
+                """The owner's own contribution, from its local shard: while the first message (its
+                weights) travels, to be added when its partial comes home."""
+                if hop == 0:
+                    own = grads.views(mine, ring.rank)
+                    step(ring.rank, message.views(buffer, ring.rank)[:first_grad], own, add=False)
+                    add_unsynced(ring.rank, own)
 
             def on_arrival(hop: int, buffer: torch.Tensor) -> None:
                 if hop == ring.size:  # the owner's partial, back home
@@ -350,14 +446,14 @@ class _RingSubBlockFunction(torch.autograd.Function):
 
             with record_function(f"rsdp::ring_backward ({layer.name})"):
                 if ring.size == 1:
-                    buffer = RING_BUFFERS.pair(message.nbytes, ring.device)[0]
-                    start(buffer)
-                    final = buffer
-                    for partial, own in zip(message.views(buffer, ring.rank, first_grad), grads.views(mine, ring.rank)):
+                    final = RING_BUFFERS.pair(message.nbytes, ring.device)[0]
+                    pack(final)
+                    own_contribution(0, final)
+                    for partial, own in zip(message.views(final, ring.rank, first_grad), grads.views(mine, ring.rank)):
                         partial.copy_(own)
                 else:
                     final = ring.circulate(
-                        message.nbytes, layer.tags[Phase.BACKWARD], start, None, on_arrival, hops=ring.size, region=region
+                        message.nbytes, layer.tags[Phase.BACKWARD], pack, own_contribution, on_arrival, hops=ring.size, region=region
                     )
             reduced = finished_gradients(state, message, first_grad, final, reduce_dtype)
         else:
