@@ -37,6 +37,9 @@ Pitfalls:
 - Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
 - The sub-block may hold no parameters besides its plan's Linears, and no other Linears.
+- A kept graph needs its step's partial output only for its shape, so once added to the total its
+  memory is freed (unless the sub-block's own graph saved it): a forward hook on the rowwise Linear
+  that keeps its output keeps a tensor without data.
 """
 
 import fnmatch
