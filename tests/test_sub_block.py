@@ -1,5 +1,6 @@
 """Ring plans: a whole attention or MLP sub-block rotates as one ring, against the fp64 reference."""
 
+import gc
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from models import assert_param_grads_match, local_rows, rank_and_world, twin
 from rsdp import rsdp_shard
 from rsdp._compat import in_backward
-from rsdp.memory import CommCounter
+from rsdp.memory import CommCounter, MemoryTracker
 from test_ring_ops import check_against_reference
 from test_training import train_and_compare
 
@@ -227,6 +228,36 @@ def test_planned_backward_reuses_the_forwards_graphs_unless_checkpointing_recomp
     for (checkpointing, backwards), runs in expected.items():
         for got in ranks.run(world, kept_graphs_case, checkpointing, backwards):
             assert got == runs, (checkpointing, got)
+
+
+def discarded_forwards_case():
+    """Bytes held after each of 4 forwards whose outputs were dropped without a backward, and while
+    an output is alive."""
+    torch.manual_seed(0)
+    block = Block(16, 8, 4, 2, 24)
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    gc.disable()  # what reference counting frees, not what a collection would find later
+    try:
+        with MemoryTracker() as memory:
+            held = []
+            for _ in range(4):
+                block(x)
+                held.append(memory.current_bytes)
+            output = block(x)
+            return held, memory.current_bytes
+    finally:
+        gc.enable()
+
+
+def test_a_forward_without_backward_leaves_no_kept_graph_behind(ranks):
+    """The kept graphs are freed with the output, by reference counting: their unpack hook must not
+    reach back to their holder, a cycle through autograd's C++ nodes that no collection breaks. What
+    stays is the same after every forward (the gathered norms, kept for a backward, as FSDP2's
+    reshard_after_forward=False keeps its parameters)."""
+    for held, with_output in ranks.run(2, discarded_forwards_case):
+        assert held == [held[0]] * 4, held
+        assert with_output > held[0]  # the graphs live as long as the output
 
 
 def uneven_case():

@@ -233,6 +233,23 @@ class _SavedWeight(NamedTuple):
     stride: tuple[int, ...]
 
 
+class _StepWeights:
+    """The weight views a kept graph's saved weights are read from: the forward step's while it runs,
+    the backward ring's for that shard when it is backpropagated. The graphs' unpack hook is its
+    method, so it must hold no graph: a graph referencing its own holder would be a reference cycle
+    through autograd's C++ nodes, which Python's garbage collector cannot see, and a forward whose
+    backward never runs would leak its activations."""
+
+    def __init__(self):
+        self.views: list[torch.Tensor] = []
+
+    def unpack(self, saved):
+        if isinstance(saved, _SavedWeight):
+            view = self.views[saved.slot]
+            return view.as_strided(saved.size, saved.stride, view.storage_offset() + saved.offset)
+        return saved
+
+
 class _ShardGraphs:
     """The autograd graph of each forward step of one sub-block call, kept for its backward.
 
@@ -245,13 +262,7 @@ class _ShardGraphs:
     def __init__(self, call: _Call, inputs: list[torch.Tensor], needs_params: list[bool]):
         self.call, self.inputs, self.needs_params = call, inputs, needs_params
         self._graphs: dict[int, tuple] = {}  # shard -> (partial output, weight leaves, whether the output may be freed)
-        self._weights: list[torch.Tensor] = []  # the weight views of the step running
-
-    def _unpack(self, saved):
-        if isinstance(saved, _SavedWeight):
-            view = self._weights[saved.slot]
-            return view.as_strided(saved.size, saved.stride, view.storage_offset() + saved.offset)
-        return saved
+        self._weights = _StepWeights()
 
     def forward(self, shard: int, views: list[torch.Tensor]) -> torch.Tensor:
         """Run the sub-block on shard ``shard``'s weight ``views``, keeping its graph; returns its partial
@@ -268,12 +279,15 @@ class _ShardGraphs:
                         return _SavedWeight(slot, at - start, tensor.shape, tensor.stride())
                 raise RuntimeError("rsdp: a ring sub-block saved a part of its ring buffer that is no weight")
             other_saved.add(tensor.untyped_storage().data_ptr())
-            return tensor
+            # Detached: an op's output that its own node saves would otherwise hold that node, a
+            # reference cycle in C++ that outlives the graph (the kind ``_StepWeights`` avoids).
+            return tensor.detach()
 
         leaves = [v.detach().requires_grad_(need) for v, need in zip(views, self.needs_params)]
-        self._weights = views
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+        self._weights.views = views
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, self._weights.unpack):
             partial = self.call.run(self.inputs, _shard_params(self.call.block, leaves))
+        self._weights.views = []
         self._graphs[shard] = (partial, leaves, partial.untyped_storage().data_ptr() not in other_saved)
         return partial
 
@@ -290,8 +304,11 @@ class _ShardGraphs:
             return None
         partial, leaves, _ = kept
         wanted = [x for x, need in zip(self.inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_slots]
-        self._weights = weights
-        return torch.autograd.grad(partial, wanted, dy.to(partial.dtype), allow_unused=True)
+        self._weights.views = weights
+        try:
+            return torch.autograd.grad(partial, wanted, dy.to(partial.dtype), allow_unused=True)
+        finally:
+            self._weights.views = []
 
 
 class _RingSubBlockFunction(torch.autograd.Function):
