@@ -135,6 +135,59 @@ def test_vectors_are_kept_until_backward_by_default(ranks):
         assert gathers == 1, calls
 
 
+class Stack(nn.Module):
+    def __init__(self, blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(MixedBlock() for _ in range(blocks))
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def one_collective_case(reshard_last):
+    """Collectives per step of a 3-block stack (rsdp per block, then the root) and exact gradients over
+    two SGD steps; then the first block called on its own, with the updated parameters."""
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    model = Stack().double()
+    reference = twin(model)
+    for index, block in enumerate(model.blocks):
+        rsdp_shard(block, reshard_after_forward=reshard_last and index == 2)
+    rsdp_shard(model)
+    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    x = _global_batch(world)
+    calls = []
+    for _ in range(2):
+        with CommCounter() as comm:
+            model(local_rows(x, rank, world)).sum().backward()
+        calls.append({op: n for op, n in comm.calls.items() if "send" not in op})
+        (sum(reference(local_rows(x, r, world)).sum() for r in range(world)) / world).backward()
+        assert_param_grads_match(model, reference, 1.0)
+        for opt in (optimizer, reference_optimizer):
+            opt.step()
+            opt.zero_grad()
+    with torch.no_grad():
+        assert_close(model.blocks[0](local_rows(x, rank, world)), reference.blocks[0](local_rows(x, rank, world)), what="block 0 alone")
+    return calls
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_modules_vectors_travel_in_one_collective_per_pass(ranks, world):
+    """The outermost forward gathers the vectors of every rsdp module under it in one all-gather, and
+    the backward reduce-scatters their gradients in one when it ends: 2 collectives per step, not 2 per
+    module. A module resharded after forward gathers its own (forward and backward); gradients stay
+    exact, and a module called on its own after an optimizer step gathers its updated parameters."""
+    gather, scatter = "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"
+    for reshard_last, gathers in [(False, 1), (True, 3)]:
+        for first, second in ranks.run(world, one_collective_case, reshard_last):
+            assert second == {gather: gathers, scatter: 1}, second
+            # The first step also agrees on which Linears share an input (_fusion.py), once per module.
+            assert first == {**second, "c10d::allreduce_": 3}, first
+
+
 def unused_case():
     """``unused`` is used by no rank, ``scale`` by rank 0 only."""
     rank, world = rank_and_world()

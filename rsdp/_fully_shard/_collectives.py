@@ -3,16 +3,19 @@ like FSDP2's.
 
 Vectors — norm weights, biases of layers other than stock Linears, free 1-D ``nn.Parameter``s — are used
 whole by elementwise ops (every matrix rotates, op by op: ``_operand.py``). They stay ``Shard(0)`` at rest (so the optimizer state is sharded too);
-the module's forward all-gathers them in one flat collective over the shard dimension of the mesh, and
-its backward reduce-scatters their gradients in one.
+they are all-gathered in one flat collective over the shard dimension of the mesh, and their gradients
+reduce-scattered in one: per pass, not per module. The outermost rsdp forward gathers the vectors of
+every rsdp module under it at once (``gather_together``; a module's own forward then finds them
+current), and each module's post-backward queues its contributions for one reduce-scatter when the
+backward ends (``PENDING_REDUCTIONS``): a vector's collective costs its latency, not its bytes.
 
 While installed they are **leaf** ``nn.Parameter``s, one persistent tensor per parameter whose storage
 is allocated for a gather and freed afterwards (FSDP2's unsharded parameters): tools that hook module
 parameters during forward (torch's ``MemTracker``, ``register_post_accumulate_grad_hook``) work, and
 autograd saves the same tensor the backward's gather refills. Their gradients land in ``.grad`` of the
-full tensors; the module's post-backward reduce-scatters them and hands the result to the module's
-``RingGradients`` (``_grad.py``), which writes the ``Shard(0)`` ``.grad`` (under HSDP, after the one
-all-reduce over replicas it makes of the module's gradients).
+full tensors; once reduce-scattered they go to the module's ``RingGradients`` (``_grad.py``), which
+writes the ``Shard(0)`` ``.grad``. Under HSDP the module's post-backward reduce-scatters its own at
+once, so that they join the one all-reduce over replicas it makes of the module's gradients.
 
 Resharding after forward (``reshard_after_forward=True``) frees the full tensors between forward and
 backward, which then gathers them again: one more all-gather per module and step. rsdp's default keeps
@@ -25,6 +28,11 @@ Pitfalls:
   a rank that did not use it itself reads its flag (a host sync on CUDA, in that case alone).
 - The refill must not bump the version counter of the tensor autograd saved
   (``preserve_version_counter``), or backward would report an in-place modification.
+- A module gathered at the start of the pass does not gather again in it: gathered tensors are
+  current for the pass they were gathered in (``gathered_in_pass``); a module called on its own (not
+  under the module that started the pass), or in a later pass, gathers its own.
+- The gradients of the gathered parameters are written when the backward ends, not at the module's
+  post-backward (except under HSDP): their hooks run then.
 """
 
 import functools
@@ -33,7 +41,15 @@ import math
 import torch
 import torch.nn as nn
 
-from .._compat import all_gather_flat, local_of, preserve_version_counter, reduce_scatter_flat
+from .._compat import (
+    all_gather_flat,
+    at_end_of_backward,
+    current_graph_task_id,
+    in_backward,
+    local_of,
+    preserve_version_counter,
+    reduce_scatter_flat,
+)
 from ._grad import write_gradient
 from ._param import ShardLayout
 
@@ -53,6 +69,7 @@ class GatheredParams:
             self._offsets.append(self._offsets[-1] + layout.chunk * inner)
         self.full: list[nn.Parameter] | None = None
         self.is_gathered = False
+        self.gathered_in_pass = -1  # the forward pass (``_state.py``) whose start last gathered them
         # Contributions (with their "used" flags) of backwards run while gradient sync was off.
         self.unsynced: torch.Tensor | None = None
         self.unsynced_used = [False] * len(params)
@@ -71,10 +88,24 @@ class GatheredParams:
         offset = self._offsets[index]
         return flat[offset : offset + rows * self._inner[index]].view(rows, *self.trailing[index])
 
+    @property
+    def gather_key(self) -> tuple:
+        """What modules whose parameters are gathered in one collective share: the shard group, the
+        dtype on the wire and the device."""
+        return (self.state.ring.group, self.state.compute_dtype(self.params[0].dtype), self.state.device)
+
     def gather(self) -> list[nn.Parameter]:
         """All-gather the full parameters into their persistent leaf tensors."""
-        state, world = self.state, self.state.ring.size
-        dtype = state.compute_dtype(self.params[0].dtype)
+        gather_together([self])
+        return self.full
+
+    def _pack(self, send: torch.Tensor) -> None:
+        for index, param in enumerate(self.params):
+            self.segment_view(send, index, self.state.ring.rank).copy_(local_of(param))
+
+    def _unpack(self, received: torch.Tensor) -> None:
+        """The full parameters from ``received`` (``[W, segment]``: every rank's segment)."""
+        state, world, dtype = self.state, self.state.ring.size, received.dtype
         if self.full is None:
             self.full = [
                 nn.Parameter(torch.empty(p.shape, dtype=dtype, device=state.device), requires_grad=p.requires_grad)
@@ -83,17 +114,11 @@ class GatheredParams:
         elif not self.is_gathered:
             for full in self.full:
                 full.untyped_storage().resize_(full.numel() * full.element_size())
-        send = torch.empty(self.segment_numel, dtype=dtype, device=state.device)
-        for index, param in enumerate(self.params):
-            self.segment_view(send, index, state.ring.rank).copy_(local_of(param))
-        received = torch.empty(world, self.segment_numel, dtype=dtype, device=state.device)
-        all_gather_flat(received.view(-1), send, group=state.ring.group)
         for index, (full, param) in enumerate(zip(self.full, self.params)):
             full.requires_grad_(param.requires_grad)
             with torch.no_grad(), preserve_version_counter(full):
                 torch.cat([self.segment_view(received[s], index, s) for s in range(world)], out=full)
         self.is_gathered = True
-        return self.full
 
     def free(self) -> None:
         if self.is_gathered:
@@ -133,10 +158,18 @@ class GatheredParams:
             contributions.add_(self.unsynced)
             self.unsynced, self.unsynced_used = None, [False] * count
 
+        if state.replicate_group is None and in_backward():
+            PENDING_REDUCTIONS.add(self, contributions, used_here)
+            return
+        # Under HSDP each module's reduced gradients join its one all-reduce over replicas at once.
         reduced = torch.empty(self.segment_numel + count, dtype=dtype, device=state.device)
         reduce_scatter_flat(reduced, contributions.view(-1), group=state.ring.group)
-        state.divide_gradient(reduced)
-        state.gradients.add_reduced(reduced, functools.partial(self._write_gradients, used_here))
+        self.finish_reduction(reduced, used_here)
+
+    def finish_reduction(self, reduced: torch.Tensor, used_here: list[bool]) -> None:
+        """This rank's segment of the reduced gradients (and "used" flags): divided, then written."""
+        self.state.divide_gradient(reduced)
+        self.state.gradients.add_reduced(reduced, functools.partial(self._write_gradients, used_here))
 
     def _write_gradients(self, used_here: list[bool], reduced: torch.Tensor) -> None:
         """Each used parameter's shard of ``reduced`` (summed over replicas, under HSDP) into its ``.grad``."""
@@ -146,3 +179,64 @@ class GatheredParams:
             if not used and not bool(reduced[self.segment_numel + index] > 0):
                 continue  # no rank used it
             write_gradient(param, self.segment_view(reduced, index, self.state.ring.rank).to(param.dtype))
+
+
+def gather_together(modules: list[GatheredParams]) -> None:
+    """All-gather the parameters of several modules (of one ``gather_key``) in one collective: the
+    outermost rsdp forward gathers every module's under it so (``RSDPState.gather_nested``), one
+    collective per step instead of one per module, as each module's vectors are small and a
+    collective's cost is mostly its latency."""
+    state = modules[0].state
+    dtype, world = modules[0].gather_key[1], state.ring.size
+    offsets = [0]
+    for module in modules:
+        offsets.append(offsets[-1] + module.segment_numel)
+    send = torch.empty(offsets[-1], dtype=dtype, device=state.device)
+    for module, start, stop in zip(modules, offsets, offsets[1:]):
+        module._pack(send[start:stop])
+    received = torch.empty(world, offsets[-1], dtype=dtype, device=state.device)
+    all_gather_flat(received.view(-1), send, group=state.ring.group)
+    for module, start, stop in zip(modules, offsets, offsets[1:]):
+        module._unpack(received[:, start:stop])
+
+
+class _PendingReductions:
+    """The gathered parameters' gradients of the backward running, reduce-scattered together when it
+    ends: one collective per backward (per dtype) instead of one per module, as for the gather.
+
+    Modules queue in the order their backward finishes, which the autograd graph fixes alike on every
+    rank (as the per-module collectives already required), so every rank lays the message out alike.
+    A nested backward (a reentrant checkpoint's) reduces its own at its end; a backward that raised
+    leaves its queue behind, dropped when the next forward starts.
+    """
+
+    def __init__(self):
+        self._queued: dict[int, list] = {}  # graph task -> [(module, contributions, used flags)]
+
+    def add(self, module: GatheredParams, contributions: torch.Tensor, used_here: list[bool]) -> None:
+        task = current_graph_task_id()
+        if task not in self._queued:
+            self._queued[task] = []
+            at_end_of_backward(functools.partial(self._reduce, task))
+        self._queued[task].append((module, contributions, used_here))
+
+    def _reduce(self, task: int) -> None:
+        batches: dict[tuple, list] = {}
+        for entry in self._queued.pop(task, []):
+            module, contributions, _ = entry
+            batches.setdefault((module.state.ring.group, contributions.dtype, module.state.device), []).append(entry)
+        for batch in batches.values():
+            state = batch[0][0].state
+            contributions = torch.cat([contributions for _, contributions, _ in batch], dim=1)
+            reduced = torch.empty(contributions.shape[1], dtype=contributions.dtype, device=state.device)
+            reduce_scatter_flat(reduced, contributions.view(-1), group=state.ring.group)
+            offset = 0
+            for module, part, used_here in batch:
+                module.finish_reduction(reduced[offset : offset + part.shape[1]], used_here)
+                offset += part.shape[1]
+
+    def abandon(self) -> None:
+        self._queued.clear()
+
+
+PENDING_REDUCTIONS = _PendingReductions()

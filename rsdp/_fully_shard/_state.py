@@ -2,8 +2,9 @@
 
 Rotation needs no hooks: the Linear and Embedding modules run their ring inside their own forward and
 backward. The hooks (1) cast forward inputs under a mixed-precision policy, (2) gather the
-non-rotating parameters (``_collectives.py``) and install them for the module's forward and again for
-its backward, (3) reduce their gradients after the module's backward and (4) cast its output. The
+non-rotating parameters (``_collectives.py``; the outermost module's pre-forward gathers those of every
+module under it at once) and install them for the module's forward and again for its backward, (3)
+queue their gradients for reduction after the module's backward and (4) cast its output. The
 post-forward hook also ends the forward for ``SharedInputFusion`` (``_fusion.py``).
 
 The backward hooks follow FSDP2's: a hook on each forward output that needs a gradient runs before the
@@ -31,6 +32,7 @@ from torch.distributed.utils import _apply_to_tensors
 
 from .._compat import (
     DTensor,
+    get_module_state,
     FSDPState,
     MixedPrecisionPolicy,
     at_end_of_backward,
@@ -38,7 +40,7 @@ from .._compat import (
     current_graph_task_id,
     in_backward,
 )
-from ._collectives import GatheredParams
+from ._collectives import PENDING_REDUCTIONS, GatheredParams, gather_together
 from ._fusion import SharedInputFusion
 from ._grad import RUNNING_BACKWARD, RingGradients
 from ._operand import RingOperand
@@ -49,6 +51,9 @@ from ._ring import RING_BUFFERS, Ring
 
 # rsdp forwards running now on this thread (nested modules count once each).
 _open_forwards = 0
+# Outermost rsdp forwards begun so far (outside backward): a module's gathered parameters are current if
+# gathered at the start of the pass running.
+_forward_pass = 0
 
 # Graph task id -> the states whose gathered parameters await their post-backward in that backward, in
 # the order their backward began; the end-of-backward callback finishes what remains.
@@ -95,6 +100,7 @@ class RSDPState(FSDPState):
         self.gradient_divide_factor: float | None = None
         self.requires_gradient_sync = True
         self.gathered: GatheredParams | None = None
+        self._nested: list[RSDPState] | None = None  # the rsdp states under this module, found at its first outermost forward
         self._gathered_slots: list[tuple[nn.Module, str, int]] = []
         # (module, attribute, ring layer) of every weight installed as a RingOperand while it runs.
         self.operand_slots: list[tuple[nn.Module, str, Any]] = []
@@ -155,9 +161,12 @@ class RSDPState(FSDPState):
 
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        global _open_forwards
+        global _open_forwards, _forward_pass
         if _open_forwards == 0 and not in_backward():
             RUNNING_BACKWARD.abandon()
+            PENDING_REDUCTIONS.abandon()
+            _forward_pass += 1
+            self.gather_nested(module)
         _open_forwards += 1
         self.forward_depth += 1
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
@@ -169,13 +178,35 @@ class RSDPState(FSDPState):
             self._install_params()
             self._await_post_backward()
             return args, kwargs
-        if self.gathered is not None:
+        if self.gathered is not None and self.gathered.gathered_in_pass != _forward_pass:
             self._adopt_replaced_params()
             self.gathered.gather()
         self._install_params()
         if torch.is_grad_enabled():
             args, kwargs = _RunAfterBackward.wrap(self, args, kwargs)
         return args, kwargs
+
+    def gather_nested(self, module: nn.Module) -> None:
+        """At the start of an outermost forward: gather the parameters of every rsdp module under
+        ``module`` (itself included) that keeps them until its backward, in one collective per
+        ``gather_key`` (usually one), in module order, which every rank shares. Their own forwards then
+        find them current; a module resharded after forward gathers its own, as before."""
+        if self._nested is None:
+            self._nested = [
+                state
+                for state in (get_module_state(m) for m in module.modules())
+                if isinstance(state, RSDPState) and state.gathered is not None
+            ]
+        batches: dict[tuple, list] = {}
+        for state in self._nested:
+            gathered = state.gathered
+            if gathered is not None and not gathered.reshard_after_forward:
+                state._adopt_replaced_params()
+                batches.setdefault(gathered.gather_key, []).append(gathered)
+        for batch in batches.values():
+            gather_together(batch)
+            for gathered in batch:
+                gathered.gathered_in_pass = _forward_pass
 
     def end_forward(self, backward_follows: bool = False) -> None:
         """Put the sharded parameters back and close the forward (also when it raised). The full

@@ -23,7 +23,8 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   weight shard and a gradient partial and the scratch of the next contribution in backward (5 shards),
   carried for the rest of the pass; its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
-  gradients and V of contributions.
+  gradients and V of contributions, which wait (with their concatenation: 2V) for the one
+  reduce-scatter at the end of the backward.
 
 Everything is counted in the parameters' and the model's own dtype: lower-precision compute (a bf16
 ``param_dtype``) allocates less. Time: compute at ``flops_per_s`` (backward twice forward), overlapped
@@ -36,8 +37,11 @@ not modelled.
 The estimate is an upper bound of what a run measures (``tests/test_planner.py`` runs plans of several
 shapes, every strategy and mixed, and compares): where the timing of a buffer depends on its
 neighbours, it is counted as if it lived as long as it can. What it does not see: buffers a
-communication backend allocates internally, and a matrix that an rsdp module uses in an op with no
-ring form (gathered whole, with a warning at run time).
+communication backend allocates internally, a matrix that an rsdp module uses in an op with no ring
+form (gathered whole, with a warning at run time), and that rsdp gathers the vectors of every part at
+the start of the pass at once (each part's are counted at its own forward: at that start the pass
+holds all of them and their receive buffer, twice their bytes, when nothing else of the pass is
+alive yet).
 """
 
 import collections
@@ -270,8 +274,9 @@ class _Parallelism:
             carried = Carried(reduce=params, ringed=below_ring_root)
         else:
             # Vectors: gathered with a send and a receive buffer, kept; their gradients and the
-            # reduce-scatter's contributions. The ring buffers are carried.
-            forward_bytes, backward_bytes = (vectors, 3 * vectors), (local - vectors, local + 2 * vectors)
+            # contributions, which wait for the backward's one reduce-scatter at its end (counted twice:
+            # its input is the concatenation of all of them). The ring buffers are carried.
+            forward_bytes, backward_bytes = (vectors, 3 * vectors), (local + vectors, local + 2 * vectors)
             carried = Carried(ring=self.ring, ringed=True)
         return UnitCost(
             self.static,
