@@ -73,3 +73,17 @@ def test_tp_rejects_heads_that_do_not_divide_over_ranks():
     done = run("tp_benchmark.py", "--use_synthetic_data", *TINY, "--nproc=4")
     assert done.returncode != 0
     assert "--nhead 2 is not divisible by the 4 ranks" in done.stderr
+
+
+def test_collective_latency_tabulates_every_op():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS.parent / "collective_latency.py"), "--nproc=2", "--ops=3", "--repeats=2"],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert_succeeded(done)
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"op", "ring exchange", "all-gather", "reduce-scatter", "all-reduce"}, done.stdout
+    for name, line in rows.items():
+        if name != "op":
+            median, rounds = line.split("|")[2:4]
+            assert float(median) > 0 and len(rounds.split(",")) == 2, line

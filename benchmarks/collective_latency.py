@@ -1,0 +1,92 @@
+"""What one small message costs on CPU ranks with gloo: a ring exchange against the collectives.
+
+rsdp's step is a sequence of ring exchanges (one send down, one receive from up) and, for the vectors
+(norm weights, biases), collectives. At small batch their cost is latency, not bytes, and on gloo a
+collective is several rounds of messages run on a worker thread, so rsdp issues the vectors' all-gather
+and reduce-scatter once per pass for the whole model rather than once per module (docs/design.md). This
+measures the figures behind that choice: each op ``--ops`` times per round, the ops alternating over
+``--repeats`` rounds, the median per op in ms, and ``/proc/loadavg`` before and after.
+
+    python benchmarks/collective_latency.py                 # 4 ranks, 1 KB
+    python benchmarks/collective_latency.py --nproc 2 --bytes 131072
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rsdp._compat import all_gather_flat, reduce_scatter_flat
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.nproc)
+    world, group = args.nproc, dist.group.WORLD
+    mine = torch.zeros(args.bytes // 4)
+    received, full = torch.zeros_like(mine), torch.zeros(mine.numel() * world)
+
+    def exchange():
+        works = [group.send([mine], (rank - 1) % world, 0), group.recv([received], (rank + 1) % world, 0)]
+        for work in works:
+            work.wait()
+
+    ops = {
+        "ring exchange": exchange,
+        "all-gather": lambda: all_gather_flat(full, mine),
+        "reduce-scatter": lambda: reduce_scatter_flat(mine, full),
+        "all-reduce": lambda: dist.all_reduce(mine),
+    }
+    times = {name: [] for name in ops}
+    for _ in range(args.repeats):
+        for name, op in ops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.ops):
+                op()
+            times[name].append((time.perf_counter() - start) / args.ops * 1e3)
+    if rank == 0:
+        results.put(times)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--bytes", type=int, default=1024, help="per rank and message")
+    parser.add_argument("--ops", type=int, default=100, help="of each op per round")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; the ops alternate within each")
+    args = parser.parse_args()
+    with open("/proc/loadavg") as f:
+        before = " ".join(f.read().split()[:3])
+    context = mp.get_context("fork")
+    results = context.SimpleQueue()
+    port = _free_port()
+    processes = [context.Process(target=_rank, args=(rank, args, port, results)) for rank in range(args.nproc)]
+    for process in processes:
+        process.start()
+    times = results.get()
+    for process in processes:
+        process.join()
+    with open("/proc/loadavg") as f:
+        after = " ".join(f.read().split()[:3])
+    print(f"{args.nproc} gloo ranks, {args.bytes} B per rank; loadavg {before} -> {after}")
+    print("| op | ms per op (median of rounds) | rounds |\n| --- | --- | --- |")
+    for name, rounds in times.items():
+        print(f"| {name} | {statistics.median(rounds):.2f} | {', '.join(f'{t:.2f}' for t in rounds)} |")
+
+
+if __name__ == "__main__":
+    main()
