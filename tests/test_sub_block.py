@@ -244,15 +244,16 @@ def discarded_forwards_case():
             for _ in range(4):
                 block(x)
                 held.append(memory.current_bytes)
-            output = block(x)
+            alive = block(x)  # noqa: F841  (held while measuring)
             return held, memory.current_bytes
     finally:
         gc.enable()
 
 
 def test_a_forward_without_backward_leaves_no_kept_graph_behind(ranks):
-    """The kept graphs are freed with the output, by reference counting: their unpack hook must not
-    reach back to their holder, a cycle through autograd's C++ nodes that no collection breaks. What
+    """The kept graphs are freed with the output, by reference counting: neither their unpack hook nor a
+    tensor their pack hook kept may reach back to a node of theirs, a cycle through autograd's C++ nodes
+    that no collection breaks (it grew by every forward's activations before the pack hook detached). What
     stays is the same after every forward (the gathered norms, kept for a backward, as FSDP2's
     reshard_after_forward=False keeps its parameters)."""
     for held, with_output in ranks.run(2, discarded_forwards_case):

@@ -32,12 +32,12 @@ from torch.distributed.utils import _apply_to_tensors
 
 from .._compat import (
     DTensor,
-    get_module_state,
     FSDPState,
     MixedPrecisionPolicy,
     at_end_of_backward,
     autocast_dtype,
     current_graph_task_id,
+    get_module_state,
     in_backward,
 )
 from ._collectives import PENDING_REDUCTIONS, GatheredParams, gather_together
