@@ -5,7 +5,8 @@ weight shard (r + k) mod W. In backward the gradient partials ride in the same m
 the partial for shard t starts at rank t+1 and collects every rank's contribution on its way down to
 its owner t, which it reaches after W-1 hops, so at step k rank r holds the partial of shard
 (r + 1 + k) mod W. One message per step, forward and backward: W-1 synchronising exchanges per ring
-and pass, the fewest a ring can do.
+and pass, the fewest a ring can do (a planned sub-block's backward takes W: its gradient needs its
+weights, so a partial starts one rank further from its owner, ``_sub_block.py``).
 
 ``Ring.circulate`` is the only schedule. At each step it starts sending the message it holds and
 receiving the next one, runs ``during`` (the GEMMs on the weights held, the next gradient contribution)
