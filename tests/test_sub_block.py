@@ -298,8 +298,20 @@ def misuse_case():
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     with pytest.raises(ValueError, match="must return its rowwise Linear's output"):
         block(torch.randn(1, 3, 6))
+    # A step installs each planned Linear's shard product as its instance forward; a step that raised
+    # leaves none behind, so the Linear is the ring Linear again.
+    assert not any("forward" in linear.__dict__ for linear in block.mlp.modules())
     with pytest.raises(RuntimeError, match="rowwise Linear of ring sub-block 'mlp'; its columns are sharded"):
         block.mlp.down_proj(torch.randn(1, 4))
+
+    # Forward hooks on a planned Linear run at every step, around its product with the shard held.
+    block = Block(6, 2, 2, 3, 4)
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    features = []
+    block.mlp.up_proj.register_forward_hook(lambda module, args, output: features.append(output.shape[-1]))
+    block(torch.randn(1, 3, 6))
+    _, world = rank_and_world()
+    assert features == [4 // world] * world, features
 
 
 def test_plans_that_cannot_rotate_as_one_ring_say_why(ranks):

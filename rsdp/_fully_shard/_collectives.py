@@ -51,7 +51,7 @@ from .._compat import (
     reduce_scatter_flat,
 )
 from ._grad import write_gradient
-from ._param import ShardLayout
+from ._param import shard_layout
 
 
 class GatheredParams:
@@ -61,7 +61,7 @@ class GatheredParams:
         self.state = state
         self.params = params
         self.reshard_after_forward = reshard_after_forward
-        self.layouts = [ShardLayout(p.shape[0], state.ring.size) for p in params]
+        self.layouts = [shard_layout(p.shape[0], state.ring.size) for p in params]
         self.trailing = [p.shape[1:] for p in params]
         self._inner = [math.prod(shape) for shape in self.trailing]
         self._offsets = [0]
@@ -144,7 +144,7 @@ class GatheredParams:
                 continue
             layout = self.layouts[index]
             for s in range(world):
-                self.segment_view(contributions[s], index, s).copy_(grad[layout.start(s) : layout.stop(s)])
+                self.segment_view(contributions[s], index, s).copy_(grad[layout.row_slice(s)])
             contributions[:, self.segment_numel + index] = 1
 
         if not state.requires_gradient_sync:

@@ -53,7 +53,7 @@ from ._ops import (
     first_message,
 )
 from ._prefetch import FORWARD_RING_ORDER
-from ._param import Segment, ShardLayout, message_of
+from ._param import Segment, message_of, shard_layout
 from ._ring import Phase
 
 _warned: set[tuple[int, str]] = set()
@@ -154,7 +154,7 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, layer: RingLayer, rows: int):
         state = layer.state
-        layout = ShardLayout(rows, state.ring.size)
+        layout = shard_layout(rows, state.ring.size)
         trailing = local.shape[1:]
         dtype = state.compute_dtype(local.dtype)
         send = torch.zeros(layout.chunk, *trailing, dtype=dtype, device=local.device)
@@ -186,7 +186,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
         state, ring = layer.state, layer.state.ring
         in_features, out_features = full_shape
         dtype = state.matmul_dtype(weight.dtype)
-        layout = ShardLayout(in_features, ring.size)
+        layout = shard_layout(in_features, ring.size)
         message = message_of((Segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
 
@@ -196,7 +196,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
             def during(step: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(step)
                 if layout.rows_of(shard):
-                    out.addmm_(x2d[:, layout.start(shard) : layout.stop(shard)], message.views(buffer, shard)[0])
+                    out.addmm_(x2d[:, layout.row_slice(shard)], message.views(buffer, shard)[0])
 
             with record_function(f"rsdp::ring_forward ({layer.name})"):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, [weight]), during,
@@ -216,7 +216,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
         state, ring = layer.state, layer.state.ring
         in_features, out_features = ctx.full_shape
         dtype = ctx.dtype
-        layout = ShardLayout(in_features, ring.size)
+        layout = shard_layout(in_features, ring.size)
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         dy = grad_out.reshape(-1, out_features).to(dtype)
         weight_segments = [Segment(layout, weight.shape[1:], dtype)] if need_x else []
@@ -229,10 +229,10 @@ class _RingInputSplitFunction(torch.autograd.Function):
 
         def use_weights(shard: int, views: list[torch.Tensor]) -> None:
             if layout.rows_of(shard):
-                grad_x[:, layout.start(shard) : layout.stop(shard)].addmm_(dy, views[0].t())
+                grad_x[:, layout.row_slice(shard)].addmm_(dy, views[0].t())
 
         def contribute(shard: int, views: list[torch.Tensor]) -> None:
-            _write_product(views[0], x2d[:, layout.start(shard) : layout.stop(shard)].t(), dy)
+            _write_product(views[0], x2d[:, layout.row_slice(shard)].t(), dy)
 
         with record_function(f"rsdp::ring_backward ({layer.name})"):
             keys = [(id(layer), "weight")] if need_weight else []

@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from .._compat import DTensor, autocast_dtype
 from ._checkpoint import kept_or_run
-from ._param import Message, Segment, ShardLayout, message_of
+from ._param import Message, Segment, ShardLayout, message_of, shard_layout
 from ._prefetch import FORWARD_RING_ORDER
 from ._ring import RING_BUFFERS, Phase
 
@@ -238,7 +238,7 @@ class _RingLinearFunction(torch.autograd.Function):
         out_features = tuple(member.out_features for member in members)
         weights = params[0::2]
         dtype = state.matmul_dtype(weights[0].dtype)
-        layouts = [ShardLayout(rows, ring.size) for rows in out_features]
+        layouts = [shard_layout(rows, ring.size) for rows in out_features]
         # Every member's weight, then the biases there are: the weights of one shard are then adjacent
         # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
         order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
@@ -305,7 +305,7 @@ class _RingLinearFunction(torch.autograd.Function):
         need_params = ctx.needs_input_grad[3:]
         dtype = ctx.dtype  # the forward's (autocast's, if it was on then)
         reduce_dtype = state.reduce_dtype(weights[0].dtype)
-        layouts = [ShardLayout(rows, ring.size) for rows in ctx.out_features]
+        layouts = [shard_layout(rows, ring.size) for rows in ctx.out_features]
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
 
         # Gradients in the message: (member, is_bias) for every parameter that needs one, the weights'
@@ -336,7 +336,7 @@ class _RingLinearFunction(torch.autograd.Function):
         def use_weights(shard: int, views: list[torch.Tensor]) -> None:
             for layout, dy, weight in zip(layouts, dys, views):
                 if layout.rows_of(shard):
-                    grad_x.addmm_(dy[:, layout.start(shard) : layout.stop(shard)], weight)
+                    grad_x.addmm_(dy[:, layout.row_slice(shard)], weight)
 
         def contribute(shard: int, views: list[torch.Tensor]) -> None:
             if stacked is not None:
@@ -348,7 +348,7 @@ class _RingLinearFunction(torch.autograd.Function):
                 if stacked is not None and not is_bias:
                     continue
                 layout = layouts[member]
-                dy_shard = dys[member][:, layout.start(shard) : layout.stop(shard)]
+                dy_shard = dys[member][:, layout.row_slice(shard)]
                 if is_bias:
                     view.copy_(dy_shard.sum(0))
                 else:
@@ -371,10 +371,10 @@ class _RingEmbeddingFunction(torch.autograd.Function):
     def forward(ctx, indices, weight, layer: RingLayer, num_embeddings: int, padding_idx):
         state, ring = layer.state, layer.state.ring
         dtype = state.compute_dtype(weight.dtype)
-        layout = ShardLayout(num_embeddings, ring.size)
+        layout = shard_layout(num_embeddings, ring.size)
         # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
         message = message_of(
-            (Segment(layout, weight.shape[1:], dtype), Segment(ShardLayout(ring.size, ring.size), torch.Size(), torch.uint8))
+            (Segment(layout, weight.shape[1:], dtype), Segment(shard_layout(ring.size, ring.size), torch.Size(), torch.uint8))
         )
         flat_indices = indices.reshape(-1)
 
@@ -428,7 +428,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         layer = ctx.layer
         ring = layer.state.ring
         reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
-        layout = ShardLayout(ctx.num_embeddings, ring.size)
+        layout = shard_layout(ctx.num_embeddings, ring.size)
         message = message_of((Segment(layout, ctx.trailing, reduce_dtype),))
         selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
         dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
@@ -511,10 +511,8 @@ class RingLinear:
 
     @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        local = self.__dict__.get("_rsdp_local")
-        if local is not None:  # inside a ring sub-block's step: one shard, installed (_sub_block.py)
-            output = self.__dict__["_rsdp_output"] = torch.nn.functional.linear(input, *local)
-            return output
+        # Not run inside a ring sub-block's steps: there each planned Linear's forward is its product
+        # with the shard held, installed on the instance (_sub_block.py).
         if self.__dict__.get("_rsdp_row_of") is not None:
             raise RuntimeError(
                 f"rsdp: {type(self).__name__} is the rowwise Linear of ring sub-block "

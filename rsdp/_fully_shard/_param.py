@@ -34,6 +34,14 @@ class ShardLayout:
         # Looked up by every ring step, for every segment: computed once per layout.
         return tuple((min(s * self.chunk, self.rows), min((s + 1) * self.chunk, self.rows)) for s in range(self.world))
 
+    @functools.cached_property
+    def _slices(self) -> tuple[slice, ...]:
+        return tuple(slice(start, stop) for start, stop in self._bounds)
+
+    def row_slice(self, shard: int) -> slice:
+        """Shard ``shard``'s rows, as a slice."""
+        return self._slices[shard]
+
     def start(self, shard: int) -> int:
         return self._bounds[shard][0]
 
@@ -43,6 +51,13 @@ class ShardLayout:
     def rows_of(self, shard: int) -> int:
         start, stop = self._bounds[shard]
         return stop - start
+
+
+@functools.lru_cache(maxsize=None)
+def shard_layout(rows: int, world: int) -> ShardLayout:
+    """The one ``ShardLayout`` of ``rows`` rows over ``world`` ranks, so that ring steps, which look up
+    its bounds, find them computed (a fresh layout per call computes them again)."""
+    return ShardLayout(rows, world)
 
 
 def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple:

@@ -184,10 +184,13 @@ class RingBuffers:
         upcoming = self._sizes[True].upcoming() if in_backward() else None
         if upcoming is None:
             return
+        freed = False
         for index, buffer in list(self._live()):
             if 8 * buffer.untyped_storage().nbytes() > 9 * upcoming[index]:  # more than an eighth to spare
                 buffer.untyped_storage().resize_(0)
-        self._reindex()
+                freed = True
+        if freed:
+            self._reindex()
 
     def index_of(self, buffer: torch.Tensor) -> int | None:
         """Which ring buffer ``buffer`` starts at (0 to 2), or None when it is none of them."""

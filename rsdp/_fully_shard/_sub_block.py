@@ -43,6 +43,7 @@ Pitfalls:
 """
 
 import fnmatch
+import functools
 from typing import NamedTuple
 
 import torch
@@ -51,11 +52,11 @@ from torch.autograd.function import once_differentiable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, saved_tensors_hooks_active
+from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, gradients_of, saved_tensors_hooks_active
 from ._checkpoint import kept_or_run
 from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard
 from ._prefetch import FORWARD_RING_ORDER
-from ._param import Segment, ShardLayout, message_of
+from ._param import Segment, message_of, shard_layout
 from ._ring import RING_BUFFERS, Phase
 
 _COLWISE = ("colwise", "local_colwise")
@@ -87,6 +88,24 @@ class SubBlock:
         self.module, self.name, self.columns, self.row = module, name, columns, row
         self.forward = type(module).forward  # the original forward, run once per shard
         self.ring: RingLayer | None = None
+        # Read at every ring step; a Linear's ``bias`` goes through nn.Module.__getattr__.
+        self.column_has_bias = [column.bias is not None for column in columns]
+        self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
+
+    def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
+        """The sub-block's weight segments in a message: each colwise weight (and bias), then the
+        rowwise weight, transposed (its columns as rows: ``[in shard, out]``)."""
+        key = (dtype, world)
+        if key not in self._segments:
+            segments = []
+            for column, has_bias in zip(self.columns, self.column_has_bias):
+                layout = shard_layout(column.out_features, world)
+                segments.append(Segment(layout, torch.Size([column.in_features]), dtype))
+                if has_bias:
+                    segments.append(Segment(layout, torch.Size(), dtype))
+            segments.append(Segment(shard_layout(self.row.in_features, world), torch.Size([self.row.out_features]), dtype))
+            self._segments[key] = tuple(segments)
+        return self._segments[key]
 
 
 def plan_sub_blocks(root: nn.Module, ring_plan: dict, world: int) -> list[SubBlock]:
@@ -176,17 +195,21 @@ class _Call:
         args, kwargs = tree_unflatten(leaves, self.spec)
         block = self.block
         linears = block.columns + [block.row]
-        # Through __dict__: nn.Module.__setattr__ checks parameters, buffers and submodules first, which
-        # is a large share of a small sub-block step's host time.
+        # Each Linear's forward becomes its product with the shard's parameters, as an instance
+        # attribute, which ``nn.Module.__call__`` finds before the class's (hooks still run around it).
+        # Set through __dict__: nn.Module.__setattr__ checks parameters, buffers and submodules first,
+        # which is a large share of a small sub-block step's host time; and not through the ring
+        # Linear's own forward, whose compiler-disable wrapper costs as much as the product here.
+        produced = []
         for linear, (weight, bias) in zip(linears, shard_params):
-            linear.__dict__["_rsdp_local"] = (weight, bias)
+            linear.__dict__["forward"] = functools.partial(_shard_product, weight, bias, produced if linear is block.row else None)
         try:
             output = block.forward(block.module, *args, **kwargs)
         finally:
             for linear in linears:
-                linear.__dict__["_rsdp_local"] = None
+                del linear.__dict__["forward"]
         out_leaves, self.output_spec = tree_flatten(output)
-        produced = block.row.__dict__.pop("_rsdp_output", None)  # set by the rowwise Linear, if it ran
+        produced = produced[-1] if produced else None  # the rowwise Linear's output, if it ran
         positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]
         if len(positions) != 1 or any(leaf is not None for leaf in out_leaves if leaf is not produced):
             raise ValueError(
@@ -203,22 +226,19 @@ class _Call:
         return tree_unflatten(out_leaves, self.output_spec)
 
 
-def _segments(block: SubBlock, dtype: torch.dtype, world: int) -> list[Segment]:
-    segments = []
-    for column in block.columns:
-        layout = ShardLayout(column.out_features, world)
-        segments.append(Segment(layout, torch.Size([column.in_features]), dtype))
-        if column.bias is not None:
-            segments.append(Segment(layout, torch.Size(), dtype))
-    # The rowwise weight travels transposed, its columns as rows: [in shard, out].
-    segments.append(Segment(ShardLayout(block.row.in_features, world), torch.Size([block.row.out_features]), dtype))
-    return segments
+def _shard_product(weight: torch.Tensor, bias: torch.Tensor | None, outputs: list | None, input: torch.Tensor) -> torch.Tensor:
+    """A planned Linear's forward during a ring step: its product with one shard's parameters (the
+    rowwise Linear's also kept in ``outputs``: it is the partial output)."""
+    output = torch.nn.functional.linear(input, weight, bias)
+    if outputs is not None:
+        outputs.append(output)
+    return output
 
 
 def _shard_params(block: SubBlock, views: list[torch.Tensor]) -> list[tuple]:
     """(weight, bias) per Linear, columns then row, from one shard's views (the row's transposed back)."""
     views = iter(views)
-    params = [(next(views), next(views) if column.bias is not None else None) for column in block.columns]
+    params = [(next(views), next(views) if has_bias else None) for has_bias in block.column_has_bias]
     params.append((next(views).t(), None))
     return params
 
@@ -272,13 +292,14 @@ class _ShardGraphs:
         other_saved = set()
 
         def pack(tensor: torch.Tensor):
-            if tensor.untyped_storage().data_ptr() == buffer:
+            storage = tensor.untyped_storage().data_ptr()
+            if storage == buffer:
                 at = tensor.storage_offset()
                 for slot, (start, stop, dtype) in enumerate(regions):
                     if start <= at < stop and tensor.dtype == dtype:
                         return _SavedWeight(slot, at - start, tensor.shape, tensor.stride())
                 raise RuntimeError("rsdp: a ring sub-block saved a part of its ring buffer that is no weight")
-            other_saved.add(tensor.untyped_storage().data_ptr())
+            other_saved.add(storage)
             # Detached: an op's output that its own node saves would otherwise hold that node, a
             # reference cycle in C++ that outlives the graph (the kind ``_StepWeights`` avoids).
             return tensor.detach()
@@ -306,7 +327,7 @@ class _ShardGraphs:
         wanted = [x for x, need in zip(self.inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_slots]
         self._weights.views = weights
         try:
-            return torch.autograd.grad(partial, wanted, dy.to(partial.dtype), allow_unused=True)
+            return gradients_of(partial, wanted, dy.to(partial.dtype))
         finally:
             self._weights.views = []
 
@@ -324,7 +345,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
         # sub-block's matmuls use, which autocast, where it is on, may lower further.
         input_dtype = state.compute_dtype(present[0].dtype)
         dtype = state.matmul_dtype(present[0].dtype)
-        message = message_of(tuple(_segments(block, dtype, ring.size)))
+        message = message_of(block.segments(dtype, ring.size))
         cast = [t.to(input_dtype) if t.is_floating_point() else t for t in tensors]
         row_layout = message.segments[-1].layout  # the cached message's: its bounds are computed once
         needs = ctx.needs_input_grad[1:]
@@ -377,11 +398,11 @@ class _RingSubBlockFunction(torch.autograd.Function):
         needs_inputs = ctx.needs_input_grad[1 : 1 + n]
         needs_params = [need and p is not None for need, p in zip(ctx.needs_input_grad[1 + n :], params)]
         present = [i for i, p in enumerate(params) if p is not None]
-        weight_segments = _segments(block, dtype, ring.size)
+        weight_segments = block.segments(dtype, ring.size)
         reduce_dtype = state.reduce_dtype(params[present[0]].dtype)
         grad_index = [slot for slot, i in enumerate(present) if needs_params[i]]
         grad_segments = [Segment(weight_segments[slot].layout, weight_segments[slot].trailing, reduce_dtype) for slot in grad_index]
-        message = message_of(tuple(weight_segments + grad_segments))
+        message = message_of(weight_segments + tuple(grad_segments))
         first_grad = len(weight_segments)
         row_layout = message.segments[first_grad - 1].layout
         grads = message.tail(first_grad)
@@ -408,7 +429,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 with torch.enable_grad(), autocast:
                     partial = call.run(inputs, _shard_params(block, leaves))
                     wanted = [x for x, need in zip(inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_index]
-                    got = torch.autograd.grad(partial, wanted, dy, allow_unused=True)
+                    got = gradients_of(partial, wanted, dy.to(partial.dtype))
             got = iter(got)
             for index, need in enumerate(needs_inputs):
                 if need:
@@ -479,7 +500,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
         else:
             # No partials travel: the weights rotate for the input gradient, and with sync off each
             # rank's contributions to every shard are kept locally until the next synchronised backward.
-            weights_only = message_of(tuple(weight_segments))
+            weights_only = message_of(weight_segments)
             totals = [state.unsynced_gradient(key, segment) for key, segment in zip(keys, grad_segments)]
 
             def during(hop: int, buffer: torch.Tensor) -> None:
