@@ -5,8 +5,11 @@ return at once without moving data, so what is left is the host's own work: Pyth
 and issuing the communication. That is the cost that makes a ring host-bound on GPUs at small batch,
 where kernels are short. The model is a stack of Llama-shaped blocks (RMSNorm, q/k/v/o attention,
 SwiGLU gate/up/down), each sharded with ``fully_shard``, ``rsdp_shard``, or ``rsdp_shard`` with Hugging
-Face's Llama tensor-parallel plan as its ring plan, tiny so that compute is negligible. Strategies alternate over ``--repeats`` rounds; the table gives the median per strategy,
-the ratio to FSDP2, and the sends and collectives one step issues per block.
+Face's Llama tensor-parallel plan as its ring plan, tiny so that compute is negligible. Strategies
+alternate over ``--repeats`` rounds; the table gives the median per strategy, the ratio to FSDP2, and
+per block what one step issues: sends, collectives and aten ops. The op count does not depend on the
+machine's load, unlike the times: each op costs a dispatch on the host, and each that is not a view
+(a view only makes a new tensor over the same memory) is a kernel launch on a GPU.
 
     python benchmarks/host_overhead.py                 # W=8, 4 blocks, 5 rounds of 20 steps
     python benchmarks/host_overhead.py --world 16 --blocks 8 --json out.json
@@ -23,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
@@ -77,6 +81,20 @@ LLAMA_PLAN = {
 STRATEGIES = ("fsdp", "rsdp", "rsdp+plan")
 
 
+class OpCounter(TorchDispatchMode):
+    """The aten ops dispatched while active, and how many of them are views."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten":
+            self.ops += 1
+            self.views += func.is_view
+        return func(*args, **(kwargs or {}))
+
+
 def build(strategy: str, args) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(*(LlamaBlock(args.dim, args.heads, args.hidden) for _ in range(args.blocks)))
@@ -119,9 +137,13 @@ def main() -> None:
         step(model, x)  # warm-up (rsdp also forms its shared-input groups here)
         with CommCounter() as comm:
             step(model, x)
+        with OpCounter() as ops:
+            step(model, x)
         counts[strategy] = {
             "sends_per_block": comm.calls["c10d::send"] / args.blocks,
             "collectives_per_block": sum(n for op, n in comm.calls.items() if op != "c10d::send") / args.blocks,
+            "ops_per_block": ops.ops / args.blocks,
+            "views_per_block": ops.views / args.blocks,
         }
     loadavg_before = open("/proc/loadavg").read().split()[:3]
     rounds = {strategy: [] for strategy in models}
@@ -140,13 +162,14 @@ def main() -> None:
         f"(dim {args.dim}, hidden {args.hidden}, {args.tokens} tokens); loadavg {' '.join(loadavg_before)} -> "
         f"{' '.join(loadavg_after)}\n"
     )
-    print("| strategy | host time per step | × fsdp | per block | sends per block | collectives per block |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| strategy | host time per step | × fsdp | per block | sends per block | collectives per block | aten ops per block (views) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for strategy in models:
         print(
             f"| {strategy} | {median[strategy] * 1e3:.2f} ms | {median[strategy] / median['fsdp']:.2f} | "
             f"{median[strategy] / args.blocks * 1e6:.0f} µs | {counts[strategy]['sends_per_block']:.0f} | "
-            f"{counts[strategy]['collectives_per_block']:.0f} |"
+            f"{counts[strategy]['collectives_per_block']:.0f} | "
+            f"{counts[strategy]['ops_per_block']:.0f} ({counts[strategy]['views_per_block']:.0f}) |"
         )
     if args.json:
         with open(args.json, "w") as out:

@@ -9,7 +9,7 @@ divided by the world size (rsdp's default is the mean over data-parallel ranks, 
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from models import assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
@@ -239,6 +239,9 @@ def fused_group_case(dim, widths, biases, frozen):
     biases=st.lists(st.booleans(), min_size=3, max_size=3),
     frozen=st.booleans(),
 )
+# Widths that divide by the world: no padding rows, so the input gradient's term is one GEMM per shard too.
+@example(world=4, dim=5, widths=[4, 8], biases=[True, False, True], frozen=False)
+@example(world=3, dim=2, widths=[6, 3, 9], biases=[True, True, True], frozen=True)
 def test_fused_group_of_any_widths_and_biases_matches_reference(ranks, world, dim, widths, biases, frozen):
     ranks.run(world, fused_group_case, dim, widths, biases[: len(widths)], frozen)
 

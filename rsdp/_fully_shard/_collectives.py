@@ -88,6 +88,22 @@ class GatheredParams:
         offset = self._offsets[index]
         return flat[offset : offset + rows * self._inner[index]].view(rows, *self.trailing[index])
 
+    def every_shard(self, segments: torch.Tensor, index: int, full: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Parameter ``index``'s rows in ``segments`` (``[W, segment]``: every rank's flat segment) and in
+        ``full`` (the whole parameter, or its gradient; contiguous), as at most two pairs of views of
+        the same rows, ``(in full, in segments)``: the whole shards, and the last, short one. Copying
+        those is two ops per parameter instead of one per rank (a host dispatch each)."""
+        layout, trailing = self.layouts[index], self.trailing[index]
+        if layout.rows == 0:
+            return []
+        offset = self._offsets[index]
+        shards = segments[:, offset : offset + layout.chunk * self._inner[index]].view(layout.world, layout.chunk, *trailing)
+        whole, rest = divmod(layout.rows, layout.chunk)
+        pairs = [(full[: whole * layout.chunk].view(whole, layout.chunk, *trailing), shards[:whole])]
+        if rest:
+            pairs.append((full[whole * layout.chunk :], shards[whole, :rest]))
+        return pairs
+
     @property
     def gather_key(self) -> tuple:
         """What modules whose parameters are gathered in one collective share: the shard group, the
@@ -105,7 +121,7 @@ class GatheredParams:
 
     def _unpack(self, received: torch.Tensor) -> None:
         """The full parameters from ``received`` (``[W, segment]``: every rank's segment)."""
-        state, world, dtype = self.state, self.state.ring.size, received.dtype
+        state, dtype = self.state, received.dtype
         if self.full is None:
             self.full = [
                 nn.Parameter(torch.empty(p.shape, dtype=dtype, device=state.device), requires_grad=p.requires_grad)
@@ -117,7 +133,8 @@ class GatheredParams:
         for index, (full, param) in enumerate(zip(self.full, self.params)):
             full.requires_grad_(param.requires_grad)
             with torch.no_grad(), preserve_version_counter(full):
-                torch.cat([self.segment_view(received[s], index, s) for s in range(world)], out=full)
+                for rows, shards in self.every_shard(received, index, full):
+                    rows.copy_(shards)
         self.is_gathered = True
 
     def free(self) -> None:
@@ -142,9 +159,8 @@ class GatheredParams:
         for index, grad in enumerate(grads):
             if grad is None:
                 continue
-            layout = self.layouts[index]
-            for s in range(world):
-                self.segment_view(contributions[s], index, s).copy_(grad[layout.row_slice(s)])
+            for rows, shards in self.every_shard(contributions, index, grad.contiguous()):
+                shards.copy_(rows)
             contributions[:, self.segment_numel + index] = 1
 
         if not state.requires_gradient_sync:

@@ -188,6 +188,7 @@ class _Stacked:
         self.layouts = layouts
         self.offsets = list(itertools.accumulate((layout.chunk for layout in layouts), initial=0))
         self.width = self.offsets[-1]
+        self.unpadded = all(layout.chunk * layout.world == layout.rows for layout in layouts)
 
     def rows(self, first: torch.Tensor) -> torch.Tensor:
         """``[width, trailing]`` from the first member's view of one shard (its real rows only)."""
@@ -198,8 +199,7 @@ class _Stacked:
         """``[tokens, W, width]`` laid out like the products, holding ``outputs`` (every member's
         ``[tokens, out_features]``) and zeros in the padding columns."""
         world, tokens = self.layouts[0].world, outputs[0].shape[0]
-        padded = any(layout.chunk * world != layout.rows for layout in self.layouts)
-        spread = (outputs[0].new_zeros if padded else outputs[0].new_empty)(tokens, world, self.width)
+        spread = (outputs[0].new_empty if self.unpadded else outputs[0].new_zeros)(tokens, world, self.width)
         for layout, start, output in zip(self.layouts, self.offsets, outputs):
             columns = spread[:, :, start : start + layout.chunk]
             if layout.chunk * world == layout.rows:
@@ -315,12 +315,14 @@ class _RingLinearFunction(torch.autograd.Function):
              if need and (index % 2 == 0 or ctx.has_bias[index // 2])),
             key=lambda entry: (entry[1], entry[0]),
         )
-        stacked = None
-        if len(layouts) > 1 and wanted[: len(layouts)] == [(member, False) for member in range(len(layouts))]:
-            stacked = _Stacked(layouts)
-            dy_stacked = stacked.spread(dys)
+        group = _Stacked(layouts) if len(layouts) > 1 else None
         every = range(len(layouts))
-        stacked_biases = stacked is not None and wanted == [(m, False) for m in every] + [(m, True) for m in every]
+        stacked = group is not None and wanted[: len(layouts)] == [(member, False) for member in every]
+        stacked_biases = stacked and wanted == [(m, False) for m in every] + [(m, True) for m in every]
+        # The input gradient's term is one GEMM per shard too, but only without padding rows: they hold
+        # stale bytes of earlier messages, which a zero column of the gradient would not cancel (0 × NaN).
+        stacked_input = group is not None and need_x and group.unpadded
+        dy_stacked = group.spread(dys) if stacked or stacked_input else None
         weight_segments = [Segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
         grad_segments = [
             Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
@@ -334,18 +336,21 @@ class _RingLinearFunction(torch.autograd.Function):
                 view.copy_(weight)
 
         def use_weights(shard: int, views: list[torch.Tensor]) -> None:
+            if stacked_input:
+                grad_x.addmm_(dy_stacked[:, shard], group.rows(views[0]))
+                return
             for layout, dy, weight in zip(layouts, dys, views):
                 if layout.rows_of(shard):
                     grad_x.addmm_(dy[:, layout.row_slice(shard)], weight)
 
         def contribute(shard: int, views: list[torch.Tensor]) -> None:
-            if stacked is not None:
-                _write_product(stacked.rows(views[0]), dy_stacked[:, shard].t(), x2d)
+            if stacked:
+                _write_product(group.rows(views[0]), dy_stacked[:, shard].t(), x2d)
                 if stacked_biases:
-                    stacked.rows(views[len(layouts)]).copy_(dy_stacked[:, shard].sum(0))
+                    group.rows(views[len(layouts)]).copy_(dy_stacked[:, shard].sum(0))
                     return
             for (member, is_bias), view in zip(wanted, views):
-                if stacked is not None and not is_bias:
+                if stacked and not is_bias:
                     continue
                 layout = layouts[member]
                 dy_shard = dys[member][:, layout.row_slice(shard)]

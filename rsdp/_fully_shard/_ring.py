@@ -125,6 +125,9 @@ class RingBuffers:
         self._reset_callbacks: list[Callable[[], None]] = []
         self._release_task = -1  # the backward at whose end a release is queued
         self._sizes = {False: _PassSizes(), True: _PassSizes()}  # by "in backward"
+        # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
+        # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
+        self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever buffers are replaced (to drop cached views of them)."""
@@ -173,7 +176,11 @@ class RingBuffers:
             storage.resize_(size)
             buffer[:size].zero_()
             self._reindex()
-        return buffer[:nbytes]
+        key = (device, index, nbytes)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            prefix = self._prefixes[key] = buffer[:nbytes]
+        return prefix
 
     def trim(self) -> None:
         """Free the buffers that are larger than the rest of the backward running needs; called by a
@@ -208,6 +215,7 @@ class RingBuffers:
 
     def _reset(self) -> None:
         self.generation += 1
+        self._prefixes.clear()
         for callback in self._reset_callbacks:
             callback()
 
@@ -321,8 +329,11 @@ class Ring:
             if step < hops and not works:
                 # Any buffer but the one held: the other's last send was waited for at the last step.
                 incoming = buffers[1] if current.data_ptr() == buffers[0].data_ptr() else buffers[0]
-                part = slice(None) if region is None else region(step)
-                works = self.exchange(current[part], incoming[part], tag)
+                if region is None:
+                    works = self.exchange(current, incoming, tag)
+                else:
+                    part = region(step)
+                    works = self.exchange(current[part], incoming[part], tag)
             if step == hops and before_last is not None:
                 before_last(current)
             if during is not None:

@@ -201,8 +201,9 @@ class _Call:
         # which is a large share of a small sub-block step's host time; and not through the ring
         # Linear's own forward, whose compiler-disable wrapper adds about six Python calls to each.
         produced = []
-        for linear, (weight, bias) in zip(linears, shard_params):
-            linear.__dict__["forward"] = functools.partial(_shard_product, weight, bias, produced if linear is block.row else None)
+        for linear, (weight, bias) in zip(block.columns, shard_params):
+            linear.__dict__["forward"] = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
+        block.row.__dict__["forward"] = functools.partial(_row_product, shard_params[-1][0], produced)
         try:
             output = block.forward(block.module, *args, **kwargs)
         finally:
@@ -226,20 +227,21 @@ class _Call:
         return tree_unflatten(out_leaves, self.output_spec)
 
 
-def _shard_product(weight: torch.Tensor, bias: torch.Tensor | None, outputs: list | None, input: torch.Tensor) -> torch.Tensor:
-    """A planned Linear's forward during a ring step: its product with one shard's parameters (the
-    rowwise Linear's also kept in ``outputs``: it is the partial output)."""
-    output = torch.nn.functional.linear(input, weight, bias)
-    if outputs is not None:
-        outputs.append(output)
+def _row_product(weight_t: torch.Tensor, outputs: list, input: torch.Tensor) -> torch.Tensor:
+    """The rowwise Linear's forward during a ring step: the partial output, also kept in ``outputs``.
+    Its shard travels transposed (``[in shard, out]``), which is the operand ``linear`` would make of
+    ``weight`` anyway: used as it is, two transposes (a dispatch each, and a backward node) go."""
+    output = torch.matmul(input, weight_t)
+    outputs.append(output)
     return output
 
 
 def _shard_params(block: SubBlock, views: list[torch.Tensor]) -> list[tuple]:
-    """(weight, bias) per Linear, columns then row, from one shard's views (the row's transposed back)."""
+    """(weight, bias) per Linear, columns then row, from one shard's views (the row's weight as it
+    travels, transposed: ``[in shard, out]``)."""
     views = iter(views)
     params = [(next(views), next(views) if has_bias else None) for has_bias in block.column_has_bias]
-    params.append((next(views).t(), None))
+    params.append((next(views), None))
     return params
 
 
