@@ -23,12 +23,12 @@ siblings; their parent module is the sub-block. The rowwise weight is stored as 
   owner, which adds its own, computed from its local shard at step 0: W exchanges per backward, one
   message each (weights and partial), the ZeRO-3 bytes.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
-  its activations, so the backward runs no forward again. The graphs would save the weights, which
-  are views of a ring buffer the next ring overwrites; a saved-tensor hook saves where in the message
-  each one was instead, and the backward hands them the same views of the buffer that holds that
-  shard then. Under activation checkpointing (or any other ``saved_tensors_hooks``) the forward keeps
-  only the inputs and the backward recomputes each step, as it does when a graph was already used
-  (a second backward through a retained graph).
+  its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
+  ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
+  buffer, which the Linears' products hand to ``mm`` as they are, and the backward points them at the
+  buffer that holds that shard then. Under activation checkpointing (or any other
+  ``saved_tensors_hooks``) the forward keeps only the inputs and the backward recomputes each step, as
+  it does when a graph was already used (a second backward through a retained graph).
 
 Pitfalls:
 - The sub-block must return its rowwise Linear's output (or a tuple of it and Nones, as Hugging Face's
@@ -38,14 +38,16 @@ Pitfalls:
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
 - The sub-block may hold no parameters besides its plan's Linears, and no other Linears.
 - A kept graph needs its step's partial output only for its shape, so once added to the total its
-  memory is freed (unless the sub-block's own graph saved it): a forward hook on the rowwise Linear
-  that keeps its output keeps a tensor without data.
+  memory is freed: a forward hook on the rowwise Linear that keeps its output keeps a tensor without
+  data.
+- A planned Linear computes ``linear`` as ATen does (``mm``/``addmm`` of the flattened input), with
+  the same results; a sub-block that reached its shard's weights otherwise than through its Linears'
+  calls would see stale buffers, but it cannot: they are installed for the step only.
 """
 
 import fnmatch
 import functools
-from typing import NamedTuple
-
+import math
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
@@ -90,6 +92,8 @@ class SubBlock:
         self.ring: RingLayer | None = None
         # Read at every ring step; a Linear's ``bias`` goes through nn.Module.__getattr__.
         self.column_has_bias = [column.bias is not None for column in columns]
+        # Per segment of a message: whether its step operand is the view transposed (a colwise weight).
+        self.transposed = [t for has_bias in self.column_has_bias for t in ((True, False) if has_bias else (True,))] + [False]
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
 
     def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
@@ -201,9 +205,8 @@ class _Call:
         # which is a large share of a small sub-block step's host time; and not through the ring
         # Linear's own forward, whose compiler-disable wrapper adds about six Python calls to each.
         produced = []
-        for linear, (weight, bias) in zip(block.columns, shard_params):
-            linear.__dict__["forward"] = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
-        block.row.__dict__["forward"] = functools.partial(_row_product, shard_params[-1][0], produced)
+        for linear, (weight_t, bias) in zip(linears, shard_params):
+            linear.__dict__["forward"] = functools.partial(_shard_product, weight_t, bias, produced if linear is block.row else None)
         try:
             output = block.forward(block.module, *args, **kwargs)
         finally:
@@ -227,97 +230,75 @@ class _Call:
         return tree_unflatten(out_leaves, self.output_spec)
 
 
-def _row_product(weight_t: torch.Tensor, outputs: list, input: torch.Tensor) -> torch.Tensor:
-    """The rowwise Linear's forward during a ring step: the partial output, also kept in ``outputs``.
-    Its shard travels transposed (``[in shard, out]``), which is the operand ``linear`` would make of
-    ``weight`` anyway: used as it is, two transposes (a dispatch each, and a backward node) go."""
-    output = torch.matmul(input, weight_t)
-    outputs.append(output)
+def _shard_product(weight_t: torch.Tensor, bias: torch.Tensor | None, outputs: list | None, input: torch.Tensor) -> torch.Tensor:
+    """A planned Linear's forward during a ring step: ``linear(input, weight, bias)`` with one shard's
+    parameters, computed as ATen's ``linear`` computes it (``mm``, or ``addmm`` with a bias, of the
+    flattened input and the transposed weight), but with the transposed weight given: ``weight_t`` is
+    then the very tensor autograd saves (see ``_ShardGraphs``). The rowwise Linear's output is also
+    kept in ``outputs``: it is the partial output."""
+    flat = input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
+    output = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
+    output = output.view(*input.shape[:-1], weight_t.shape[1])
+    if outputs is not None:
+        outputs.append(output)
     return output
 
 
-def _shard_params(block: SubBlock, views: list[torch.Tensor]) -> list[tuple]:
-    """(weight, bias) per Linear, columns then row, from one shard's views (the row's weight as it
-    travels, transposed: ``[in shard, out]``)."""
-    views = iter(views)
-    params = [(next(views), next(views) if has_bias else None) for has_bias in block.column_has_bias]
-    params.append((next(views), None))
+def _step_operands(block: SubBlock, views: list[torch.Tensor], needs: list[bool] | None = None) -> list[torch.Tensor]:
+    """One shard's parameters as a ring step's products use them, one per segment: each colwise weight
+    transposed (``[in, rows]``), its bias, and the rowwise weight as it travels (``[in shard, out]``:
+    transposed already). With ``needs``, gradient leaves (requiring grad where it says), each a tensor
+    of its own over the ring buffer's memory, not a view of it: a view shares the buffer's version
+    counter, which every later message written into the buffer bumps, and autograd checks the version
+    of what it saved. Without, views, for a step that records no graph."""
+    if needs is None:
+        return [view.t() if transposed else view for view, transposed in zip(views, block.transposed)]
+    operands = []
+    for view, transposed, need in zip(views, block.transposed, needs):
+        size, stride = (view.shape[::-1], view.stride()[::-1]) if transposed else (view.shape, view.stride())
+        operand = view.new_empty(0).set_(view.untyped_storage(), view.storage_offset(), size, stride)
+        operands.append(operand.requires_grad_(need))
+    return operands
+
+
+def _shard_params(block: SubBlock, operands: list[torch.Tensor]) -> list[tuple]:
+    """(transposed weight, bias) per Linear, columns then row, from ``_step_operands``."""
+    operands = iter(operands)
+    params = [(next(operands), next(operands) if has_bias else None) for has_bias in block.column_has_bias]
+    params.append((next(operands), None))
     return params
-
-
-class _SavedWeight(NamedTuple):
-    """What autograd saves in place of a view of a weight in the forward's ring buffer: which weight
-    segment, and the view's place in it."""
-
-    slot: int
-    offset: int  # elements from the segment's start
-    size: torch.Size
-    stride: tuple[int, ...]
-
-
-class _StepWeights:
-    """The weight views a kept graph's saved weights are read from: the forward step's while it runs,
-    the backward ring's for that shard when it is backpropagated. The graphs' unpack hook is its
-    method, so it must hold no graph: a graph referencing its own holder would be a reference cycle
-    through autograd's C++ nodes, which Python's garbage collector cannot see, and a forward whose
-    backward never runs would leak its activations."""
-
-    def __init__(self):
-        self.views: list[torch.Tensor] = []
-
-    def unpack(self, saved):
-        if isinstance(saved, _SavedWeight):
-            view = self.views[saved.slot]
-            return view.as_strided(saved.size, saved.stride, view.storage_offset() + saved.offset)
-        return saved
 
 
 class _ShardGraphs:
     """The autograd graph of each forward step of one sub-block call, kept for its backward.
 
-    A step's graph starts from leaves: the call's inputs (shared by every step) and the weight views
-    of the shard held. Autograd saves views of the ring buffer for the backward of the matmuls; the
-    pack hook saves a ``_SavedWeight`` for each instead, and ``backward`` unpacks them as the same views
-    of the buffer that holds the shard's weights in the backward ring.
+    A step's graph starts from leaves: the call's inputs (shared by every step) and the shard's
+    parameters (``_step_operands``), which alias the forward's ring buffer. Those leaves are the only
+    way a step reaches ring-buffer memory, and the products hand them to ``mm``/``addmm`` as they are,
+    so where autograd saves a weight it saves the leaf itself. When the step is backpropagated, each
+    leaf is pointed (``.data``) at the same segment of the buffer that holds that shard in the backward
+    ring, whatever the forward's buffer holds by then; its version counter is its own and stays. No
+    saved-tensor hook runs: the sub-block's activations are saved as autograd saves them.
     """
 
     def __init__(self, call: _Call, inputs: list[torch.Tensor], needs_params: list[bool]):
         self.call, self.inputs, self.needs_params = call, inputs, needs_params
-        self._graphs: dict[int, tuple] = {}  # shard -> (partial output, weight leaves, whether the output may be freed)
-        self._weights = _StepWeights()
+        self._graphs: dict[int, tuple] = {}  # shard -> (partial output, leaves)
 
     def forward(self, shard: int, views: list[torch.Tensor]) -> torch.Tensor:
         """Run the sub-block on shard ``shard``'s weight ``views``, keeping its graph; returns its partial
-        output, whose memory is freed once the caller has added it (only its graph is needed)."""
-        buffer = views[0].untyped_storage().data_ptr()
-        regions = [(v.storage_offset(), v.storage_offset() + v.numel(), v.dtype) for v in views]
-        other_saved = set()
-
-        def pack(tensor: torch.Tensor):
-            storage = tensor.untyped_storage().data_ptr()
-            if storage == buffer:
-                at = tensor.storage_offset()
-                for slot, (start, stop, dtype) in enumerate(regions):
-                    if start <= at < stop and tensor.dtype == dtype:
-                        return _SavedWeight(slot, at - start, tensor.shape, tensor.stride())
-                raise RuntimeError("rsdp: a ring sub-block saved a part of its ring buffer that is no weight")
-            other_saved.add(storage)
-            # Detached: an op's output that its own node saves would otherwise hold that node, a
-            # reference cycle in C++ that outlives the graph (the kind ``_StepWeights`` avoids).
-            return tensor.detach()
-
-        leaves = [v.detach().requires_grad_(need) for v, need in zip(views, self.needs_params)]
-        self._weights.views = views
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, self._weights.unpack):
+        output, whose memory the caller frees once it has added it (``release_output``)."""
+        leaves = _step_operands(self.call.block, views, self.needs_params)
+        with torch.enable_grad():
             partial = self.call.run(self.inputs, _shard_params(self.call.block, leaves))
-        self._weights.views = []
-        self._graphs[shard] = (partial, leaves, partial.untyped_storage().data_ptr() not in other_saved)
+        self._graphs[shard] = (partial, leaves)
         return partial
 
     def release_output(self, shard: int) -> None:
-        partial, _, unsaved = self._graphs[shard]
-        if unsaved:  # backward reads only its shape; a graph that saved it (a sub-block's own use) keeps it
-            partial.untyped_storage().resize_(0)
+        """Free a step's partial output: its graph reads only its shape. What produced it is an ``mm`` of
+        the rowwise Linear, which saves no output, and a node that saved it consumed it, so lies after
+        it and does not run in its backward."""
+        self._graphs[shard][0].untyped_storage().resize_(0)
 
     def backward(self, shard: int, weights: list[torch.Tensor], dy: torch.Tensor, needs_inputs: list[bool], grad_slots: list[int]):
         """Gradients of the needed inputs, then of the weights ``grad_slots``, from the kept graph of
@@ -325,13 +306,11 @@ class _ShardGraphs:
         kept = self._graphs.pop(shard, None)
         if kept is None:
             return None
-        partial, leaves, _ = kept
+        partial, leaves = kept
+        for leaf, view, transposed in zip(leaves, weights, self.call.block.transposed):
+            leaf.data = view.t() if transposed else view
         wanted = [x for x, need in zip(self.inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_slots]
-        self._weights.views = weights
-        try:
-            return gradients_of(partial, wanted, dy.to(partial.dtype))
-        finally:
-            self._weights.views = []
+        return gradients_of(partial, wanted, dy.to(partial.dtype))
 
 
 class _RingSubBlockFunction(torch.autograd.Function):
@@ -366,7 +345,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     return
                 views = message.views(buffer, shard)
                 if graphs is None:
-                    partial = call.run(cast, _shard_params(block, views))
+                    partial = call.run(cast, _shard_params(block, _step_operands(block, views)))
                 else:
                     partial = graphs.forward(shard, views)
                 total = partial.clone() if total is None else total.add_(partial)
@@ -422,7 +401,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 return
             got = None if ctx.graphs is None else ctx.graphs.backward(shard, weight_views, dy, needs_inputs, grad_index)
             if got is None:  # recompute the step
-                leaves = [v.detach().requires_grad_(needs_params[present[slot]]) for slot, v in enumerate(weight_views)]
+                leaves = _step_operands(block, weight_views, [needs_params[i] for i in present])
                 inputs = [
                     (t.detach().to(ctx.input_dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
                     for t, need in zip(tensors, needs_inputs)
@@ -438,11 +417,13 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     g = next(got)
                     if g is not None:
                         grad_inputs[index] = g if grad_inputs[index] is None else grad_inputs[index].add_(g)
-            for view, g in zip(into or [], got):
+            for view, g, slot in zip(into or [], got, grad_index):
                 if g is None:
                     if not add:
                         view.zero_()
-                elif add:
+                    continue
+                g = g.t() if block.transposed[slot] else g  # a colwise weight's operand is transposed
+                if add:
                     view.add_(g)
                 else:
                     view.copy_(g)
