@@ -230,6 +230,38 @@ def test_planned_backward_reuses_the_forwards_graphs_unless_checkpointing_recomp
             assert got == runs, (checkpointing, got)
 
 
+class StridedMLP(MLP):
+    """Planned Linears fed non-contiguous inputs, and 2-D ones: a ring step's products flatten their
+    input as ``linear`` does, and autograd saves the step's own weight tensors whatever the input."""
+
+    def forward(self, x):
+        batch, seq, dim = x.shape
+        gate = self.gate_proj(x.transpose(0, 1)).transpose(0, 1)  # input [seq, batch, dim], non-contiguous
+        tokens = x.reshape(batch * seq, dim).t().contiguous().t()  # 2-D, column-major
+        hidden = F.silu(gate) * self.up_proj(tokens).view(batch, seq, -1)
+        return self.down_proj(hidden.transpose(0, 1).contiguous().transpose(0, 1))  # non-contiguous
+
+
+def strided_inputs_case():
+    torch.manual_seed(4)
+    _, world = rank_and_world()
+    mlp = StridedMLP(5, 2 * world).double()
+    reference = twin(mlp)
+    rsdp_shard(mlp, ring_plan={"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"})
+    assert "RingSub" in type(mlp).__name__
+    for _ in range(2):  # the second step's graphs read the weights of buffers the first left behind
+        mlp.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        check_against_reference(
+            mlp, reference, torch.randn(world * 2, 3, 5, dtype=torch.float64), torch.randn(world * 2, 3, 5, dtype=torch.float64)
+        )
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_planned_linears_on_strided_and_2d_inputs_match_reference(ranks, world):
+    ranks.run(world, strided_inputs_case)
+
+
 def discarded_forwards_case():
     """Bytes held after each of 4 forwards whose outputs were dropped without a backward, and while
     an output is alive."""
@@ -251,10 +283,10 @@ def discarded_forwards_case():
 
 
 def test_a_forward_without_backward_leaves_no_kept_graph_behind(ranks):
-    """The kept graphs are freed with the output, by reference counting: neither their unpack hook nor a
-    tensor their pack hook kept may reach back to a node of theirs, a cycle through autograd's C++ nodes
-    that no collection breaks (it grew by every forward's activations before the pack hook detached). What
-    stays is the same after every forward (the gathered norms, kept for a backward, as FSDP2's
+    """The kept graphs are freed with the output, by reference counting: nothing they hold may reach back
+    to a node of theirs, a cycle through autograd's C++ nodes that no collection breaks (it grew by every
+    forward's activations when a saved-tensor hook kept undetached tensors). What stays is the same after
+    every forward (the gathered norms, kept for a backward, as FSDP2's
     reshard_after_forward=False keeps its parameters)."""
     for held, with_output in ranks.run(2, discarded_forwards_case):
         # From the second forward on: the first may differ by what a previous test left to be freed.
