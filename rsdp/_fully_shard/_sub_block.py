@@ -40,14 +40,15 @@ Pitfalls:
 - A kept graph needs its step's partial output only for its shape, so once added to the total its
   memory is freed: a forward hook on the rowwise Linear that keeps its output keeps a tensor without
   data.
-- A planned Linear computes ``linear`` as ATen does (``mm``/``addmm`` of the flattened input), with
-  the same results; a sub-block that reached its shard's weights otherwise than through its Linears'
-  calls would see stale buffers, but it cannot: they are installed for the step only.
+- During a step a planned Linear computes ``linear`` as ATen does (``mm``, or ``addmm`` with a bias, of
+  the flattened input and the transposed weight), so its results are the stock Linear's; the shard's
+  weights exist only inside those calls, which is what lets a kept graph have them re-pointed.
 """
 
 import fnmatch
 import functools
 import math
+
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
@@ -295,9 +296,9 @@ class _ShardGraphs:
         return partial
 
     def release_output(self, shard: int) -> None:
-        """Free a step's partial output: its graph reads only its shape. What produced it is an ``mm`` of
-        the rowwise Linear, which saves no output, and a node that saved it consumed it, so lies after
-        it and does not run in its backward."""
+        """Free a step's partial output: its graph reads only its shape. Its producer (the rowwise
+        Linear's ``mm``) saves no output, and a node that saved it consumed it, so comes after it and
+        does not run in its backward."""
         self._graphs[shard][0].untyped_storage().resize_(0)
 
     def backward(self, shard: int, weights: list[torch.Tensor], dy: torch.Tensor, needs_inputs: list[bool], grad_slots: list[int]):
