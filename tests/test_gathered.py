@@ -6,10 +6,13 @@ forward and gathered again for backward, ``None`` gradients for what no rank use
 or refused, and methods other than ``forward``.
 """
 
+import collections
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
 from rsdp import register_rsdp_forward_method, rsdp_shard
@@ -186,6 +189,38 @@ def test_every_modules_vectors_travel_in_one_collective_per_pass(ranks, world):
             assert second == {gather: gathers, scatter: 1}, second
             # The first step also agrees on which Linears share an input (_fusion.py), once per module.
             assert first == {**second, "c10d::allreduce_": 3}, first
+
+
+class _AtenOps(TorchDispatchMode):
+    """The aten ops dispatched while active, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten":
+            self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def vector_ops_case():
+    """The aten ops of a training step of a module whose parameters are all gathered (vectors)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(12), nn.LayerNorm(12, bias=False))
+    rsdp_shard(model)
+    x = torch.randn(3, 12, requires_grad=True)
+    model(x).sum().backward()  # warm-up: the persistent full tensors are made
+    with _AtenOps() as ops:
+        model(x).sum().backward()
+    return ops.counts
+
+
+def test_gathered_vectors_cost_the_same_ops_at_any_world_size(ranks):
+    """Unpacking the gathered vectors and laying out their gradients takes a few copies per parameter,
+    whatever the number of ranks (not one per rank: each op is a host dispatch, a kernel on a GPU)."""
+    counts = {world: ranks.run(world, vector_ops_case)[0] for world in (2, 4)}
+    assert counts[2] == counts[4], counts
 
 
 def unused_case():
