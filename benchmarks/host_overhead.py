@@ -16,6 +16,7 @@ machine's load, unlike the times: each op costs a dispatch on the host, and each
 """
 
 import argparse
+import collections
 import json
 import statistics
 import time
@@ -82,16 +83,18 @@ STRATEGIES = ("fsdp", "rsdp", "rsdp+plan")
 
 
 class OpCounter(TorchDispatchMode):
-    """The aten ops dispatched while active, and how many of them are views."""
+    """The aten ops dispatched while active: in all, how many of them are views, and by op."""
 
     def __init__(self):
         super().__init__()
         self.ops = self.views = 0
+        self.by_op: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "aten":
             self.ops += 1
             self.views += func.is_view
+            self.by_op[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 

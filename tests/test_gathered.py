@@ -6,17 +6,20 @@ forward and gathered again for backward, ``None`` gradients for what no rank use
 or refused, and methods other than ``forward``.
 """
 
-import collections
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from models import assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
 from rsdp import register_rsdp_forward_method, rsdp_shard
 from rsdp.memory import CommCounter, MemoryTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from host_overhead import OpCounter  # noqa: E402
 
 
 class Conv1D(nn.Module):
@@ -191,19 +194,6 @@ def test_every_modules_vectors_travel_in_one_collective_per_pass(ranks, world):
             assert first == {**second, "c10d::allreduce_": 3}, first
 
 
-class _AtenOps(TorchDispatchMode):
-    """The aten ops dispatched while active, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "aten":
-            self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def vector_ops_case():
     """The aten ops of a training step of a module whose parameters are all gathered (vectors)."""
     torch.manual_seed(0)
@@ -211,9 +201,9 @@ def vector_ops_case():
     rsdp_shard(model)
     x = torch.randn(3, 12, requires_grad=True)
     model(x).sum().backward()  # warm-up: the persistent full tensors are made
-    with _AtenOps() as ops:
+    with OpCounter() as ops:
         model(x).sum().backward()
-    return ops.counts
+    return ops.by_op
 
 
 def test_gathered_vectors_cost_the_same_ops_at_any_world_size(ranks):
