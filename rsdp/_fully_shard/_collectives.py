@@ -156,12 +156,16 @@ class GatheredParams:
         dtype = state.reduce_dtype(self.params[0].dtype)
         # [W, segment | one "used" flag per parameter]: rank r receives the sum of everyone's flags.
         contributions = torch.zeros(world, self.segment_numel + count, dtype=dtype, device=state.device)
-        for index, grad in enumerate(grads):
-            if grad is None:
-                continue
-            for rows, shards in self.every_shard(contributions, index, grad.contiguous()):
+        used = [index for index, grad in enumerate(grads) if grad is not None]
+        for index in used:
+            for rows, shards in self.every_shard(contributions, index, grads[index].contiguous()):
                 shards.copy_(rows)
-            contributions[:, self.segment_numel + index] = 1
+        flags = contributions[:, self.segment_numel :]
+        if len(used) == count:  # the usual case: one op sets them all
+            flags.fill_(1)
+        else:
+            for index in used:
+                flags[:, index] = 1
 
         if not state.requires_gradient_sync:
             if self.unsynced is None:
