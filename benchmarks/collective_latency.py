@@ -7,12 +7,19 @@ and reduce-scatter once per pass for the whole model rather than once per module
 measures the figures behind that choice: each op ``--ops`` times per round, the ops alternating over
 ``--repeats`` rounds, the median per op in ms, and ``/proc/loadavg`` before and after.
 
+It also shows why a ring keeps an exchange's works referenced until the next exchange has been waited
+for (``rsdp._fully_shard._ring._WaitedWorks``): "ring exchange" is rsdp's, "ring exchange, works dropped
+at once" drops them right after ``wait()``, whose gloo buffers then spin in their destructors until
+gloo's event-loop thread lets go of them. The system CPU time per op, summed over the ranks
+(``getrusage``), is the cost that shows on ranks that share cores.
+
     python benchmarks/collective_latency.py                 # 4 ranks, 1 KB
     python benchmarks/collective_latency.py --nproc 2 --bytes 131072
 """
 
 import argparse
 import os
+import resource
 import socket
 import statistics
 import time
@@ -21,7 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rsdp._compat import all_gather_flat, reduce_scatter_flat
+from rsdp._compat import all_gather_flat, reduce_scatter_flat, send_and_receive
+from rsdp._fully_shard._ring import WAITED_WORKS, wait_for
 
 
 def _free_port() -> int:
@@ -38,27 +46,32 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
     mine = torch.zeros(args.bytes // 4)
     received, full = torch.zeros_like(mine), torch.zeros(mine.numel() * world)
 
-    def exchange():
-        works = [group.send([mine], (rank - 1) % world, 0), group.recv([received], (rank + 1) % world, 0)]
-        for work in works:
+    def start_exchange() -> list:
+        return send_and_receive(group, mine, (rank - 1) % world, received, (rank + 1) % world, 0)
+
+    def exchange_dropping_works():
+        for work in start_exchange():
             work.wait()
 
     ops = {
-        "ring exchange": exchange,
+        "ring exchange": lambda: wait_for(start_exchange()),
+        "ring exchange, works dropped at once": exchange_dropping_works,
         "all-gather": lambda: all_gather_flat(full, mine),
         "reduce-scatter": lambda: reduce_scatter_flat(mine, full),
         "all-reduce": lambda: dist.all_reduce(mine),
     }
     times = {name: [] for name in ops}
+    system = {name: [] for name in ops}
     for _ in range(args.repeats):
         for name, op in ops.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_system = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
             for _ in range(args.ops):
                 op()
             times[name].append((time.perf_counter() - start) / args.ops * 1e3)
-    if rank == 0:
-        results.put(times)
+            system[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_stime - start_system) / args.ops * 1e3)
+    WAITED_WORKS.clear()
+    results.put((rank, times, system))
     dist.destroy_process_group()
 
 
@@ -77,15 +90,21 @@ def main() -> None:
     processes = [context.Process(target=_rank, args=(rank, args, port, results)) for rank in range(args.nproc)]
     for process in processes:
         process.start()
-    times = results.get()
+    by_rank = dict((rank, (times, system)) for rank, times, system in (results.get() for _ in processes))
     for process in processes:
         process.join()
+    times = by_rank[0][0]
+    # Per round: the system time of all ranks (their rounds are the same barrier-separated windows).
+    system = {name: [sum(by_rank[r][1][name][i] for r in by_rank) for i in range(args.repeats)] for name in times}
     with open("/proc/loadavg") as f:
         after = " ".join(f.read().split()[:3])
     print(f"{args.nproc} gloo ranks, {args.bytes} B per rank; loadavg {before} -> {after}")
-    print("| op | ms per op (median of rounds) | rounds |\n| --- | --- | --- |")
+    print("| op | ms per op (median of rounds) | rounds | system CPU ms per op, all ranks (median) |\n| --- | --- | --- | --- |")
     for name, rounds in times.items():
-        print(f"| {name} | {statistics.median(rounds):.2f} | {', '.join(f'{t:.2f}' for t in rounds)} |")
+        print(
+            f"| {name} | {statistics.median(rounds):.2f} | {', '.join(f'{t:.2f}' for t in rounds)} "
+            f"| {statistics.median(system[name]):.2f} |"
+        )
 
 
 if __name__ == "__main__":
