@@ -361,9 +361,9 @@ class _WaitedWorks:
     Dropping a gloo work frees its transport buffer, whose destructor spins (``sched_yield``) until
     gloo's event-loop thread has let go of the buffer; right after ``wait()`` returns, that thread is
     usually still in the completion it has just signalled. One exchange later it has long let go, so
-    the works are dropped then, with no spin. On 4 ranks sharing 2 cores a spin cost about a
-    millisecond of system time (``benchmarks/collective_latency.py``: a ring exchange whose works are
-    dropped at once against one whose works are kept). The works hold nothing else of note: the
+    the works are dropped then, with no spin. On 4 ranks sharing 2 cores the spins cost 2.4 ms of
+    system time per exchange, summed over the ranks, and made an exchange take 6× as long
+    (``benchmarks/collective_latency.py`` runs both). The works hold nothing else of note: the
     buffers they read and wrote are the ring's own, or parameters.
     """
 
