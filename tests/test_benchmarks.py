@@ -49,6 +49,7 @@ def test_benchmark_reports_sane_figures(strategy, tmp_path):
     assert len(result["peak_memory_bytes_per_rank"]) == 2
     assert all(peak > 0 for peak in result["peak_memory_bytes_per_rank"])
     assert all(sent > 0 for sent in result["bytes_sent_per_step_per_rank"])
+    assert result["cpu_per_step_s"] >= result["system_cpu_per_step_s"] >= 0 and result["cpu_per_step_s"] > 0
 
 
 def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
@@ -56,6 +57,7 @@ def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
     done = run("compare.py", *TINY, "--strategies", "fsdp", "rtp", "--repeats=2", f"--chart={chart}", f"--json={out}")
     assert_succeeded(done)
     assert "step time × fsdp per round, rtp: " in done.stdout and "/proc/loadavg" in done.stdout
+    assert "host CPU × fsdp per round, rtp: " in done.stdout
     table_rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert [row.split("|")[1].strip() for row in table_rows] == ["strategy", "---", "fsdp", "rtp"]
     assert chart.stat().st_size > 0

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import socket
 import time
 from collections.abc import Callable
@@ -260,8 +261,11 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
             print(f"[{strategy.name}] {label} | loss {loss:.4f} | {seconds * 1e3:8.1f} ms", flush=True)
 
     step_times = []
+    cpu_at_start = cpu_at_end = resource.getrusage(resource.RUSAGE_SELF)
     for index, batch in enumerate(batches[:-1]):
         _synchronize(device)
+        if index == args.warmup:
+            cpu_at_start = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         loss = train_step(*batch)
         _synchronize(device)
@@ -271,6 +275,8 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         else:
             step_times.append(seconds)
             log(f"batch {len(step_times)}/{args.max_batch}", loss, seconds)
+    if step_times:
+        cpu_at_end = resource.getrusage(resource.RUSAGE_SELF)
 
     # rsdp's ring buffers stay allocated between steps; freeing them first counts them in the peak.
     release_ring_buffers()
@@ -282,6 +288,9 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
     per_rank = [None] * worker.world_size
     mine = {
         "measured_s": sum(step_times),
+        # The process's CPU time over the measured batches, all its threads (communication's too).
+        "user_s": cpu_at_end.ru_utime - cpu_at_start.ru_utime,
+        "system_s": cpu_at_end.ru_stime - cpu_at_start.ru_stime,
         "peak_bytes": memory.peak_bytes,
         "bytes_sent": comm.bytes_sent,
         "comm_by_op": dict(comm.by_op),
@@ -301,6 +310,10 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "config": {name: getattr(args, name) for name in (*MODEL_FLAGS, "max_batch", "warmup")},
         "parameters": parameter_count,
         "step_time_s": measured_s / args.max_batch,
+        # Host CPU time per step, summed over the ranks: on ranks that share cores the step time
+        # follows it, and it is less moved by other tenants' load than the step time is.
+        "cpu_per_step_s": sum(r["user_s"] + r["system_s"] for r in per_rank) / args.max_batch,
+        "system_cpu_per_step_s": sum(r["system_s"] for r in per_rank) / args.max_batch,
         "rank0_step_times_s": step_times,
         "tokens_per_s": sequences * args.seq_len / measured_s,
         "sequences_per_s": sequences / measured_s,
@@ -335,6 +348,8 @@ def _print_summary(results: dict) -> None:
         f"slowest rank; {config['warmup']} warm-up batches excluded)\n"
         f"  throughput     {results['tokens_per_s']:.1f} tokens/s, {results['sequences_per_s']:.2f} sequences/s "
         f"(global: {results['data_parallel_size']} data-parallel ranks)\n"
+        f"  host CPU       {results['cpu_per_step_s'] * 1e3:.1f} ms per step, all ranks together "
+        f"({results['system_cpu_per_step_s'] * 1e3:.1f} ms of it in the kernel)\n"
         f"  peak memory    {format_bytes(results['peak_memory_bytes'])} above parameters and optimizer state "
         f"(max over ranks; per rank: {per_rank})\n"
         f"  sent per step  {format_bytes(results['bytes_sent_per_step'])} per rank (max over ranks), in "

@@ -3,8 +3,9 @@
 Each strategy runs as a subprocess of its own script (``<name>_benchmark.py --json ...``); the strategies
 alternate over ``--repeats`` rounds (timings on a shared machine drift, so strategies are compared
 within a round) and each strategy's step time is its median round. This prints a markdown table with
-every figure also as a ratio to fsdp's, the per-round step-time ratios and ``/proc/loadavg``, and draws
-a chart.
+every figure also as a ratio to fsdp's, the per-round ratios of step time and of host CPU time (all
+ranks' user and system time per step: where ranks share cores the step time follows it) and
+``/proc/loadavg``, and draws a chart.
 
     python benchmarks/rtp/compare.py                  # default: 4 CPU ranks (one per GPU on CUDA), 3 rounds (~3 min, 2 cores)
     python benchmarks/rtp/compare.py --preset small   # the batch-1 regime rsdp is for
@@ -49,6 +50,7 @@ PRESETS = {
 # (label, results key, format, True when more is better); each becomes a table column and a chart panel
 METRICS = (
     ("step time", "step_time_s", lambda s: f"{s * 1e3:.1f} ms", False),
+    ("host CPU per step", "cpu_per_step_s", lambda s: f"{s * 1e3:.1f} ms", False),
     ("throughput", "tokens_per_s", lambda t: f"{t:.0f} tokens/s", True),
     ("peak memory", "peak_memory_bytes", common.format_bytes, False),
     ("sent per step", "bytes_sent_per_step", common.format_bytes, False),
@@ -96,7 +98,7 @@ def markdown_table(results: dict[str, dict]) -> str:
 
 def draw_chart(results: dict[str, dict], title: str, path: Path) -> None:
     # Step times are not comparable when global batches differ (tp's is one rank's); throughput is.
-    panels = [metric for metric in METRICS if metric[1] not in ("step_time_s", "exchanges_per_step")]
+    panels = [metric for metric in METRICS if metric[1] not in ("step_time_s", "cpu_per_step_s", "exchanges_per_step")]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True)
     names = list(results)
     colors = ["tab:red" if name == "rtp" else "tab:gray" if name == BASELINE else "tab:blue" for name in names]
@@ -151,10 +153,11 @@ def main() -> None:
     title = f"{args.nproc} ranks, {args.device}, {args.dtype}: {shape}"
     print(f"\n### {title}\n\n{markdown_table(results)}\n")
     if BASELINE in rounds:
-        for name in args.strategies:
-            ratios = [r["step_time_s"] / b["step_time_s"] for r, b in zip(rounds[name], rounds[BASELINE])]
-            print(f"step time × {BASELINE} per round, {name}: " + ", ".join(f"{x:.2f}" for x in ratios)
-                  + f" (median {statistics.median(ratios):.2f})")
+        for label, key in (("step time", "step_time_s"), ("host CPU", "cpu_per_step_s")):
+            for name in args.strategies:
+                ratios = [r[key] / b[key] for r, b in zip(rounds[name], rounds[BASELINE])]
+                print(f"{label} × {BASELINE} per round, {name}: " + ", ".join(f"{x:.2f}" for x in ratios)
+                      + f" (median {statistics.median(ratios):.2f})")
     print(f"/proc/loadavg before and after each round: {' | '.join(loads)}")
     draw_chart(results, title, args.chart)
     print(f"chart: {args.chart}")
