@@ -311,7 +311,7 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "parameters": parameter_count,
         "step_time_s": measured_s / args.max_batch,
         # Host CPU time per step, summed over the ranks: on ranks that share cores the step time
-        # follows it, and it is less moved by other tenants' load than the step time is.
+        # follows it; on GPUs it is the host work that bounds small batches.
         "cpu_per_step_s": sum(r["user_s"] + r["system_s"] for r in per_rank) / args.max_batch,
         "system_cpu_per_step_s": sum(r["system_s"] for r in per_rank) / args.max_batch,
         "rank0_step_times_s": step_times,
