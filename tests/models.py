@@ -35,13 +35,14 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Embedding, transformer blocks, final LayerNorm, LM head tied to the embedding."""
+    """Embedding, transformer blocks, final LayerNorm, LM head tied to the embedding. Without the final
+    norm (``final_norm=False``) the root holds no gathered parameters, as in the benchmark LM."""
 
-    def __init__(self, vocab=37, dim=12, heads=2, hidden=20, layers=2, checkpointing=False, checkpoint_context=None):
+    def __init__(self, vocab=37, dim=12, heads=2, hidden=20, layers=2, checkpointing=False, checkpoint_context=None, final_norm=True):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim, padding_idx=0)
         self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
+        self.norm = nn.LayerNorm(dim) if final_norm else nn.Identity()
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.embed.weight
         self.checkpointing = checkpointing

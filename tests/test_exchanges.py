@@ -69,6 +69,45 @@ def test_benchmark_decoder_layer_with_its_tensor_parallel_plan(ranks):
         assert sum(c["sends"] + c["collectives"] for c in counts.values()) == 16, counts
 
 
+def vector_collectives_case(final_norm):
+    """Sends and collectives of the forwards and backwards of three steps of a TinyLM (root and blocks
+    sharded)."""
+    torch.manual_seed(0)
+    model = TinyLM(vocab=23, dim=8, heads=2, hidden=12, layers=2, final_norm=final_norm)
+    for layer in model.layers:
+        rsdp_shard(layer)
+    rsdp_shard(model)
+    tokens = torch.randint(0, 23, (2, 6))
+    counts = []
+    for _ in range(3):
+        with CommCounter() as forward:
+            loss = lm_loss(model(tokens), tokens)
+        with CommCounter() as backward:
+            loss.backward()
+        counts.append({"forward": dict(forward.calls), "backward": dict(backward.calls)})
+    return counts
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_norms_gather_on_the_first_ring_and_reduce_scatter_on_the_last(ranks, world):
+    """The blocks' norms are all-gathered in one collective per forward and their gradients
+    reduce-scattered in one per backward. From the second step on, once the first has shown when they
+    are needed, the first forward ring (the Embedding's) carries the gather and the last backward ring
+    (the Embedding's) the reduce-scatter: no collective, no exchange more. A final norm in the root is
+    needed before any ring and queues its gradients after the root's last ring: it keeps both
+    collectives (for itself alone)."""
+    gather, reduce = "c10d::_allgather_base_", "c10d::_reduce_scatter_base_"
+    riding = ranks.run(world, vector_collectives_case, False)
+    collective = ranks.run(world, vector_collectives_case, True)
+    for (first, second, third), with_norm in zip(riding, collective):
+        assert first["forward"][gather] == first["backward"][reduce] == 1, first
+        # The first step also finds which Linears share a ring (more sends); the others are alike.
+        for phase, collective_op in (("forward", gather), ("backward", reduce)):
+            sends = with_norm[1][phase]["c10d::send"]
+            assert second[phase] == third[phase] == {"c10d::send": sends}, (phase, second, third)
+            assert with_norm[1][phase] == with_norm[2][phase] == {"c10d::send": sends, collective_op: 1}, with_norm
+
+
 class HostSyncCounter(TorchDispatchMode):
     """Counts the ops that make the host wait for the device (on CUDA): reading a value, or a result
     whose shape depends on the data."""

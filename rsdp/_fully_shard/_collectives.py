@@ -37,6 +37,7 @@ Pitfalls:
 
 import functools
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -46,12 +47,14 @@ from .._compat import (
     at_end_of_backward,
     current_graph_task_id,
     in_backward,
+    in_selective_checkpoint,
     local_of,
     preserve_version_counter,
     reduce_scatter_flat,
 )
 from ._grad import write_gradient
 from ._param import shard_layout
+from ._ring import InFlight
 
 
 class GatheredParams:
@@ -201,6 +204,15 @@ class GatheredParams:
             write_gradient(param, self.segment_view(reduced, index, self.state.ring.rank).to(param.dtype))
 
 
+def _parts(modules: list[GatheredParams]) -> list[tuple[GatheredParams, int, int]]:
+    """(module, start, stop) of each module's segment in one flat segment of them all."""
+    parts, offset = [], 0
+    for module in modules:
+        parts.append((module, offset, offset + module.segment_numel))
+        offset += module.segment_numel
+    return parts
+
+
 def gather_together(modules: list[GatheredParams]) -> None:
     """All-gather the parameters of several modules (of one ``gather_key``) in one collective: the
     outermost rsdp forward gathers every module's under it so (``RSDPState.gather_nested``), one
@@ -208,55 +220,215 @@ def gather_together(modules: list[GatheredParams]) -> None:
     collective's cost is mostly its latency."""
     state = modules[0].state
     dtype, world = modules[0].gather_key[1], state.ring.size
-    offsets = [0]
-    for module in modules:
-        offsets.append(offsets[-1] + module.segment_numel)
-    send = torch.empty(offsets[-1], dtype=dtype, device=state.device)
-    for module, start, stop in zip(modules, offsets, offsets[1:]):
+    parts = _parts(modules)
+    send = torch.empty(parts[-1][2], dtype=dtype, device=state.device)
+    for module, start, stop in parts:
         module._pack(send[start:stop])
-    received = torch.empty(world, offsets[-1], dtype=dtype, device=state.device)
+    received = torch.empty(world, parts[-1][2], dtype=dtype, device=state.device)
     all_gather_flat(received.view(-1), send, group=state.ring.group)
-    for module, start, stop in zip(modules, offsets, offsets[1:]):
+    for module, start, stop in parts:
         module._unpack(received[:, start:stop])
 
 
+class _PendingGathers:
+    """The gathered parameters that the forward running leaves to its first ring, not to a collective.
+
+    The outermost rsdp forward gathers the parameters of every module under it in one all-gather
+    (``RSDPState.gather_nested``). A ring is W-1 steps in which every rank's message passes every
+    other rank, which is what an all-gather does, and a collective is another synchronisation of every
+    rank (with gloo as dear as several ring exchanges). So the modules that the previous forward first
+    needed after a ring that can carry them had started (``ring_rider``: the Linear, Embedding and
+    input-split rings; not a planned sub-block's, which runs module code while it turns) are left
+    pending, and that ring carries their segments. A module whose forward starts while they are still
+    pending (the graph changed, or no ring came) gathers all those pending in one collective, as
+    before, and the next forward does not leave it to a ring. The decisions depend only on the order
+    of modules and rings, which every rank shares.
+
+    The outermost module itself always gathers at once (its forward starts before any ring), so a
+    model whose root holds a final norm keeps one all-gather for it; its blocks' still ride.
+    """
+
+    def __init__(self):
+        self._pending: list[GatheredParams] = []
+        self._forward_pass = -1
+        self._candidates: list[GatheredParams] = []  # the pass's modules gathered at its start
+        self._carrier_started = False  # a ring that could carry them has started in this pass
+        self._needed_early: set[int] = set()  # ids of modules whose forward started before that
+        self._leave_to_ring: set[int] = set()  # ids of modules the pass running leaves to a ring
+
+    def begin_pass(self, forward_pass: int, candidates: list[GatheredParams]) -> list[GatheredParams]:
+        """The outermost forward starts and would gather ``candidates``: returns those to gather now,
+        and leaves the others (of one ``gather_key``: one ring carries them) pending for a ring."""
+        self._forward_pass, self._candidates = forward_pass, candidates
+        self._carrier_started, self._needed_early = False, set()
+        riding = [module for module in candidates if id(module) in self._leave_to_ring]
+        self._pending = [module for module in riding if module.gather_key == riding[0].gather_key]
+        return [module for module in candidates if not any(module is pending for pending in self._pending)]
+
+    def needs(self, module: GatheredParams) -> None:
+        """``module``'s forward starts: its parameters must be current (gather the pending now if it is
+        one of them)."""
+        if not self._carrier_started:
+            self._needed_early.add(id(module))
+        if any(module is pending for pending in self._pending):
+            gather_together(self._pending)
+            for pending in self._pending:
+                pending.gathered_in_pass = self._forward_pass
+            self._pending = []
+
+    def ring_rider(self, ring, start) -> "_RingAllGather | None":
+        """The pending parameters, to all-gather on a forward ring whose first message is ``start``
+        (``Ring.circulate``'s), if they share its group and device."""
+        if in_backward() or in_selective_checkpoint():  # a recomputation, or a replay that needs its ops alike
+            return None
+        self._carrier_started = True
+        if not self._pending or isinstance(start, InFlight):
+            return None
+        group, _, device = self._pending[0].gather_key
+        if group is not ring.group or device != ring.device:
+            return None
+        rider, self._pending = _RingAllGather(ring, self._pending, self._forward_pass), []
+        return rider
+
+    def end_pass(self) -> None:
+        """The outermost forward ended (or raised): the next one leaves to a ring those not needed
+        before a ring could carry them in this one."""
+        self._leave_to_ring = {id(module) for module in self._candidates if id(module) not in self._needed_early}
+        self._pending, self._candidates = [], []
+
+
+PENDING_GATHERS = _PendingGathers()
+
+
+class _RingAllGather:
+    """Pending gathered parameters all-gathered on a forward ring (a ``Rider``): each rank's message
+    carries the segments of the rank whose weight shard it carries (``ring.weight_shard_at``), which
+    every other rank copies as it passes. The full parameters are made when the ring ends."""
+
+    def __init__(self, ring, modules: list[GatheredParams], forward_pass: int):
+        self.ring, self.forward_pass = ring, forward_pass
+        self.parts = _parts(modules)
+        self.segments = torch.empty(ring.size, self.parts[-1][2], dtype=modules[0].gather_key[1], device=ring.device)
+        for module, start, stop in self.parts:
+            module._pack(self.segments[ring.rank, start:stop])
+        self.nbytes = self.segments.shape[1] * self.segments.element_size()
+
+    def _segment(self, region: torch.Tensor) -> torch.Tensor:
+        return region[: self.nbytes].view(self.segments.dtype)
+
+    def start(self, region: torch.Tensor) -> None:
+        self._segment(region).copy_(self.segments[self.ring.rank])
+
+    def arrived(self, step: int, region: torch.Tensor) -> None:
+        self.segments[self.ring.weight_shard_at(step)].copy_(self._segment(region))
+
+    def finish(self, region: torch.Tensor) -> None:
+        for module, start, stop in self.parts:
+            module._unpack(self.segments[:, start:stop])
+            module.gathered_in_pass = self.forward_pass
+
+
 class _PendingReductions:
-    """The gathered parameters' gradients of the backward running, reduce-scattered together when it
-    ends: one collective per backward (per dtype) instead of one per module, as for the gather.
+    """The gathered parameters' gradients of the backward running, reduce-scattered together: one
+    reduce-scatter per backward (per dtype) instead of one per module, as for the gather.
 
     Modules queue in the order their backward finishes, which the autograd graph fixes alike on every
     rank (as the per-module collectives already required), so every rank lays the message out alike.
+
+    Where it can, the reduce-scatter rides a backward ring (``ring_rider``): a ring is W-1 steps that
+    pass one segment per rank down to its owner, which is what a reduce-scatter does, and a collective
+    is another synchronisation of every rank (with gloo as dear as several ring exchanges). A ring can
+    carry the queue once every module has queued, which the previous backward predicts: when every
+    module that had queued by its end has queued in this one, the next backward ring that offers a
+    ride takes the queue. A module that queues after that (the graph changed) is reduce-scattered
+    when the backward ends, as are the queues of backwards that never matched. A model whose outermost
+    rsdp module holds gathered parameters (a final norm) queues that module only at the very end,
+    after its last ring, so it keeps the collective.
+
     A nested backward (a reentrant checkpoint's) reduces its own at its end; a backward that raised
     leaves its queue behind, dropped when the next forward starts.
     """
 
     def __init__(self):
-        self._queued: dict[int, list] = {}  # graph task -> [(module, contributions, used flags)]
+        self._queued: dict[int, list] = {}  # graph task -> [(module, contributions, used flags)] not reduced yet
+        self._order: dict[int, list[GatheredParams]] = {}  # graph task -> every module it queued, in order
+        self._previous_order: list[weakref.ref] = []  # of the last backward that queued any
 
     def add(self, module: GatheredParams, contributions: torch.Tensor, used_here: list[bool]) -> None:
         task = current_graph_task_id()
-        if task not in self._queued:
-            self._queued[task] = []
+        if task not in self._order:
+            self._queued[task], self._order[task] = [], []
             at_end_of_backward(functools.partial(self._reduce, task))
         self._queued[task].append((module, contributions, used_here))
+        self._order[task].append(module)
+
+    def ring_rider(self, ring) -> "_RingReduceScatter | None":
+        """The queue of the backward running, to reduce-scatter on ``ring``'s messages, if every module
+        the previous backward queued has queued (so none will after), all on ``ring``'s group, device
+        and one dtype. Depends only on the order of rings and modules, which every rank shares."""
+        task = current_graph_task_id()
+        queued, order = self._queued.get(task), self._order.get(task, [])
+        if not queued or len(order) != len(self._previous_order):
+            return None
+        if any(module is not earlier() for module, earlier in zip(order, self._previous_order)):
+            return None
+        if any(_batch_key(entry) != (ring.group, queued[0][1].dtype, ring.device) for entry in queued):
+            return None
+        self._queued[task] = []
+        return _RingReduceScatter(ring, queued)
 
     def _reduce(self, task: int) -> None:
+        self._previous_order = [weakref.ref(module) for module in self._order.pop(task, [])]
         batches: dict[tuple, list] = {}
         for entry in self._queued.pop(task, []):
-            module, contributions, _ = entry
-            batches.setdefault((module.state.ring.group, contributions.dtype, module.state.device), []).append(entry)
+            batches.setdefault(_batch_key(entry), []).append(entry)
         for batch in batches.values():
             state = batch[0][0].state
             contributions = torch.cat([contributions for _, contributions, _ in batch], dim=1)
             reduced = torch.empty(contributions.shape[1], dtype=contributions.dtype, device=state.device)
             reduce_scatter_flat(reduced, contributions.view(-1), group=state.ring.group)
-            offset = 0
-            for module, part, used_here in batch:
-                module.finish_reduction(reduced[offset : offset + part.shape[1]], used_here)
-                offset += part.shape[1]
+            _finish_batch(batch, reduced)
 
     def abandon(self) -> None:
         self._queued.clear()
+        self._order.clear()
+
+
+def _batch_key(entry: tuple) -> tuple:
+    """What the queued gradients reduced in one collective share: the group, the dtype, the device."""
+    module, contributions, _ = entry
+    return (module.state.ring.group, contributions.dtype, module.state.device)
+
+
+def _finish_batch(batch: list, reduced: torch.Tensor) -> None:
+    """Hand each module of ``batch`` its part of ``reduced`` (this rank's segment of them all)."""
+    offset = 0
+    for module, part, used_here in batch:
+        module.finish_reduction(reduced[offset : offset + part.shape[1]], used_here)
+        offset += part.shape[1]
+
+
+class _RingReduceScatter:
+    """Queued gradients reduce-scattered on a backward ring (a ``Rider``): the message a rank holds at
+    step k carries the running sum of shard ``ring.partial_shard_at(k)``'s segment, to which each rank
+    adds its own contribution as it passes; at the last step it is the owner's, complete."""
+
+    def __init__(self, ring, batch: list):
+        self.ring, self.batch = ring, batch
+        self.contributions = torch.cat([contributions for _, contributions, _ in batch], dim=1)  # [W, all segments]
+        self.nbytes = self.contributions.shape[1] * self.contributions.element_size()
+
+    def _segment(self, region: torch.Tensor) -> torch.Tensor:
+        return region[: self.nbytes].view(self.contributions.dtype)
+
+    def start(self, region: torch.Tensor) -> None:
+        self._segment(region).copy_(self.contributions[self.ring.partial_shard_at(0)])
+
+    def arrived(self, step: int, region: torch.Tensor) -> None:
+        self._segment(region).add_(self.contributions[self.ring.partial_shard_at(step)])
+
+    def finish(self, region: torch.Tensor) -> None:
+        _finish_batch(self.batch, self._segment(region).clone())
 
 
 PENDING_REDUCTIONS = _PendingReductions()

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .._compat import all_gather_flat, reduce_scatter_flat
 from ._checkpoint import kept_or_run
+from ._collectives import PENDING_GATHERS
 from ._ops import (
     LinearMember,
     RingLayer,
@@ -198,9 +199,10 @@ class _RingInputSplitFunction(torch.autograd.Function):
                 if layout.rows_of(shard):
                     out.addmm_(x2d[:, layout.row_slice(shard)], message.views(buffer, shard)[0])
 
+            start = first_message(layer, message, [weight])
             with record_function(f"rsdp::ring_forward ({layer.name})"):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, [weight]), during,
-                               before_last=FORWARD_RING_ORDER.prefetch_next)
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
+                               before_last=FORWARD_RING_ORDER.prefetch_next, rider=PENDING_GATHERS.ring_rider(ring, start))
             return (out,)
 
         (out,) = kept_or_run(layer, rotate)

@@ -29,6 +29,7 @@ from torch.profiler import record_function
 
 from .._compat import DTensor, autocast_dtype
 from ._checkpoint import kept_or_run
+from ._collectives import PENDING_GATHERS, PENDING_REDUCTIONS
 from ._param import Message, Segment, ShardLayout, message_of, shard_layout
 from ._prefetch import FORWARD_RING_ORDER
 from ._ring import RING_BUFFERS, Phase
@@ -47,7 +48,7 @@ class RingLayer:
 def finished_gradients(state, message: Message, first: int, final: torch.Tensor, dtype: torch.dtype):
     """This rank's reduced shards of the gradient segments ``first:`` of the last message, copied out of
     the ring buffer and divided in one piece."""
-    own = final[message.offsets[first] :].clone()
+    own = final[message.offsets[first] : message.nbytes].clone()
     state.divide_gradient(own.view(dtype))
     return message.tail(first).views(own, state.ring.rank)
 
@@ -101,6 +102,7 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
                 layer.tags[Phase.BACKWARD],
                 lambda buffer: pack_weights(message.views(buffer, ring.rank)),
                 lambda step, buffer: use_weights(ring.weight_shard_at(step), message.views(buffer, ring.weight_shard_at(step))),
+                rider=PENDING_REDUCTIONS.ring_rider(ring),
             )
             RING_BUFFERS.trim()
         return None
@@ -143,7 +145,7 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
         for partial, mine in zip(partials, grads.views(scratch, shard)):
             partial.add_(mine)
 
-    final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival)
+    final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival, rider=PENDING_REDUCTIONS.ring_rider(ring))
     reduced = finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
     RING_BUFFERS.trim()
     return reduced
@@ -280,9 +282,10 @@ class _RingLinearFunction(torch.autograd.Function):
                     torch.mm(x2d, views[0].t(), out=out[:, start:stop])
 
             tensors = [params[index] for index in order]
+            start = first_message(layer, message, tensors)
             with record_function(f"rsdp::ring_forward ({layer.name})"):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, tensors), during,
-                               before_last=FORWARD_RING_ORDER.prefetch_next)
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
+                               before_last=FORWARD_RING_ORDER.prefetch_next, rider=PENDING_GATHERS.ring_rider(ring, start))
                 if stacked is not None:
                     for member, out in enumerate(outs2d):
                         stacked.copy_member(out, products, member)
@@ -409,7 +412,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
             FORWARD_RING_ORDER.begin(ring, layer.tags[Phase.FORWARD], None, [])  # the flag: not prefetchable
             with record_function(f"rsdp::ring_forward ({layer.name})"):
                 final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
-                                       before_last=FORWARD_RING_ORDER.prefetch_next)
+                                       before_last=FORWARD_RING_ORDER.prefetch_next, rider=PENDING_GATHERS.ring_rider(ring, start))
             _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
             torch._assert_async(
                 (flag | out_of_range) == 0,

@@ -43,7 +43,9 @@ Pitfalls this file exists to contain (design.md §3):
 
 import dataclasses
 import enum
+import functools
 import itertools
+import typing
 from collections.abc import Callable
 
 import torch
@@ -306,6 +308,7 @@ class Ring:
         hops: int | None = None,
         region: Callable[[int], slice] | None = None,
         before_last: Callable[[torch.Tensor], None] | None = None,
+        rider: "Rider | None" = None,
     ) -> torch.Tensor:
         """Pass a message of ``nbytes`` bytes ``hops`` (default W-1) times down the ring; return the one
         held last.
@@ -316,9 +319,19 @@ class Ring:
         ``on_arrival(k + 1, message)`` then sees the next message before it is forwarded. ``region(k)``
         is the part of the message that travels at step k (all of it by default: a message whose
         weights are no longer needed sends its partials only). ``before_last(message)`` runs before the
-        last, compute-only step (to start the next ring's first exchange). The returned buffer is
-        reused by the next ring: copy out what you keep.
+        last, compute-only step (to start the next ring's first exchange). ``rider`` travels behind the
+        message in every step (see ``Rider``); it needs a ``start`` function and the full W-1 steps.
+        The returned buffer is reused by the next ring: copy out what you keep.
         """
+        hops = self.size - 1 if hops is None else hops
+        rider_at = nbytes
+        if rider is not None:
+            if isinstance(start, InFlight) or hops != self.size - 1 or region is not None:
+                raise AssertionError("a rider needs a message not yet sent and all of the ring's W-1 steps")
+            if isinstance(start, torch.Tensor):  # copied into a ring buffer, so that the rider can follow it
+                start = functools.partial(_copy_message, start)
+            rider_at = -(-nbytes // _RIDER_ALIGNMENT) * _RIDER_ALIGNMENT
+            nbytes = rider_at + rider.nbytes
         buffers = RING_BUFFERS.pair(nbytes, self.device)
         works = []
         if isinstance(start, InFlight):
@@ -328,7 +341,8 @@ class Ring:
             start(current)
         else:
             current = start
-        hops = self.size - 1 if hops is None else hops
+        if rider is not None:
+            rider.start(current[rider_at:])
         for step in range(hops + 1):
             if step < hops and not works:
                 # Any buffer but the one held: the other's last send was waited for at the last step.
@@ -352,7 +366,37 @@ class Ring:
                 current = incoming
                 if on_arrival is not None:
                     on_arrival(step + 1, current)
+                if rider is not None:
+                    rider.arrived(step + 1, current[rider_at:])
+        if rider is not None:
+            rider.finish(current[rider_at:])
         return current
+
+
+def _copy_message(message: torch.Tensor, buffer: torch.Tensor) -> None:
+    buffer[: message.numel()].copy_(message)
+
+
+_RIDER_ALIGNMENT = 16  # a rider starts at a multiple of the largest element size
+
+
+class Rider(typing.Protocol):
+    """Data of W segments, one per rank, that travels behind a ring's messages instead of in a
+    collective of its own: a collective is another synchronisation of every rank, and with gloo it
+    costs several ring exchanges (``benchmarks/collective_latency.py``). At step k a rank's message
+    carries the rider part of shard ``ring.partial_shard_at(k)`` (whose owner it reaches at the last
+    step) or, read the other way, the part that left shard ``ring.weight_shard_at(k)``'s owner k steps
+    ago. ``start(region)`` writes this rank's part into its first message, ``arrived(k, region)`` sees
+    the part that arrived at step k (before it is sent on), ``finish(region)`` the part held at the end;
+    ``region`` is a byte view of ``nbytes``."""
+
+    nbytes: int
+
+    def start(self, region: torch.Tensor) -> None: ...
+
+    def arrived(self, step: int, region: torch.Tensor) -> None: ...
+
+    def finish(self, region: torch.Tensor) -> None: ...
 
 
 class _WaitedWorks:

@@ -40,7 +40,7 @@ from .._compat import (
     get_module_state,
     in_backward,
 )
-from ._collectives import PENDING_REDUCTIONS, GatheredParams, gather_together
+from ._collectives import PENDING_GATHERS, PENDING_REDUCTIONS, GatheredParams, gather_together
 from ._fusion import SharedInputFusion
 from ._grad import RUNNING_BACKWARD, RingGradients
 from ._operand import RingOperand
@@ -178,6 +178,8 @@ class RSDPState(FSDPState):
             self._install_params()
             self._await_post_backward()
             return args, kwargs
+        if self.gathered is not None:
+            PENDING_GATHERS.needs(self.gathered)
         if self.gathered is not None and self.gathered.gathered_in_pass != _forward_pass:
             self._adopt_replaced_params()
             self.gathered.gather()
@@ -197,12 +199,15 @@ class RSDPState(FSDPState):
                 for state in (get_module_state(m) for m in module.modules())
                 if isinstance(state, RSDPState) and state.gathered is not None
             ]
-        batches: dict[tuple, list] = {}
+        candidates = []
         for state in self._nested:
             gathered = state.gathered
             if gathered is not None and not gathered.reshard_after_forward:
                 state._adopt_replaced_params()
-                batches.setdefault(gathered.gather_key, []).append(gathered)
+                candidates.append(gathered)
+        batches: dict[tuple, list] = {}
+        for gathered in PENDING_GATHERS.begin_pass(_forward_pass, candidates):
+            batches.setdefault(gathered.gather_key, []).append(gathered)
         for batch in batches.values():
             gather_together(batch)
             for gathered in batch:
@@ -224,6 +229,7 @@ class RSDPState(FSDPState):
         self.forward_depth -= 1
         if _open_forwards == 0 and not in_backward():
             FORWARD_RING_ORDER.end_pass()
+            PENDING_GATHERS.end_pass()
             RING_BUFFERS.release()
 
     @torch.compiler.disable
