@@ -9,6 +9,12 @@ every rsdp module under it at once (``gather_together``; a module's own forward 
 current), and each module's post-backward queues its contributions for one reduce-scatter when the
 backward ends (``PENDING_REDUCTIONS``): a vector's collective costs its latency, not its bytes.
 
+From the second step on even that latency mostly goes: the vectors of the modules first needed after
+the pass's first ring has run travel on that ring's messages (``PENDING_GATHERS``), and the gradients
+queued before the backward's last ring on that ring's (``_ring.Rider``), as the previous pass of the
+kind predicts. A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
+what it saves).
+
 While installed they are **leaf** ``nn.Parameter``s, one persistent tensor per parameter whose storage
 is allocated for a gather and freed afterwards (FSDP2's unsharded parameters): tools that hook module
 parameters during forward (torch's ``MemTracker``, ``register_post_accumulate_grad_hook``) work, and
@@ -33,6 +39,8 @@ Pitfalls:
   under the module that started the pass), or in a later pass, gathers its own.
 - The gradients of the gathered parameters are written when the backward ends, not at the module's
   post-backward (except under HSDP): their hooks run then.
+- Whether a collective rides a ring must be decided alike on every rank (the message sizes depend on
+  it): the decisions read only the order of modules and rings, never which parameters a rank used.
 """
 
 import functools

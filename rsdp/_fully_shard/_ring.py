@@ -2,7 +2,7 @@
 
 Every message travels "down" (rank r receives from r+1 and sends to r-1), so at step k rank r holds
 weight shard (r + k) mod W. In backward the gradient partials ride in the same message as the weights:
-the partial for shard t starts at rank t+1 and collects every rank's contribution on its way down to
+the partial for shard t starts at rank t-1 and collects every rank's contribution on its way down to
 its owner t, which it reaches after W-1 hops, so at step k rank r holds the partial of shard
 (r + 1 + k) mod W. One message per step, forward and backward: W-1 synchronising exchanges per ring
 and pass, the fewest a ring can do (a planned sub-block's backward takes W: its gradient needs its
@@ -12,6 +12,12 @@ weights, so a partial starts one rank further from its owner, ``_sub_block.py``)
 receiving the next one, runs ``during`` (the GEMMs on the weights held, the next gradient contribution)
 while they travel, waits, and gives the arrived message to ``on_arrival`` (add the contribution
 computed meanwhile) before it is forwarded.
+
+A ring's W-1 steps pass every rank's message by every other rank, which is what an all-gather does,
+and carry one running sum per rank to its owner, which is what a reduce-scatter does. So a
+collective of small data can ride a ring's messages (``Rider``) instead of synchronising every rank
+once more: the norms' all-gather rides the first forward ring and their gradients' reduce-scatter
+the last backward ring (``_collectives.py``).
 
 Messages live in byte buffers shared by every ring of the process (``RING_BUFFERS``: two ping-pong
 message buffers and a scratch, given memory once per pass and then reused), so a ring step allocates
