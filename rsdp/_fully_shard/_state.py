@@ -191,8 +191,10 @@ class RSDPState(FSDPState):
     def gather_nested(self, module: nn.Module) -> None:
         """At the start of an outermost forward: gather the parameters of every rsdp module under
         ``module`` (itself included) that keeps them until its backward, in one collective per
-        ``gather_key`` (usually one), in module order, which every rank shares. Their own forwards then
-        find them current; a module resharded after forward gathers its own, as before."""
+        ``gather_key`` (usually one), in module order, which every rank shares; those the previous
+        forward first needed after a ring had started are left to that ring (``PENDING_GATHERS``).
+        Their own forwards then find them current; a module resharded after forward gathers its own,
+        as before."""
         if self._nested is None:
             self._nested = [
                 state
