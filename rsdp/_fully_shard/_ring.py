@@ -326,7 +326,8 @@ class Ring:
         is the part of the message that travels at step k (all of it by default: a message whose
         weights are no longer needed sends its partials only). ``before_last(message)`` runs before the
         last, compute-only step (to start the next ring's first exchange). ``rider`` travels behind the
-        message in every step (see ``Rider``); it needs a ``start`` function and the full W-1 steps.
+        message in every step (see ``Rider``): only on all W-1 steps of a whole message not yet sent
+        (one to be sent as it is gets copied into a ring buffer first).
         The returned buffer is reused by the next ring: copy out what you keep.
         """
         hops = self.size - 1 if hops is None else hops
