@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -157,12 +159,43 @@ def exchanges_case():
 
 
 def test_llama_block_with_a_plan_rotates_2_rings_per_pass(ranks):
-    """Forward: W-1 exchanges per ring; backward: W (a partial starts below its owner and returns
-    home). Besides them, the gathered norms' all-gather and reduce-scatter."""
+    """W-1 exchanges per ring and pass. A backward partial starts below its owner and ends one hop
+    from it: the MLP's last hop rides the attention's first exchange, and the attention's, with no ring
+    after it, goes alone at the end of the backward. Besides them, the gathered norms' all-gather and
+    reduce-scatter."""
     world = 4
     for forward, backward in ranks.run(world, exchanges_case):
         assert forward["c10d::send"] == 2 * (world - 1), forward
-        assert backward["c10d::send"] == 2 * world, backward
+        assert backward["c10d::send"] == 2 * (world - 1) + 1, backward
+
+
+def separate_groups_case(same_group):
+    """Two planned blocks, the second on the same ranks' default group or on a process group of its
+    own: gradients against the reference, then one backward's sends."""
+    torch.manual_seed(4)
+    _, world = rank_and_world()
+    model = nn.Sequential(*(Block(5, 2 * world, world, 2, 3 * world) for _ in range(2))).double()
+    reference = twin(model)
+    first = init_device_mesh("cpu", (world,))
+    second = first if same_group else DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
+    rsdp_shard(model[0], mesh=first, ring_plan=TITAN_PLAN)
+    rsdp_shard(model[1], mesh=second, ring_plan=TITAN_PLAN)
+    inputs = torch.randn(world * 2, 4, 5, dtype=torch.float64)
+    check_against_reference(model, reference, inputs, torch.randn_like(inputs))
+    out = model(local_rows(inputs, *rank_and_world()))
+    with CommCounter() as backward:
+        out.sum().backward()
+    return backward.calls["c10d::send"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_deferred_hop_goes_alone_where_the_next_ring_cannot_carry_it(ranks, world):
+    """The last hop of a sub-block's backward partials rides the next ring's first exchange only on the
+    same process group; before a ring on another one it goes alone (one exchange more), and the
+    gradients are the same."""
+    rings = 4 * (world - 1)
+    assert ranks.run(world, separate_groups_case, True) == [rings + 1] * world
+    assert ranks.run(world, separate_groups_case, False) == [rings + 2] * world
 
 
 class CountedMLP(MLP):

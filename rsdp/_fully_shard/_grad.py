@@ -67,8 +67,12 @@ class RingGradients:
 
     def _received(self, param: torch.nn.Parameter, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
-        if grad is None:  # the hook also runs when a function returned no gradient (sync off)
-            return
+        if grad is not None:  # the hook also runs when a function returned no gradient (sync off)
+            self.receive(param, grad)
+
+    def receive(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """``param``'s gradient (its local shard's) from this backward: what its leaf received, or what a
+        ring function hands over itself because it arrives after the function returned."""
         RUNNING_BACKWARD.holds(self)
         earlier = self._per_param.get(id(param))
         if earlier is None:

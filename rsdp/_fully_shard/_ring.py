@@ -5,8 +5,9 @@ weight shard (r + k) mod W. In backward the gradient partials ride in the same m
 the partial for shard t starts at rank t-1 and collects every rank's contribution on its way down to
 its owner t, which it reaches after W-1 hops, so at step k rank r holds the partial of shard
 (r + 1 + k) mod W. One message per step, forward and backward: W-1 synchronising exchanges per ring
-and pass, the fewest a ring can do (a planned sub-block's backward takes W: its gradient needs its
-weights, so a partial starts one rank further from its owner, ``_sub_block.py``).
+and pass, the fewest a ring can do. A planned sub-block's gradient needs its weights, so its partial
+starts one rank further from its owner and ends one hop short of it after the W-1 exchanges; that
+hop is deferred and travels behind the next ring's first message (``DeferredHop``, ``_sub_block.py``).
 
 ``Ring.circulate`` is the only schedule. At each step it starts sending the message it holds and
 receiving the next one, runs ``during`` (the GEMMs on the weights held, the next gradient contribution)
@@ -327,7 +328,9 @@ class Ring:
         weights are no longer needed sends its partials only). ``before_last(message)`` runs before the
         last, compute-only step (to start the next ring's first exchange). ``rider`` travels behind the
         message in every step (see ``Rider``): only on all W-1 steps of a whole message not yet sent
-        (one to be sent as it is gets copied into a ring buffer first).
+        (one to be sent as it is gets copied into a ring buffer first). A hop deferred by an earlier
+        ring (``DEFERRED_HOPS``) travels behind the first exchange, if that is this ring's own and
+        sends its message to the end.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
         hops = self.size - 1 if hops is None else hops
@@ -337,8 +340,16 @@ class Ring:
                 raise AssertionError("a rider needs a message not yet sent and all of the ring's W-1 steps")
             if isinstance(start, torch.Tensor):  # copied into a ring buffer, so that the rider can follow it
                 start = functools.partial(_copy_message, start)
-            rider_at = -(-nbytes // _RIDER_ALIGNMENT) * _RIDER_ALIGNMENT
+            rider_at = _aligned(nbytes)
             nbytes = rider_at + rider.nbytes
+        first_part = None if region is None or hops == 0 else region(0)
+        deferred = DEFERRED_HOPS.take(self, hops > 0 and not isinstance(start, InFlight) and (first_part is None or first_part.stop is None))
+        if deferred is not None:
+            if isinstance(start, torch.Tensor):  # copied into a ring buffer, so that the hop can follow it
+                start = functools.partial(_copy_message, start)
+            deferred_at = _aligned(nbytes)
+            # First, so that the message's own (shorter) views below are of the buffers it makes.
+            wide = RING_BUFFERS.pair(deferred_at + deferred.payload.numel(), self.device)
         buffers = RING_BUFFERS.pair(nbytes, self.device)
         works = []
         if isinstance(start, InFlight):
@@ -354,10 +365,14 @@ class Ring:
             if step < hops and not works:
                 # Any buffer but the one held: the other's last send was waited for at the last step.
                 incoming = buffers[1] if current.data_ptr() == buffers[0].data_ptr() else buffers[0]
-                if region is None:
+                part = None if region is None else region(step)
+                if step == 0 and deferred is not None:
+                    wide[0][deferred_at:].copy_(deferred.payload)
+                    begin = 0 if part is None else part.start
+                    works = self.exchange(wide[0][begin:], wide[1][begin:], tag)
+                elif part is None:
                     works = self.exchange(current, incoming, tag)
                 else:
-                    part = region(step)
                     works = self.exchange(current[part], incoming[part], tag)
             if step == hops and before_last is not None:
                 before_last(current)
@@ -375,6 +390,8 @@ class Ring:
                     on_arrival(step + 1, current)
                 if rider is not None:
                     rider.arrived(step + 1, current[rider_at:])
+                if step == 0 and deferred is not None:
+                    deferred.arrived(wide[1][deferred_at:])
         if rider is not None:
             rider.finish(current[rider_at:])
         return current
@@ -384,7 +401,9 @@ def _copy_message(message: torch.Tensor, buffer: torch.Tensor) -> None:
     buffer[: message.numel()].copy_(message)
 
 
-_RIDER_ALIGNMENT = 16  # a rider starts at a multiple of the largest element size
+def _aligned(nbytes: int) -> int:
+    """Where data behind a message of ``nbytes`` starts: at a multiple of the largest element size."""
+    return -(-nbytes // 16) * 16
 
 
 class Rider(typing.Protocol):
@@ -404,6 +423,72 @@ class Rider(typing.Protocol):
     def arrived(self, step: int, region: torch.Tensor) -> None: ...
 
     def finish(self, region: torch.Tensor) -> None: ...
+
+
+@dataclasses.dataclass
+class DeferredHop:
+    """The last hop of a ring's message, deferred to travel behind the next ring's first message: a
+    planned sub-block's backward partials end one hop from their owners (``_sub_block.py``), and that
+    hop alone would be one more synchronisation of every rank. ``payload`` (bytes) goes down the ring
+    of ``ring``; ``arrived`` is given the bytes that came from up, in a buffer it may change but not
+    keep."""
+
+    ring: "Ring"
+    tag: int
+    payload: torch.Tensor
+    arrived: Callable[[torch.Tensor], None]
+
+
+class _DeferredHops:
+    """The one hop deferred and not yet sent. The next ``Ring.circulate`` takes it into its first
+    exchange when it can (same group and device, a first exchange of its own that ends at the end of
+    its message); otherwise, and when the backward ends with none to take it, it is sent alone. Every
+    rank runs the same rings in the same order, so all decide alike (the messages' sizes match)."""
+
+    def __init__(self):
+        self._pending: DeferredHop | None = None
+        self._flush_task = -1  # the backward at whose end a flush is queued
+
+    def defer(self, hop: DeferredHop) -> None:
+        self.flush()
+        self._pending = hop
+        task = current_graph_task_id()
+        if task == -1:  # outside a backward nothing says a ring follows soon
+            self.flush()
+        elif task != self._flush_task:
+            self._flush_task = task
+            at_end_of_backward(self._end_of_backward)
+
+    def take(self, ring: "Ring", can_carry: bool) -> DeferredHop | None:
+        """The hop deferred, for ``ring``'s first exchange to carry, or None (sent alone if there is
+        one that ``ring`` cannot carry)."""
+        hop, self._pending = self._pending, None
+        if hop is None or (can_carry and hop.ring.group is ring.group and hop.ring.device == ring.device):
+            return hop
+        _send_alone(hop)
+        return None
+
+    def flush(self) -> None:
+        hop, self._pending = self._pending, None
+        if hop is not None:
+            _send_alone(hop)
+
+    def _end_of_backward(self) -> None:
+        self._flush_task = -1
+        self.flush()
+
+    def abandon(self) -> None:
+        """Drop a hop that a backward which raised left behind (called as a forward starts)."""
+        self._pending, self._flush_task = None, -1
+
+
+def _send_alone(hop: DeferredHop) -> None:
+    received = torch.empty_like(hop.payload)
+    wait_for(hop.ring.exchange(hop.payload, received, hop.tag))
+    hop.arrived(received)
+
+
+DEFERRED_HOPS = _DeferredHops()
 
 
 class _WaitedWorks:

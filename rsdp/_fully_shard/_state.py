@@ -46,7 +46,7 @@ from ._grad import RUNNING_BACKWARD, RingGradients
 from ._operand import RingOperand
 from ._ops import sharded
 from ._prefetch import FORWARD_RING_ORDER
-from ._ring import RING_BUFFERS, Ring
+from ._ring import DEFERRED_HOPS, RING_BUFFERS, Ring
 
 
 # rsdp forwards running now on this thread (nested modules count once each).
@@ -165,6 +165,7 @@ class RSDPState(FSDPState):
         if _open_forwards == 0 and not in_backward():
             RUNNING_BACKWARD.abandon()
             PENDING_REDUCTIONS.abandon()
+            DEFERRED_HOPS.abandon()
             _forward_pass += 1
             self.gather_nested(module)
         _open_forwards += 1

@@ -19,9 +19,13 @@ siblings; their parent module is the sub-block. The rowwise weight is stored as 
 - **Backward**: the weights rotate again. At each step the rank backpropagates through the sub-block
   for the shards held, adding the input gradient to its own and the weight gradient to the partial of
   that shard. A shard's gradient needs that shard's weights (it flows back through the rowwise weight),
-  so a partial starts one rank below its owner, collects W-1 ranks' contributions and returns to the
-  owner, which adds its own, computed from its local shard at step 0: W exchanges per backward, one
-  message each (weights and partial), the ZeRO-3 bytes.
+  so a partial starts one rank below its owner and collects W-1 ranks' contributions in W-1 exchanges
+  (the first carries the weights only), ending one hop from the owner. That last hop, the partial
+  alone, is deferred (``_ring.DeferredHop``): it rides the next ring's first exchange (the previous
+  sub-block's, the Embedding's), or goes alone at the end of the backward. The owner adds its own
+  contribution, computed from its local shard at step 0, when its partial arrives, and hands the
+  gradient to the parameters itself (the function has returned by then). So a backward costs W-1
+  exchanges of its own, the ZeRO-3 bytes.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
   its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
   ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
@@ -57,10 +61,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, gradients_of, saved_tensors_hooks_active
 from ._checkpoint import kept_or_run
-from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard
+from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard, sharded
 from ._prefetch import FORWARD_RING_ORDER
 from ._param import Segment, message_of, shard_layout
-from ._ring import RING_BUFFERS, Phase
+from ._ring import DEFERRED_HOPS, RING_BUFFERS, DeferredHop, Phase
 
 _COLWISE = ("colwise", "local_colwise")
 _ROWWISE = ("rowwise", "local_rowwise")
@@ -91,6 +95,9 @@ class SubBlock:
         self.module, self.name, self.columns, self.row = module, name, columns, row
         self.forward = type(module).forward  # the original forward, run once per shard
         self.ring: RingLayer | None = None
+        # (Linear, attribute) of each parameter the ring function takes, in its order; a column
+        # without a bias still has its slot (None there).
+        self.param_slots = [(column, name) for column in columns for name in ("weight", "bias")] + [(row, "weight")]
         # Read at every ring step; a Linear's ``bias`` goes through nn.Module.__getattr__.
         self.column_has_bias = [column.bias is not None for column in columns]
         # Per segment of a message: whether its step operand is the view transposed (a colwise weight).
@@ -170,10 +177,7 @@ class RingSubBlock:
         block = self._rsdp_sub_block
         leaves, spec = tree_flatten((args, kwargs))
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        params = []
-        for column in block.columns:
-            params += [local_shard(column.weight, column, "weight", block.ring), local_shard(column.bias, column, "bias", block.ring)]
-        params.append(local_shard(block.row.weight, block.row, "weight", block.ring))
+        params = [local_shard(getattr(linear, name), linear, name, block.ring) for linear, name in block.param_slots]
         call = _Call(block, leaves, spec, tensor_at)
         # Decided here: inside the autograd Function's forward, grad mode is off.
         call.keeps_graphs = torch.is_grad_enabled() and not saved_tensors_hooks_active()
@@ -384,10 +388,13 @@ class _RingSubBlockFunction(torch.autograd.Function):
         reduce_dtype = state.reduce_dtype(params[present[0]].dtype)
         grad_index = [slot for slot, i in enumerate(present) if needs_params[i]]
         grad_segments = [Segment(weight_segments[slot].layout, weight_segments[slot].trailing, reduce_dtype) for slot in grad_index]
-        message = message_of(weight_segments + tuple(grad_segments))
-        first_grad = len(weight_segments)
-        row_layout = message.segments[first_grad - 1].layout
-        grads = message.tail(first_grad)
+        # The partials first, then the weights: a message's first exchange sends the weights alone, and
+        # a deferred hop (below) travelling behind it must follow them directly.
+        grads = message_of(tuple(grad_segments))
+        message = message_of(grads.segments + weight_segments)
+        first_weight = len(grad_segments)
+        weights_start = message.offsets[first_weight]
+        row_layout = weight_segments[-1].layout
         keys = [(id(block), slot) for slot in grad_index]
         grad_inputs = [None] * n
         dy = grad_total.to(dtype)
@@ -430,9 +437,19 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     view.copy_(g)
 
         def pack(buffer: torch.Tensor, into=message) -> None:
-            into.pack(buffer, ring.rank, [params[i] for i in present[:-1]] + [params[present[-1]].t()])
+            weights = [params[i] for i in present[:-1]] + [params[present[-1]].t()]
+            for view, weight in zip(into.views(buffer, ring.rank, len(into.segments) - len(weight_segments)), weights):
+                view.copy_(weight)
 
-        reduced = None
+        def deliver(reduced: list[torch.Tensor]) -> None:
+            """This rank's reduced gradient shards, to its parameters (``_grad.py``): not returned, since
+            they arrive after this function has returned (the ring's last hop is deferred)."""
+            for slot, grad in zip(grad_index, reduced):
+                index = present[slot]
+                linear, name = block.param_slots[index]
+                grad = grad.t().contiguous() if index == len(params) - 1 else grad
+                state.gradients.receive(sharded(getattr(linear, name), linear, name), grad.to(params[index].dtype))
+
         if grad_index and state.requires_gradient_sync:
             mine = RING_BUFFERS.scratch(grads.nbytes, ring.device)
             unsynced = [state.take_unsynced(key) for key in keys]
@@ -447,40 +464,39 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 weights) travels, to be added when its partial comes home."""
                 if hop == 0:
                     own = grads.views(mine, ring.rank)
-                    step(ring.rank, message.views(buffer, ring.rank)[:first_grad], own, add=False)
+                    step(ring.rank, message.views(buffer, ring.rank, first_weight), own, add=False)
                     add_unsynced(ring.rank, own)
 
             def on_arrival(hop: int, buffer: torch.Tensor) -> None:
-                if hop == ring.size:  # the owner's partial, back home
-                    for partial, own in zip(message.views(buffer, ring.rank, first_grad), grads.views(mine, ring.rank)):
-                        partial.add_(own)
-                    return
                 shard = ring.weight_shard_at(hop)
-                into = message.views(buffer, shard, first_grad)
-                step(shard, message.views(buffer, shard)[:first_grad], into, add=hop > 1)  # hop 1 starts it
+                views = message.views(buffer, shard)
+                into = views[:first_weight]
+                step(shard, views[first_weight:], into, add=hop > 1)  # hop 1 starts it
                 add_unsynced(shard, into)
 
-            weights_end = message.offsets[first_grad]
-
             def region(hop: int) -> slice:
-                if hop == 0:
-                    return slice(0, weights_end)  # nothing has been added to a partial yet
-                if hop == ring.size - 1:
-                    return slice(weights_end, None)  # the last hop carries only the partial home
-                return slice(None)
+                return slice(weights_start, None) if hop == 0 else slice(None)  # nothing added to a partial yet
 
             with record_function(f"rsdp::ring_backward ({layer.name})"):
                 if ring.size == 1:
-                    final = RING_BUFFERS.pair(message.nbytes, ring.device)[0]
-                    pack(final)
-                    own_contribution(0, final)
-                    for partial, own in zip(message.views(final, ring.rank, first_grad), grads.views(mine, ring.rank)):
-                        partial.copy_(own)
+                    buffer = RING_BUFFERS.pair(message.nbytes, ring.device)[0]
+                    pack(buffer)
+                    own_contribution(0, buffer)
+                    deliver(finished_gradients(state, grads, 0, mine, reduce_dtype))
                 else:
                     final = ring.circulate(
-                        message.nbytes, layer.tags[Phase.BACKWARD], pack, own_contribution, on_arrival, hops=ring.size, region=region
+                        message.nbytes, layer.tags[Phase.BACKWARD], pack, own_contribution, on_arrival, region=region
                     )
-            reduced = finished_gradients(state, message, first_grad, final, reduce_dtype)
+                    # W-1 hops took every partial past every rank but its owner, one hop down. That
+                    # hop rides the next ring's first exchange, or goes alone at the end of the backward.
+                    own = mine.clone()
+
+                    def home(partials: torch.Tensor) -> None:
+                        for partial, contribution in zip(grads.views(partials, ring.rank), grads.views(own, ring.rank)):
+                            partial.add_(contribution)
+                        deliver(finished_gradients(state, grads, 0, partials, reduce_dtype))
+
+                    DEFERRED_HOPS.defer(DeferredHop(ring, layer.tags[Phase.BACKWARD], final[: grads.nbytes].clone(), home))
         else:
             # No partials travel: the weights rotate for the input gradient, and with sync off each
             # rank's contributions to every shard are kept locally until the next synchronised backward.
@@ -498,15 +514,8 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     weights_only.nbytes, layer.tags[Phase.BACKWARD], lambda buffer: pack(buffer, weights_only), during
                 )
         RING_BUFFERS.trim()
-
-        grad_params = [None] * len(params)
-        if reduced is not None:
-            for slot, grad in zip(grad_index, reduced):
-                index = present[slot]
-                grad = grad.t().contiguous() if index == len(params) - 1 else grad
-                grad_params[index] = grad.to(params[index].dtype)
         grad_inputs = [
             None if g is None else g.to(t.dtype) for g, t in zip(grad_inputs, tensors)
         ]
-        return (None, *grad_inputs, *grad_params)
+        return (None, *grad_inputs, *[None] * len(params))
 
