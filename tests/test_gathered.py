@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from models import assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
 from rsdp import register_rsdp_forward_method, rsdp_shard
+from rsdp._fully_shard._ring import RING_BUFFERS
 from rsdp.memory import CommCounter, MemoryTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -281,9 +282,16 @@ def replaced_case():
     _reference_loss(reference, x, world, range(world)).backward()
     assert_param_grads_match(block, reference, 1.0)
 
+    sharded_weight = block.norm.weight
     block.norm.weight = nn.Parameter(torch.ones(6, dtype=torch.float64))
     with pytest.raises(RuntimeError, match=r"LayerNorm.weight is no longer the sharded DTensor parameter .* not a DTensor parameter sharded like it"):
         block(local_rows(x, rank, world))
+    # The forward that raised was closed: the next one is an outermost forward again, which frees the
+    # ring buffers as it ends.
+    block.norm.weight = sharded_weight
+    with torch.no_grad():
+        block(local_rows(x, rank, world))
+    assert RING_BUFFERS.nbytes == 0, RING_BUFFERS.nbytes
     return True
 
 

@@ -162,14 +162,17 @@ class RSDPState(FSDPState):
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         global _open_forwards, _forward_pass
-        if _open_forwards == 0 and not in_backward():
+        outermost = _open_forwards == 0 and not in_backward()
+        # Opened before anything that can raise: a forward that raises is closed (``end_forward``),
+        # and one closed without being opened would leave every later forward "nested".
+        _open_forwards += 1
+        self.forward_depth += 1
+        if outermost:
             RUNNING_BACKWARD.abandon()
             PENDING_REDUCTIONS.abandon()
             DEFERRED_HOPS.abandon()
             _forward_pass += 1
             self.gather_nested(module)
-        _open_forwards += 1
-        self.forward_depth += 1
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
             args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
