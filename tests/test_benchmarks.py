@@ -66,10 +66,11 @@ def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
     assert results["rtp"]["final_loss"] == pytest.approx(results["fsdp"]["final_loss"], rel=1e-5)
     assert len(results["rtp"]["step_time_rounds_s"]) == 2
     # One decoder layer and the root at W=2: the layer's attention and FFN rings (ring plan) and the
-    # root's embedding and head rings, 1 exchange per pass each; the last hop of the FFN's and the
-    # attention's backward partials rides the next ring's first exchange, and the layer's norms ride
-    # the embedding's rings (no all-gather, no reduce-scatter).
-    assert results["rtp"]["exchanges_per_step"] == 2 * 4, results["rtp"]["exchanges_per_step"]
+    # root's embedding and head rings, 1 exchange per pass each. In forward the attention's and the
+    # head's first messages ride the embedding's and the FFN's exchanges; in backward the last hop of
+    # the FFN's and the attention's partials rides the next ring's first exchange. The layer's norms
+    # ride the embedding's rings (no all-gather, no reduce-scatter).
+    assert results["rtp"]["exchanges_per_step"] == 2 + 4, results["rtp"]["exchanges_per_step"]
 
 
 def test_tp_rejects_heads_that_do_not_divide_over_ranks():

@@ -1,9 +1,10 @@
 """Prefetch across ring layers (``_prefetch.py``): once the order of forward rings is known, each
-ring's first exchange starts during the previous ring's last step. Counted, not timed: how many
-exchanges were prefetched and taken, that the sends per step do not change, and exactness against
-the fp64 reference when the order changes from one step to the next.
+ring's first exchange rides the previous ring's last one. Counted, not timed: how many exchanges were
+prefetched and taken, the sends per pass, and exactness against the fp64 reference when the order
+changes from one step to the next.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -16,9 +17,8 @@ from test_training import rsdp_lm, train_and_compare
 
 
 def steady_state_case():
-    """TinyLM: the embedding, then q+k+v, o, up and down per block, then the head. Every ring after
-    the embedding is prefetched from the third step on (the first records which Linears share an
-    input, the second runs the fused rings and learns their order)."""
+    """TinyLM: the embedding, then q+k+v, o, up and down per block, then the head. Per step: the
+    prefetched exchanges taken, the forward's sends and the backward's."""
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model = TinyLM(vocab=19, dim=8, heads=2, hidden=12, layers=2)
@@ -29,20 +29,32 @@ def steady_state_case():
     counts = []
     for _ in range(4):
         used = FORWARD_RING_ORDER.used
-        with CommCounter() as comm:
-            lm_loss(model(tokens), tokens).backward()
-        counts.append((FORWARD_RING_ORDER.used - used, comm.calls["c10d::send"]))
+        with CommCounter() as forward:
+            loss = lm_loss(model(tokens), tokens)
+        with CommCounter() as backward:
+            loss.backward()
+        counts.append((FORWARD_RING_ORDER.used - used, forward.calls["c10d::send"], backward.calls["c10d::send"]))
     return counts
 
 
-def test_every_ring_after_the_first_is_prefetched_without_extra_exchanges(ranks):
-    world = 3
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_ring_after_the_first_rides_the_last_exchange_of_the_one_before(ranks, world):
+    """From the third step on (the first records which Linears share an input, the second runs the
+    fused rings and learns their order) each ring's first message travels on the ring before's last
+    exchange: a forward of R rings costs (W-1) + (R-1)(W-2) exchanges instead of R(W-1). On 2 and 3
+    ranks a prefetched ring's last exchange is not one it can make carry more (on 2 it has none of its
+    own, on 3 it sends the message prefetched, which lies behind the message that carried it): every
+    other ring is prefetched. The backward is unchanged."""
+    rings = 1 + 2 * 4 + 1  # embedding, 4 rings per block, head
     for counts in ranks.run(world, steady_state_case):
-        (_, first_sends), (second_used, sends), *steady = counts
-        assert second_used == 0, counts
-        rings = 1 + 2 * 4 + 1  # embedding, 4 rings per block, head
-        assert sends == rings * 2 * (world - 1), counts  # W-1 exchanges per ring and pass, prefetched or not
-        assert steady == [(rings - 1, sends)] * 2, counts
+        _, second, *steady = counts
+        assert second == (0, rings * (world - 1), rings * (world - 1)), counts
+        if world < 4:
+            prefetched = rings // 2
+        else:
+            prefetched = rings - 1
+        expected = (prefetched, rings * (world - 1) - prefetched, rings * (world - 1))
+        assert steady == [expected] * 2, counts
 
 
 class SometimesSkipped(nn.Module):
@@ -90,8 +102,9 @@ def changing_order_case():
 
 def test_a_changed_order_of_rings_stays_exact(ranks):
     # Prefetched rings taken per step: the order of the step before is the guess; a wrong guess is
-    # completed and dropped, and no guess is made past the first ring that differs.
-    for used in ranks.run(3, changing_order_case):
+    # dropped (its exchange is done), and no guess is made past the first ring that differs. On 4
+    # ranks, where a prefetched ring carries the next one's first message too.
+    for used in ranks.run(4, changing_order_case):
         assert used == [0, 2, 2, 0, 0, 0, 1, 0], used
 
 

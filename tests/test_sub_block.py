@@ -159,13 +159,14 @@ def exchanges_case():
 
 
 def test_llama_block_with_a_plan_rotates_2_rings_per_pass(ranks):
-    """W-1 exchanges per ring and pass. A backward partial starts below its owner and ends one hop
-    from it: the MLP's last hop rides the attention's first exchange, and the attention's, with no ring
-    after it, goes alone at the end of the backward. Besides them, the gathered norms' all-gather and
-    reduce-scatter."""
+    """W-1 exchanges per ring and pass, less what rides another ring's exchange. Forward: the MLP's
+    first message rides the attention's last exchange (the order of rings is known from the first
+    step). Backward: a partial starts below its owner and ends one hop from it; the MLP's last hop
+    rides the attention's first exchange, and the attention's, with no ring after it, goes alone at
+    the end of the backward. Besides them, the gathered norms' all-gather and reduce-scatter."""
     world = 4
     for forward, backward in ranks.run(world, exchanges_case):
-        assert forward["c10d::send"] == 2 * (world - 1), forward
+        assert forward["c10d::send"] == 2 * (world - 1) - 1, forward
         assert backward["c10d::send"] == 2 * (world - 1) + 1, backward
 
 

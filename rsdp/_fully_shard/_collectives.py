@@ -62,7 +62,7 @@ from .._compat import (
 )
 from ._grad import write_gradient
 from ._param import shard_layout
-from ._ring import InFlight
+from ._ring import Prefetched
 
 
 class GatheredParams:
@@ -290,7 +290,7 @@ class _PendingGathers:
         if in_backward() or in_selective_checkpoint():  # a recomputation, or a replay that needs its ops alike
             return None
         self._carrier_started = True
-        if not self._pending or isinstance(start, InFlight):
+        if not self._pending or isinstance(start, Prefetched):
             return None
         group, _, device = self._pending[0].gather_key
         if group is not ring.group or device != ring.device:

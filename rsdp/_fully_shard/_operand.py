@@ -202,7 +202,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
             start = first_message(layer, message, [weight])
             with record_function(f"rsdp::ring_forward ({layer.name})"):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
-                               before_last=FORWARD_RING_ORDER.prefetch_next, rider=PENDING_GATHERS.ring_rider(ring, start))
+                               carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))
             return (out,)
 
         (out,) = kept_or_run(layer, rotate)

@@ -285,7 +285,7 @@ class _RingLinearFunction(torch.autograd.Function):
             start = first_message(layer, message, tensors)
             with record_function(f"rsdp::ring_forward ({layer.name})"):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
-                               before_last=FORWARD_RING_ORDER.prefetch_next, rider=PENDING_GATHERS.ring_rider(ring, start))
+                               carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))
                 if stacked is not None:
                     for member, out in enumerate(outs2d):
                         stacked.copy_member(out, products, member)
@@ -412,7 +412,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
             FORWARD_RING_ORDER.begin(ring, layer.tags[Phase.FORWARD], None, [])  # the flag: not prefetchable
             with record_function(f"rsdp::ring_forward ({layer.name})"):
                 final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
-                                       before_last=FORWARD_RING_ORDER.prefetch_next, rider=PENDING_GATHERS.ring_rider(ring, start))
+                                       carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))
             _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
             torch._assert_async(
                 (flag | out_of_range) == 0,

@@ -149,16 +149,15 @@ class RingBuffers:
         """The two message buffers (ping-pong), ``nbytes`` long."""
         return tuple(self._buffer(index, nbytes, device) for index in (0, 1))
 
+    def hold(self, nbytes: int, device: torch.device) -> bool:
+        """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
+        they hold (a prefetched message, for one)."""
+        buffers = self._sets.get(device, [None, None])[:2]
+        return all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers)
+
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
         return self._buffer(2, nbytes, device)
-
-    def others(self, busy: torch.Tensor, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two buffers, ``nbytes`` long, other than ``busy`` (one of the three, in use): for the next
-        ring's first exchange, started during a ring's last step."""
-        busy_index = self.index_of(busy)
-        first, second = [index for index in (0, 1, 2) if index != busy_index][:2]
-        return self._buffer(first, nbytes, device), self._buffer(second, nbytes, device)
 
     def _buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
         if in_selective_checkpoint():
@@ -278,13 +277,27 @@ def release_ring_buffers() -> int:
 
 
 @dataclasses.dataclass
-class InFlight:
-    """A ring's first exchange, started ahead of the ring (``_prefetch.py``): the message sent, the
-    buffer it is received into, and the works."""
+class Prefetched:
+    """A ring's first exchange, done ahead of the ring by the ring before it (``_prefetch.py``): the
+    message sent (this rank's own), the one received, and which of the two ring buffers holds it."""
 
-    send: torch.Tensor
-    receive: torch.Tensor
-    works: list
+    sent: torch.Tensor
+    received: torch.Tensor
+    received_in: int
+
+
+class Passenger(typing.Protocol):
+    """Data that travels behind the message of one exchange of a ring, to save an exchange of its
+    own: the last hop of an earlier ring's message (``DeferredHop``), the next ring's first message
+    (``_prefetch.py``). ``board(region)`` writes this rank's data into ``region`` (``nbytes`` bytes);
+    ``alight(sent, received, received_in)`` sees the data sent and the data received (in ring buffer
+    ``received_in``), both in the ring buffers behind the message, where the next ring may start."""
+
+    nbytes: int
+
+    def board(self, region: torch.Tensor) -> None: ...
+
+    def alight(self, sent: torch.Tensor, received: torch.Tensor, received_in: int) -> None: ...
 
 
 class Ring:
@@ -309,89 +322,100 @@ class Ring:
         self,
         nbytes: int,
         tag: int,
-        start: torch.Tensor | Callable[[torch.Tensor], None] | InFlight,
+        start: torch.Tensor | Callable[[torch.Tensor], None] | Prefetched,
         during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
         hops: int | None = None,
         region: Callable[[int], slice] | None = None,
-        before_last: Callable[[torch.Tensor], None] | None = None,
+        carry_next: "Callable[[Ring], Passenger | None] | None" = None,
         rider: "Rider | None" = None,
     ) -> torch.Tensor:
         """Pass a message of ``nbytes`` bytes ``hops`` (default W-1) times down the ring; return the one
         held last.
 
         ``start`` is this rank's first message: a byte tensor sent as it is, a function that writes it
-        into the buffer it is given, or the first exchange already in flight (prefetched). At step k,
+        into the buffer it is given, or the first exchange done already (prefetched). At step k,
         ``during(k, message)`` runs while the message held is sent on and the next one received;
         ``on_arrival(k + 1, message)`` then sees the next message before it is forwarded. ``region(k)``
         is the part of the message that travels at step k (all of it by default: a message whose
-        weights are no longer needed sends its partials only). ``before_last(message)`` runs before the
-        last, compute-only step (to start the next ring's first exchange). ``rider`` travels behind the
-        message in every step (see ``Rider``): only on all W-1 steps of a whole message not yet sent
-        (one to be sent as it is gets copied into a ring buffer first). A hop deferred by an earlier
-        ring (``DEFERRED_HOPS``) travels behind the first exchange, if that is this ring's own and
-        sends its message to the end.
+        weights are no longer needed sends its partials only). ``rider`` travels behind the message in
+        every step (see ``Rider``): only on all W-1 steps of a whole message not yet sent (one to be
+        sent as it is gets copied into a ring buffer first).
+
+        One exchange may carry a ``Passenger`` behind the message (and rider): a hop deferred by an
+        earlier ring (``DEFERRED_HOPS``) rides the first exchange, if that is this ring's own and sends
+        its message to the end; else ``carry_next(ring)``, called first, may give the next ring's first
+        message, which rides the last exchange, if that is this ring's own.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
         hops = self.size - 1 if hops is None else hops
+        prefetched = isinstance(start, Prefetched)
         rider_at = nbytes
         if rider is not None:
-            if isinstance(start, InFlight) or hops != self.size - 1 or region is not None:
+            if prefetched or hops != self.size - 1 or region is not None:
                 raise AssertionError("a rider needs a message not yet sent and all of the ring's W-1 steps")
-            if isinstance(start, torch.Tensor):  # copied into a ring buffer, so that the rider can follow it
-                start = functools.partial(_copy_message, start)
             rider_at = _aligned(nbytes)
             nbytes = rider_at + rider.nbytes
         first_part = None if region is None or hops == 0 else region(0)
-        deferred = DEFERRED_HOPS.take(self, hops > 0 and not isinstance(start, InFlight) and (first_part is None or first_part.stop is None))
-        if deferred is not None:
-            if isinstance(start, torch.Tensor):  # copied into a ring buffer, so that the hop can follow it
-                start = functools.partial(_copy_message, start)
-            deferred_at = _aligned(nbytes)
+        open_ended = first_part is None or first_part.stop is None
+        passenger, boards_at = DEFERRED_HOPS.take(self, hops > 0 and not prefetched and open_ended), 0
+        # The last exchange must be this ring's own, and send a message at the start of a buffer (not
+        # one prefetched, which lies behind the message of the ring that carried it).
+        if passenger is None and carry_next is not None and region is None and hops > (2 if prefetched else 0):
+            passenger, boards_at = carry_next(self), hops - 1
+            if passenger is not None and prefetched and not RING_BUFFERS.hold(_aligned(nbytes) + passenger.nbytes, self.device):
+                passenger = None  # making the buffers larger would lose this ring's prefetched message
+        if passenger is not None:
+            behind = _aligned(nbytes)
             # First, so that the message's own (shorter) views below are of the buffers it makes.
-            wide = RING_BUFFERS.pair(deferred_at + deferred.payload.numel(), self.device)
+            wide = RING_BUFFERS.pair(behind + passenger.nbytes, self.device)
+        if isinstance(start, torch.Tensor) and (rider is not None or passenger is not None):
+            start = functools.partial(_copy_message, start)  # into a ring buffer, for what follows it
         buffers = RING_BUFFERS.pair(nbytes, self.device)
         works = []
-        if isinstance(start, InFlight):
-            current, incoming, works = start.send, start.receive, start.works
+        held = None  # which of ``buffers`` holds ``current``, if one does
+        if prefetched:
+            current, incoming, arriving = start.sent, start.received, start.received_in
         elif callable(start):
-            current = buffers[0]
+            current, held = buffers[0], 0
             start(current)
         else:
             current = start
         if rider is not None:
             rider.start(current[rider_at:])
         for step in range(hops + 1):
-            if step < hops and not works:
-                # Any buffer but the one held: the other's last send was waited for at the last step.
-                incoming = buffers[1] if current.data_ptr() == buffers[0].data_ptr() else buffers[0]
+            if step < hops and not prefetched:
+                # The buffer not held: its last send was waited for at the last step.
+                arriving = 1 if held == 0 else 0
+                incoming = buffers[arriving]
                 part = None if region is None else region(step)
-                if step == 0 and deferred is not None:
-                    wide[0][deferred_at:].copy_(deferred.payload)
+                if passenger is not None and step == boards_at:
+                    sent, received = wide[held], wide[arriving]
+                    passenger.board(sent[behind:])
                     begin = 0 if part is None else part.start
-                    works = self.exchange(wide[0][begin:], wide[1][begin:], tag)
+                    works = self.exchange(sent[begin:], received[begin:], tag)
                 elif part is None:
                     works = self.exchange(current, incoming, tag)
                 else:
                     works = self.exchange(current[part], incoming[part], tag)
-            if step == hops and before_last is not None:
-                before_last(current)
             if during is not None:
                 try:
                     during(step, current)
                 except BaseException:
                     drain(works)
                     raise
-            if works:
-                wait_for(works)
+            if works or prefetched:
+                if works:
+                    wait_for(works)
                 works = []
-                current = incoming
+                current, held = incoming, arriving
                 if on_arrival is not None:
                     on_arrival(step + 1, current)
                 if rider is not None:
                     rider.arrived(step + 1, current[rider_at:])
-                if step == 0 and deferred is not None:
-                    deferred.arrived(wide[1][deferred_at:])
+                if passenger is not None and step == boards_at:
+                    passenger.alight(sent[behind:], received[behind:], arriving)
+            prefetched = False
         if rider is not None:
             rider.finish(current[rider_at:])
         return current
@@ -427,16 +451,26 @@ class Rider(typing.Protocol):
 
 @dataclasses.dataclass
 class DeferredHop:
-    """The last hop of a ring's message, deferred to travel behind the next ring's first message: a
-    planned sub-block's backward partials end one hop from their owners (``_sub_block.py``), and that
-    hop alone would be one more synchronisation of every rank. ``payload`` (bytes) goes down the ring
-    of ``ring``; ``arrived`` is given the bytes that came from up, in a buffer it may change but not
-    keep."""
+    """The last hop of a ring's message, deferred to travel behind the next ring's first message (a
+    ``Passenger``): a planned sub-block's backward partials end one hop from their owners
+    (``_sub_block.py``), and that hop alone would be one more synchronisation of every rank.
+    ``payload`` (bytes) goes down the ring of ``ring``; ``arrived`` is given the bytes that came from
+    up, in a buffer it may change but not keep."""
 
     ring: "Ring"
     tag: int
     payload: torch.Tensor
     arrived: Callable[[torch.Tensor], None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel()
+
+    def board(self, region: torch.Tensor) -> None:
+        region.copy_(self.payload)
+
+    def alight(self, sent: torch.Tensor, received: torch.Tensor, received_in: int) -> None:
+        self.arrived(received)
 
 
 class _DeferredHops:

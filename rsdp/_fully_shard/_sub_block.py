@@ -360,7 +360,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
             with record_function(f"rsdp::ring_forward ({layer.name})"):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, packed), during,
-                               before_last=FORWARD_RING_ORDER.prefetch_next)
+                               carry_next=FORWARD_RING_ORDER.next_first)
             return total, call.output_spec, call.output_position
 
         # A recomputation that takes the kept output learns the output's structure from the forward.
