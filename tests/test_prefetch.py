@@ -17,17 +17,18 @@ from test_training import rsdp_lm, train_and_compare
 
 
 def steady_state_case():
-    """TinyLM: the embedding, then q+k+v, o, up and down per block, then the head. Per step: the
-    prefetched exchanges taken, the forward's sends and the backward's."""
+    """TinyLM: the embedding, then q+k+v, o, up and down per block, then the head, the largest
+    message (and the down projection's larger than q+k+v's). Per step: the prefetched exchanges
+    taken, the forward's sends and the backward's."""
     rank, world = rank_and_world()
     torch.manual_seed(0)
-    model = TinyLM(vocab=19, dim=8, heads=2, hidden=12, layers=2)
+    model = TinyLM(vocab=61, dim=8, heads=2, hidden=40, layers=2)
     for layer in model.layers:
         rsdp_shard(layer)
     rsdp_shard(model)
-    tokens = local_rows(torch.randint(0, 19, (world * 2, 5)), rank, world)
+    tokens = local_rows(torch.randint(0, 61, (world * 2, 5)), rank, world)
     counts = []
-    for _ in range(4):
+    for _ in range(5):
         used = FORWARD_RING_ORDER.used
         with CommCounter() as forward:
             loss = lm_loss(model(tokens), tokens)
@@ -39,15 +40,16 @@ def steady_state_case():
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_ring_after_the_first_rides_the_last_exchange_of_the_one_before(ranks, world):
-    """From the third step on (the first records which Linears share an input, the second runs the
-    fused rings and learns their order) each ring's first message travels on the ring before's last
-    exchange: a forward of R rings costs (W-1) + (R-1)(W-2) exchanges instead of R(W-1). On 2 and 3
+    """From the fourth step on (the first records which Linears share an input, the second runs the
+    fused rings and learns their order, the third finds the ring buffers too small for the down
+    projection's ring to carry the head's message, and grows them for the next) each ring's first
+    message travels on the ring before's last exchange: a forward of R rings costs (W-1) + (R-1)(W-2) exchanges instead of R(W-1). On 2 and 3
     ranks a prefetched ring's last exchange is not one it can make carry more (on 2 it has none of its
     own, on 3 it sends the message prefetched, which lies behind the message that carried it): every
     other ring is prefetched. The backward is unchanged."""
     rings = 1 + 2 * 4 + 1  # embedding, 4 rings per block, head
     for counts in ranks.run(world, steady_state_case):
-        _, second, *steady = counts
+        _, second, third, *steady = counts
         assert second == (0, rings * (world - 1), rings * (world - 1)), counts
         if world < 4:
             prefetched = rings // 2
@@ -55,6 +57,7 @@ def test_every_ring_after_the_first_rides_the_last_exchange_of_the_one_before(ra
             prefetched = rings - 1
         expected = (prefetched, rings * (world - 1) - prefetched, rings * (world - 1))
         assert steady == [expected] * 2, counts
+        assert third[0] >= prefetched - (world >= 4), counts
 
 
 class SometimesSkipped(nn.Module):

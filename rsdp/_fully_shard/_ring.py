@@ -151,9 +151,14 @@ class RingBuffers:
 
     def hold(self, nbytes: int, device: torch.device) -> bool:
         """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
-        they hold (a prefetched message, for one)."""
+        they hold (a prefetched message, for one). If not, the request is recorded as if made: the
+        next pass of the kind then gives them that much memory from its start."""
         buffers = self._sets.get(device, [None, None])[:2]
-        return all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers)
+        if all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers):
+            return True
+        for index in (0, 1):
+            self._sizes[in_backward()].ask(index, nbytes)
+        return False
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
@@ -170,15 +175,17 @@ class RingBuffers:
         size = self._sizes[backward].ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
-        # A buffer that holds this request is kept as it is: it may be in flight (a prefetch).
-        if buffer is None or buffer.numel() < nbytes:
+        # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
+        # memory must be given again anyway is made anew if the rest of the pass needs it larger.
+        short = buffer is not None and buffer.untyped_storage().nbytes() < nbytes
+        if buffer is None or buffer.numel() < nbytes or (short and buffer.numel() < size):
             self._reset()
             if buffer is not None:  # free it first: old and new alive at once would be the step's peak
                 buffer.untyped_storage().resize_(0)
             # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
             buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
             self._reindex()
-        elif buffer.untyped_storage().nbytes() < nbytes:  # freed at the end of the last pass, or by ``trim``
+        elif short:  # freed at the end of the last pass, or by ``trim``
             # Storage only: the tensor and the views of it that messages cached stay (as FSDP2 frees
             # and refills its unsharded parameters), and a view is only used after a request covering it.
             storage = buffer.untyped_storage()
@@ -364,7 +371,7 @@ class Ring:
         if passenger is None and carry_next is not None and region is None and hops > (2 if prefetched else 0):
             passenger, boards_at = carry_next(self), hops - 1
             if passenger is not None and prefetched and not RING_BUFFERS.hold(_aligned(nbytes) + passenger.nbytes, self.device):
-                passenger = None  # making the buffers larger would lose this ring's prefetched message
+                passenger = None  # making the buffers larger would lose this ring's prefetched message (next pass they are)
         if passenger is not None:
             behind = _aligned(nbytes)
             # First, so that the message's own (shorter) views below are of the buffers it makes.
