@@ -221,11 +221,11 @@ def _parts(modules: list[GatheredParams]) -> list[tuple[GatheredParams, int, int
     return parts
 
 
-def gather_together(modules: list[GatheredParams]) -> None:
+def gather_together(modules: list[GatheredParams], forward_pass: int | None = None) -> None:
     """All-gather the parameters of several modules (of one ``gather_key``) in one collective: the
     outermost rsdp forward gathers every module's under it so (``RSDPState.gather_nested``), one
     collective per step instead of one per module, as each module's vectors are small and a
-    collective's cost is mostly its latency."""
+    collective's cost is mostly its latency. With ``forward_pass``, marks them gathered in it."""
     state = modules[0].state
     dtype, world = modules[0].gather_key[1], state.ring.size
     parts = _parts(modules)
@@ -236,6 +236,8 @@ def gather_together(modules: list[GatheredParams]) -> None:
     all_gather_flat(received.view(-1), send, group=state.ring.group)
     for module, start, stop in parts:
         module._unpack(received[:, start:stop])
+        if forward_pass is not None:
+            module.gathered_in_pass = forward_pass
 
 
 class _PendingGathers:
@@ -279,9 +281,7 @@ class _PendingGathers:
         if not self._carrier_started:
             self._needed_early.add(id(module))
         if any(module is pending for pending in self._pending):
-            gather_together(self._pending)
-            for pending in self._pending:
-                pending.gathered_in_pass = self._forward_pass
+            gather_together(self._pending, self._forward_pass)
             self._pending = []
 
     def ring_rider(self, ring, start) -> "_RingAllGather | None":
@@ -392,7 +392,7 @@ class _PendingReductions:
             batches.setdefault(_batch_key(entry), []).append(entry)
         for batch in batches.values():
             state = batch[0][0].state
-            contributions = torch.cat([contributions for _, contributions, _ in batch], dim=1)
+            contributions = _contributions_of(batch)
             reduced = torch.empty(contributions.shape[1], dtype=contributions.dtype, device=state.device)
             reduce_scatter_flat(reduced, contributions.view(-1), group=state.ring.group)
             _finish_batch(batch, reduced)
@@ -406,6 +406,11 @@ def _batch_key(entry: tuple) -> tuple:
     """What the queued gradients reduced in one collective share: the group, the dtype, the device."""
     module, contributions, _ = entry
     return (module.state.ring.group, contributions.dtype, module.state.device)
+
+
+def _contributions_of(batch: list) -> torch.Tensor:
+    """Every queued module's contributions to every rank's segment, side by side: ``[W, all segments]``."""
+    return torch.cat([contributions for _, contributions, _ in batch], dim=1)
 
 
 def _finish_batch(batch: list, reduced: torch.Tensor) -> None:
@@ -423,7 +428,7 @@ class _RingReduceScatter:
 
     def __init__(self, ring, batch: list):
         self.ring, self.batch = ring, batch
-        self.contributions = torch.cat([contributions for _, contributions, _ in batch], dim=1)  # [W, all segments]
+        self.contributions = _contributions_of(batch)
         self.nbytes = self.contributions.shape[1] * self.contributions.element_size()
 
     def _segment(self, region: torch.Tensor) -> torch.Tensor:

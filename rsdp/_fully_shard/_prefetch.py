@@ -4,9 +4,10 @@ A forward ring's first message is this rank's own shards, packed from the parame
 depend on the input, so it can travel before its layer is called. The last exchange of a ring, which
 overlaps its second-to-last GEMMs, carries it behind the ring's own message (a ``Passenger``), to the
 same neighbour: the next ring then starts with its first exchange done and costs W-2 exchanges of
-its own instead of W-1, and a forward pass of R rings on W ranks costs R(W-2)+1 exchanges instead of
-R(W-1). On 2 ranks a ring whose one exchange was done ahead has no exchange to carry the next one's,
-so every other ring is prefetched.
+its own instead of W-1, and a forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges
+instead of R(W-1). On 2 ranks a ring whose one exchange was done ahead has no exchange to carry the
+next one's, and on 3 its one exchange sends the prefetched message, which lies behind the carrying
+ring's and has nothing free behind it: there every other ring is prefetched.
 
 Which ring comes next is learned from the previous forward pass (the rings between the start of the
 outermost rsdp forward and its end), and a ring is prefetched as its previous call made its first
@@ -17,7 +18,9 @@ next pass learns the new order.
 Pitfalls:
 - The ring buffers are a passenger's length longer during the carrying ring (each of the two holds
   its message and the next ring's first one), and the next ring starts in the part of them behind
-  the message, which the carrying ring no longer reads.
+  the message, which the carrying ring no longer reads. A prefetched ring must not make them larger
+  (that would lose its own message): if they are too small it carries nothing, and the next pass
+  makes them large enough from its start (``RingBuffers.hold``).
 - Only forward rings of a weights-only first message are prefetched (Linear groups, ring plans'
   sub-blocks, input-split products); an Embedding's first message carries the rank's "index out of
   range" flag, known only once it is called. Backward messages carry gradient partials, which depend

@@ -215,9 +215,7 @@ class RSDPState(FSDPState):
         for gathered in PENDING_GATHERS.begin_pass(_forward_pass, candidates):
             batches.setdefault(gathered.gather_key, []).append(gathered)
         for batch in batches.values():
-            gather_together(batch)
-            for gathered in batch:
-                gathered.gathered_in_pass = _forward_pass
+            gather_together(batch, _forward_pass)
 
     def end_forward(self, backward_follows: bool = False) -> None:
         """Put the sharded parameters back and close the forward (also when it raised). The full
