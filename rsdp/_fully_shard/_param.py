@@ -124,8 +124,8 @@ class Message:
             self.offsets.append(offset)
             offset += segment.padded_nbytes
         self.nbytes = offset
-        # Views of the ring's own buffers, which outlive a step: (buffer index, shard, first) -> views.
-        self._ring_views: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        # Views of the ring's own buffers, which outlive a step: ((buffer index, offset), shard, first) -> views.
+        self._ring_views: dict[tuple[tuple[int, int], int, int], list[torch.Tensor]] = {}
         self._generation = RING_BUFFERS.generation
 
     def views(self, buffer: torch.Tensor, shard: int, first: int = 0) -> list[torch.Tensor]:
@@ -134,13 +134,13 @@ class Message:
 
         Views of the ring's buffers are made once and reused (making them is most of a small ring
         step's host time); other buffers get fresh views, since their memory may be reused."""
-        index = RING_BUFFERS.index_of(buffer)
-        if index is None:
+        place = RING_BUFFERS.place_of(buffer)
+        if place is None:
             return self._make_views(buffer, shard, first)
         if self._generation != RING_BUFFERS.generation:
             self._ring_views.clear()
             self._generation = RING_BUFFERS.generation
-        key = (index, shard, first)
+        key = (place, shard, first)
         views = self._ring_views.get(key)
         if views is None:
             views = self._ring_views[key] = self._make_views(buffer, shard, first)

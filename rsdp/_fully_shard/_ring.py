@@ -131,7 +131,8 @@ class RingBuffers:
 
     def __init__(self):
         self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
-        self._index: dict[int, int] = {}  # data_ptr of a live buffer -> its index in its pair
+        self._index: dict[int, tuple[int, int]] = {}  # data_ptr of a live buffer -> (its index, 0)
+        self._spans: list[tuple[int, int, int]] = []  # (index, first and last + 1 address) of each live buffer
         # Bumped whenever buffers are replaced, so views of old ones are not reused.
         self.generation = 0
         self._reset_callbacks: list[Callable[[], None]] = []
@@ -217,9 +218,17 @@ class RingBuffers:
         if freed:
             self._reindex()
 
-    def index_of(self, buffer: torch.Tensor) -> int | None:
-        """Which ring buffer ``buffer`` starts at (0 to 2), or None when it is none of them."""
-        return self._index.get(buffer.data_ptr())
+    def place_of(self, buffer: torch.Tensor) -> tuple[int, int] | None:
+        """Where ``buffer`` starts in the ring buffers: (which of the three, byte offset), or None when
+        in none of them. A message is at offset 0, or behind the message of the ring that carried it
+        (a prefetched one, a deferred hop)."""
+        pointer = buffer.data_ptr()
+        place = self._index.get(pointer)
+        if place is None:
+            for index, start, end in self._spans:
+                if start < pointer < end:
+                    return index, pointer - start
+        return place
 
     def _live(self):
         """(index, buffer) of every buffer that holds memory now."""
@@ -229,7 +238,9 @@ class RingBuffers:
                     yield index, buffer
 
     def _reindex(self) -> None:
-        self._index = {buffer.data_ptr(): index for index, buffer in self._live()}
+        live = list(self._live())
+        self._index = {buffer.data_ptr(): (index, 0) for index, buffer in live}
+        self._spans = [(index, buffer.data_ptr(), buffer.data_ptr() + buffer.untyped_storage().nbytes()) for index, buffer in live]
 
     def _reset(self) -> None:
         self.generation += 1
