@@ -119,16 +119,16 @@ def test_planned_block_matches_reference(ranks, world, kv_heads, head_dim, hidde
     ranks.run(world, block_case, 20, kv_heads, head_dim, hidden_per_rank, rows)
 
 
-def planned_llama(model_class=None):
-    """A 2-block fp64 ``LlamaLM`` (or subclass) with heads and hidden units over this world, sharded
-    with the Hugging Face ring plan, and its single-process twin."""
-    _, world = rank_and_world()
-    model = (model_class or LlamaLM)(vocab=13, dim=6, heads=2 * world, kv_heads=world, head_dim=2, hidden=3 * world, layers=2)
+def planned_llama(model_class=None, mesh=None):
+    """A 2-block fp64 ``LlamaLM`` (or subclass) with heads and hidden units over the shard group,
+    sharded with the Hugging Face ring plan (on ``mesh``, else all ranks), and its single-process twin."""
+    shards = rank_and_world()[1] if mesh is None else mesh.size(mesh.ndim - 1)
+    model = (model_class or LlamaLM)(vocab=13, dim=6, heads=2 * shards, kv_heads=shards, head_dim=2, hidden=3 * shards, layers=2)
     model = model.double()
     reference = twin(model)
     for layer in model.layers:
-        rsdp_shard(layer, ring_plan=HF_PLAN)
-    rsdp_shard(model)
+        rsdp_shard(layer, mesh=mesh, ring_plan=HF_PLAN)
+    rsdp_shard(model, mesh=mesh)
     return model, reference
 
 
@@ -142,6 +142,18 @@ def lm_case(seed, sync_last_only):
 @pytest.mark.parametrize("world, sync_last_only", [(2, False), (3, True), (4, False)])
 def test_planned_lm_trajectory_with_hugging_face_plan(ranks, world, sync_last_only):
     ranks.run(world, lm_case, 21, sync_last_only)
+
+
+def hsdp_case(seed):
+    """Replicas of 2 shards: a deferred hop's gradients arrive after their module's post-backward and
+    join the end-of-backward all-reduce over the replicas."""
+    torch.manual_seed(seed)
+    model, reference = planned_llama(mesh=init_device_mesh("cpu", (2, 2)))
+    train_and_compare(model, reference, steps=3, rows=1, seq=5, micro_batches=2)
+
+
+def test_planned_lm_trajectory_under_hsdp(ranks):
+    ranks.run(4, hsdp_case, 22)
 
 
 def exchanges_case():
