@@ -18,7 +18,9 @@ A ring's W-1 steps pass every rank's message by every other rank, which is what 
 and carry one running sum per rank to its owner, which is what a reduce-scatter does. So a
 collective of small data can ride a ring's messages (``Rider``) instead of synchronising every rank
 once more: the norms' all-gather rides the first forward ring and their gradients' reduce-scatter
-the last backward ring (``_collectives.py``).
+the last backward ring (``_collectives.py``). Likewise one exchange can carry a ``Passenger`` to the
+same neighbour behind its message: the next forward ring's first message rides a ring's last exchange
+(``_prefetch.py``), and the last hop of a planned sub-block's partials the next ring's first.
 
 Messages live in byte buffers shared by every ring of the process (``RING_BUFFERS``: two ping-pong
 message buffers and a scratch, given memory once per pass and then reused), so a ring step allocates
@@ -382,7 +384,7 @@ class Ring:
         if passenger is None and carry_next is not None and region is None and hops > (2 if prefetched else 0):
             passenger, boards_at = carry_next(self), hops - 1
             if passenger is not None and prefetched and not RING_BUFFERS.hold(_aligned(nbytes) + passenger.nbytes, self.device):
-                passenger = None  # making the buffers larger would lose this ring's prefetched message (next pass they are)
+                passenger = None  # growing the buffers would lose this ring's prefetched message
         if passenger is not None:
             behind = _aligned(nbytes)
             # First, so that the message's own (shorter) views below are of the buffers it makes.
