@@ -43,18 +43,15 @@ def test_every_ring_after_the_first_rides_the_last_exchange_of_the_one_before(ra
     """From the fourth step on (the first records which Linears share an input, the second runs the
     fused rings and learns their order, the third finds the ring buffers too small for the down
     projection's ring to carry the head's message, and grows them for the next) each ring's first
-    message travels on the ring before's last exchange: a forward of R rings costs (W-1) + (R-1)(W-2) exchanges instead of R(W-1). On 2 and 3
-    ranks a prefetched ring's last exchange is not one it can make carry more (on 2 it has none of its
-    own, on 3 it sends the message prefetched, which lies behind the message that carried it): every
-    other ring is prefetched. The backward is unchanged."""
+    message travels on the ring before's last exchange: a forward of R rings costs (W-1) + (R-1)(W-2)
+    exchanges instead of R(W-1). On 2 and 3 ranks a prefetched ring's last exchange is not one it can
+    make carry more (on 2 it has none of its own, on 3 it sends the message prefetched, which lies
+    behind the message that carried it): every other ring is prefetched. The backward is unchanged."""
     rings = 1 + 2 * 4 + 1  # embedding, 4 rings per block, head
     for counts in ranks.run(world, steady_state_case):
         _, second, third, *steady = counts
         assert second == (0, rings * (world - 1), rings * (world - 1)), counts
-        if world < 4:
-            prefetched = rings // 2
-        else:
-            prefetched = rings - 1
+        prefetched = rings // 2 if world < 4 else rings - 1
         expected = (prefetched, rings * (world - 1) - prefetched, rings * (world - 1))
         assert steady == [expected] * 2, counts
         assert third[0] >= prefetched - (world >= 4), counts

@@ -394,6 +394,8 @@ class Ring:
         buffers = RING_BUFFERS.pair(nbytes, self.device)
         works = []
         held = None  # which of ``buffers`` holds ``current``, if one does
+        # ``prefetched`` stays true for step 0 only: its exchange was done ahead, and its arrival is
+        # taken after the step's computation like any other.
         if prefetched:
             current, incoming, arriving = start.sent, start.received, start.received_in
         elif callable(start):
