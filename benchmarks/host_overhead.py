@@ -11,6 +11,14 @@ per block what one step issues: sends, collectives and aten ops. The op count do
 machine's load, unlike the times: each op costs a dispatch on the host, and each that is not a view
 (a view only makes a new tensor over the same memory) is a kernel launch on a GPU.
 
+Two references run alongside, unsharded and with no process group, to say what part of a strategy's
+host time is its own: "unsharded" is the model itself, and "unsharded, split" computes what a ring
+plan computes, each attention and MLP as W copies on 1/W of its heads and hidden units whose outputs
+are summed (tensor parallelism's split, run serially in one process). A planned ring cannot issue fewer
+ops than the split, however little it adds: the split's excess over the model is the cost of rotating
+at this size, and rsdp+plan's excess over the split is the ring's own bookkeeping (packing, exchanges,
+buffers, a backward per shard), to compare with FSDP2's excess over the model.
+
     python benchmarks/host_overhead.py                 # W=8, 4 blocks, 5 rounds of 20 steps
     python benchmarks/host_overhead.py --world 16 --blocks 8 --json out.json
 """
@@ -35,10 +43,14 @@ from rsdp.memory import CommCounter
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    """q/k/v/o attention; ``width`` (default ``dim``) is q/k/v's output and o's input, ``heads`` the
+    head count at full width."""
+
+    def __init__(self, dim: int, heads: int, width: int | None = None):
         super().__init__()
-        self.head_dim = dim // heads
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.head_dim, width = dim // heads, width or dim
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, width, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(width, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Heads from the shapes (-1), as tensor parallelism and ring plans need.
@@ -56,13 +68,30 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaBlock(nn.Module):
-    """RMSNorm, q/k/v/o attention and a SwiGLU MLP (gate/up/down), laid out like Hugging Face's."""
+class Split(nn.Module):
+    """W parts of a sub-block, each on 1/W of its heads or hidden units, their outputs summed: the W
+    steps of a planned ring's pass, run serially with no ring."""
 
-    def __init__(self, dim: int, heads: int, hidden: int):
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(part(x) for part in self.parts)
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, q/k/v/o attention and a SwiGLU MLP (gate/up/down), laid out like Hugging Face's; with
+    ``split`` W, each sub-block is ``Split`` W ways."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, split: int = 1):
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.self_attn, self.mlp = Attention(dim, heads), MLP(dim, hidden)
+        if split == 1:
+            self.self_attn, self.mlp = Attention(dim, heads), MLP(dim, hidden)
+        else:
+            self.self_attn = Split([Attention(dim, heads, dim // split) for _ in range(split)])
+            self.mlp = Split([MLP(dim, hidden // split) for _ in range(split)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -80,6 +109,7 @@ LLAMA_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 STRATEGIES = ("fsdp", "rsdp", "rsdp+plan")
+REFERENCES = ("unsharded", "unsharded, split")
 
 
 class OpCounter(TorchDispatchMode):
@@ -100,7 +130,10 @@ class OpCounter(TorchDispatchMode):
 
 def build(strategy: str, args) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(*(LlamaBlock(args.dim, args.heads, args.hidden) for _ in range(args.blocks)))
+    split = args.world if strategy == "unsharded, split" else 1
+    model = nn.Sequential(*(LlamaBlock(args.dim, args.heads, args.hidden, split) for _ in range(args.blocks)))
+    if strategy in REFERENCES:
+        return model
     mesh = init_device_mesh("cpu", (args.world,))
     for block in model:
         if strategy == "fsdp":
@@ -121,7 +154,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8, help="ranks simulated by the fake process group")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=8, help="must divide by --world for the ring plan")
+    parser.add_argument("--heads", type=int, default=8, help="must divide by --world (the ring plan and the split)")
     parser.add_argument("--hidden", type=int, default=176)
     parser.add_argument("--tokens", type=int, default=16, help="sequence length (batch 1)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
@@ -130,11 +163,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (timings alternate over rounds)")
+    if args.heads % args.world or args.hidden % args.world:
+        parser.error(f"--heads ({args.heads}) and --hidden ({args.hidden}) must divide by --world ({args.world}): the ring plan and the split need it")
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     x = torch.randn(1, args.tokens, args.dim, requires_grad=True)
-    models = {strategy: build(strategy, args) for strategy in STRATEGIES}
+    models = {strategy: build(strategy, args) for strategy in STRATEGIES + REFERENCES}
     counts = {}
     for strategy, model in models.items():
         step(model, x)  # warm-up (rsdp also forms its shared-input groups here)
@@ -165,12 +200,16 @@ def main() -> None:
         f"(dim {args.dim}, hidden {args.hidden}, {args.tokens} tokens); loadavg {' '.join(loadavg_before)} -> "
         f"{' '.join(loadavg_after)}\n"
     )
-    print("| strategy | host time per step | × fsdp | per block | sends per block | collectives per block | aten ops per block (views) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| strategy | host time per step | × fsdp | per block | per block over unsharded | sends per block | "
+        "collectives per block | aten ops per block (views) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for strategy in models:
         print(
             f"| {strategy} | {median[strategy] * 1e3:.2f} ms | {median[strategy] / median['fsdp']:.2f} | "
-            f"{median[strategy] / args.blocks * 1e6:.0f} µs | {counts[strategy]['sends_per_block']:.0f} | "
+            f"{median[strategy] / args.blocks * 1e6:.0f} µs | "
+            f"{(median[strategy] - median['unsharded']) / args.blocks * 1e6:.0f} µs | {counts[strategy]['sends_per_block']:.0f} | "
             f"{counts[strategy]['collectives_per_block']:.0f} | "
             f"{counts[strategy]['ops_per_block']:.0f} ({counts[strategy]['views_per_block']:.0f}) |"
         )

@@ -160,7 +160,10 @@ def coming_from_ddp_case(path):
     assert model.lm_head.weight is model.embed.weight
     for name, param in model.named_parameters():
         assert torch.equal(full(param), plain.state_dict()[name]), name
-    assert_close(probe_output(model), plain(global_batch(-1)).detach(), what="output", rtol=1e-6, atol=1e-6)
+    # fp32, the default dtype the meta-device model is built in: the ring sums its shards' products in
+    # another order than one GEMM does, so the outputs differ by rounding (1.5e-6 on some CPUs' BLAS);
+    # torch's float32 tolerances. The weights themselves were compared bit for bit above.
+    assert_close(probe_output(model), plain(global_batch(-1)).detach(), what="output", rtol=1.3e-6, atol=1e-5)
 
     dcp.save(model.state_dict(), checkpoint_id=path)
     other = build("rsdp", seed=7)

@@ -195,13 +195,18 @@ class _Call:
         self.output_spec, self.output_position = None, None
         self.keeps_graphs = False
 
-    def run(self, tensors, shard_params) -> torch.Tensor:
-        """The sub-block's forward on ``tensors`` with one shard's parameters installed; returns the
-        rowwise Linear's output (the partial output)."""
+    def arguments(self, tensors: list[torch.Tensor]) -> tuple:
+        """The call's ``(args, kwargs)`` with ``tensors`` for its tensors: made once for a ring's steps,
+        which all take the same."""
         leaves = list(self.leaves)
         for index, tensor in zip(self.tensor_at, tensors):
             leaves[index] = tensor
-        args, kwargs = tree_unflatten(leaves, self.spec)
+        return tree_unflatten(leaves, self.spec)
+
+    def run(self, arguments: tuple, shard_params) -> torch.Tensor:
+        """The sub-block's forward on ``arguments`` (``(args, kwargs)`` as ``arguments()`` makes them) with
+        one shard's parameters installed; returns the rowwise Linear's output (the partial output)."""
+        args, kwargs = arguments
         block = self.block
         linears = block.columns + [block.row]
         # Each Linear's forward becomes its product with the shard's parameters, as an instance
@@ -255,15 +260,12 @@ def _step_operands(block: SubBlock, views: list[torch.Tensor], needs: list[bool]
     transposed already). With ``needs``, gradient leaves (requiring grad where it says), each a tensor
     of its own over the ring buffer's memory, not a view of it: a view shares the buffer's version
     counter, which every later message written into the buffer bumps, and autograd checks the version
-    of what it saved. Without, views, for a step that records no graph."""
+    of what it saved. ``.data`` makes such a tensor (a new version counter) with no op dispatched.
+    Without, views, for a step that records no graph."""
+    operands = [view.t() if transposed else view for view, transposed in zip(views, block.transposed)]
     if needs is None:
-        return [view.t() if transposed else view for view, transposed in zip(views, block.transposed)]
-    operands = []
-    for view, transposed, need in zip(views, block.transposed, needs):
-        size, stride = (view.shape[::-1], view.stride()[::-1]) if transposed else (view.shape, view.stride())
-        operand = view.new_empty(0).set_(view.untyped_storage(), view.storage_offset(), size, stride)
-        operands.append(operand.requires_grad_(need))
-    return operands
+        return operands
+    return [operand.data.requires_grad_(need) for operand, need in zip(operands, needs)]
 
 
 def _shard_params(block: SubBlock, operands: list[torch.Tensor]) -> list[tuple]:
@@ -288,6 +290,7 @@ class _ShardGraphs:
 
     def __init__(self, call: _Call, inputs: list[torch.Tensor], needs_params: list[bool]):
         self.call, self.inputs, self.needs_params = call, inputs, needs_params
+        self.arguments = call.arguments(inputs)
         self._graphs: dict[int, tuple] = {}  # shard -> (partial output, leaves)
 
     def forward(self, shard: int, views: list[torch.Tensor]) -> torch.Tensor:
@@ -295,7 +298,7 @@ class _ShardGraphs:
         output, whose memory the caller frees once it has added it (``release_output``)."""
         leaves = _step_operands(self.call.block, views, self.needs_params)
         with torch.enable_grad():
-            partial = self.call.run(self.inputs, _shard_params(self.call.block, leaves))
+            partial = self.call.run(self.arguments, _shard_params(self.call.block, leaves))
         self._graphs[shard] = (partial, leaves)
         return partial
 
@@ -342,6 +345,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
 
         def rotate() -> tuple[torch.Tensor]:
             total = None
+            arguments = call.arguments(cast) if graphs is None else None
 
             def during(step: int, buffer: torch.Tensor) -> None:
                 nonlocal total
@@ -350,7 +354,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     return
                 views = message.views(buffer, shard)
                 if graphs is None:
-                    partial = call.run(cast, _shard_params(block, _step_operands(block, views)))
+                    partial = call.run(arguments, _shard_params(block, _step_operands(block, views)))
                 else:
                     partial = graphs.forward(shard, views)
                 total = partial.clone() if total is None else total.add_(partial)
@@ -416,7 +420,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 ]
                 autocast = torch.autocast(ring.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
                 with torch.enable_grad(), autocast:
-                    partial = call.run(inputs, _shard_params(block, leaves))
+                    partial = call.run(call.arguments(inputs), _shard_params(block, leaves))
                     wanted = [x for x, need in zip(inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_index]
                     got = gradients_of(partial, wanted, dy.to(partial.dtype))
             got = iter(got)
@@ -492,8 +496,9 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     own = mine.clone()
 
                     def home(partials: torch.Tensor) -> None:
-                        for partial, contribution in zip(grads.views(partials, ring.rank), grads.views(own, ring.rank)):
-                            partial.add_(contribution)
+                        # One add for every segment: all are in reduce_dtype, so none has a gap before it
+                        # (padding rows are added too, and never read).
+                        partials[: grads.nbytes].view(reduce_dtype).add_(own.view(reduce_dtype))
                         deliver(finished_gradients(state, grads, 0, partials, reduce_dtype))
 
                     DEFERRED_HOPS.defer(DeferredHop(ring, layer.tags[Phase.BACKWARD], final[: grads.nbytes].clone(), home))
