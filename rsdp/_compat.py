@@ -129,6 +129,12 @@ def saved_tensors_hooks_active() -> bool:
 _engine = torch.autograd.Variable._execution_engine
 
 
+def profiler_enabled() -> bool:
+    """Whether a profiler records ``record_function`` ranges now (private: the check the C++ side makes)."""
+    check = getattr(torch.autograd, "_profiler_enabled", None)
+    return True if check is None else check()  # guard: without the check, always open the ranges
+
+
 def gradients_of(output: torch.Tensor, inputs: list[torch.Tensor], grad_output: torch.Tensor) -> tuple:
     """``torch.autograd.grad(output, inputs, grad_output, allow_unused=True)`` as the engine call it makes
     (private: ``run_backward``), without its argument handling: ~12 µs a call, and a planned

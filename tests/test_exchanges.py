@@ -1,4 +1,5 @@
-"""Synchronising exchanges per block and host synchronisations on the ring path, counted (not timed).
+"""Synchronising exchanges per block and host synchronisations on the ring path, counted (not timed);
+and the ring passes' profiler ranges.
 
 Every ring step and every collective synchronises a rank with its peers; on GPUs a host sync stalls the
 stream. Both are counted with dispatch modes, so these tests are deterministic.
@@ -201,3 +202,41 @@ def test_ring_works_are_dropped_only_after_the_next_exchange_is_waited_for(ranks
         assert len(last_wait) > 4 and last_wait.keys() == first_drop.keys(), log
         for number in sorted(last_wait)[:-1]:
             assert first_drop[number] > last_wait[number + 1], (number, log)
+
+
+def profile_ranges_case():
+    """The ``rsdp::ring_*`` ranges of one step under ``torch.profiler``, and how many ``record_function``
+    ranges the rings opened in a step without it."""
+    from torch.profiler import profile
+
+    from rsdp._fully_shard import _ops
+
+    torch.manual_seed(0)
+    model = TinyLM(vocab=11, dim=8, heads=2, hidden=12, layers=1)
+    rsdp_shard(model)
+    tokens = torch.randint(0, 11, (2, 3))
+    lm_loss(model(tokens), tokens).backward()  # the first step agrees on fusion groups
+    opened, real = [], _ops.record_function
+    _ops.record_function = lambda name: opened.append(name) or real(name)
+    try:
+        lm_loss(model(tokens), tokens).backward()
+        unprofiled = len(opened)
+        with profile() as prof:
+            lm_loss(model(tokens), tokens).backward()
+    finally:
+        _ops.record_function = real
+    ranges = sorted({event.name for event in prof.events() if event.name.startswith("rsdp::")})
+    return unprofiled, ranges, opened[unprofiled:]
+
+
+def test_ring_passes_are_profiler_ranges_only_while_a_profiler_records(ranks):
+    """Each ring pass is a ``record_function`` range, as FSDP2's hooks are, so a profile shows where the
+    time goes; without a profiler none is opened (one costs ~15 µs of host time even then)."""
+    layers = ["embed", "layers.0.q+layers.0.k+layers.0.v", "layers.0.o", "layers.0.up", "layers.0.down", "lm_head"]
+    for unprofiled, ranges, opened in ranks.run(2, profile_ranges_case):
+        assert unprofiled == 0, unprofiled
+        assert ranges == sorted(set(opened)), (ranges, opened)
+        # One range per ring and pass, in the order the rings run (backward: reversed).
+        assert opened == [f"rsdp::ring_forward ({name})" for name in layers] + [
+            f"rsdp::ring_backward ({name})" for name in reversed(layers)
+        ], opened

@@ -37,7 +37,6 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from .._compat import all_gather_flat, reduce_scatter_flat
@@ -200,7 +199,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
                     out.addmm_(x2d[:, layout.row_slice(shard)], message.views(buffer, shard)[0])
 
             start = first_message(layer, message, [weight])
-            with record_function(f"rsdp::ring_forward ({layer.name})"):
+            with layer.profiled(Phase.FORWARD):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
                                carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))
             return (out,)
@@ -236,7 +235,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
         def contribute(shard: int, views: list[torch.Tensor]) -> None:
             _write_product(views[0], x2d[:, layout.row_slice(shard)].t(), dy)
 
-        with record_function(f"rsdp::ring_backward ({layer.name})"):
+        with layer.profiled(Phase.BACKWARD):
             keys = [(id(layer), "weight")] if need_weight else []
             reduced = _ring_backward(layer, message, len(weight_segments), keys, pack_weights, use_weights, contribute)
         grad_weight = None if reduced is None else reduced[0].to(weight.dtype)

@@ -56,7 +56,6 @@ import math
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
-from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, gradients_of, saved_tensors_hooks_active
@@ -362,7 +361,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     graphs.release_output(shard)
 
             packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
-            with record_function(f"rsdp::ring_forward ({layer.name})"):
+            with layer.profiled(Phase.FORWARD):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, packed), during,
                                carry_next=FORWARD_RING_ORDER.next_first)
             return total, call.output_spec, call.output_position
@@ -481,7 +480,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             def region(hop: int) -> slice:
                 return slice(weights_start, None) if hop == 0 else slice(None)  # nothing added to a partial yet
 
-            with record_function(f"rsdp::ring_backward ({layer.name})"):
+            with layer.profiled(Phase.BACKWARD):
                 if ring.size == 1:
                     buffer = RING_BUFFERS.pair(message.nbytes, ring.device)[0]
                     pack(buffer)
@@ -514,7 +513,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 into = [state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, grad_index)]
                 step(shard, views, into, add=True)
 
-            with record_function(f"rsdp::ring_backward ({layer.name})"):
+            with layer.profiled(Phase.BACKWARD):
                 ring.circulate(
                     weights_only.nbytes, layer.tags[Phase.BACKWARD], lambda buffer: pack(buffer, weights_only), during
                 )
