@@ -124,34 +124,37 @@ class Message:
             self.offsets.append(offset)
             offset += segment.padded_nbytes
         self.nbytes = offset
-        # Views of the ring's own buffers, which outlive a step: ((buffer index, offset), shard, first) -> views.
-        self._ring_views: dict[tuple[tuple[int, int], int, int], list[torch.Tensor]] = {}
+        # Views of the ring's own buffers, which outlive a step:
+        # ((buffer index, offset), shard, first, transposed) -> views.
+        self._ring_views: dict[tuple, list[torch.Tensor]] = {}
         self._generation = RING_BUFFERS.generation
 
-    def views(self, buffer: torch.Tensor, shard: int, first: int = 0) -> list[torch.Tensor]:
+    def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:
         """Segments ``first:`` of ``buffer`` (a byte tensor holding one message) as shard ``shard``'s
-        rows, shaped ``[rows, *trailing]``.
+        rows, shaped ``[rows, *trailing]``; those that ``transposed`` flags (one flag per segment from
+        ``first`` on) transposed, as a GEMM takes a colwise weight.
 
         Views of the ring's buffers are made once and reused (making them is most of a small ring
         step's host time); other buffers get fresh views, since their memory may be reused."""
         place = RING_BUFFERS.place_of(buffer)
         if place is None:
-            return self._make_views(buffer, shard, first)
+            return self._make_views(buffer, shard, first, transposed)
         if self._generation != RING_BUFFERS.generation:
             self._ring_views.clear()
             self._generation = RING_BUFFERS.generation
-        key = (place, shard, first)
+        key = (place, shard, first, transposed)
         views = self._ring_views.get(key)
         if views is None:
-            views = self._ring_views[key] = self._make_views(buffer, shard, first)
+            views = self._ring_views[key] = self._make_views(buffer, shard, first, transposed)
         return views
 
-    def _make_views(self, buffer: torch.Tensor, shard: int, first: int) -> list[torch.Tensor]:
+    def _make_views(self, buffer: torch.Tensor, shard: int, first: int, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:
         views = []
-        for segment, offset in zip(self.segments[first:], self.offsets[first:]):
+        for index, (segment, offset) in enumerate(zip(self.segments[first:], self.offsets[first:])):
             rows = segment.layout.rows_of(shard)
             nbytes = rows * math.prod(segment.trailing) * segment.dtype.itemsize
-            views.append(buffer[offset : offset + nbytes].view(segment.dtype).view(rows, *segment.trailing))
+            view = buffer[offset : offset + nbytes].view(segment.dtype).view(rows, *segment.trailing)
+            views.append(view.t() if index < len(transposed) and transposed[index] else view)
         return views
 
     def tail(self, first: int) -> "Message":

@@ -100,7 +100,7 @@ class SubBlock:
         # Read at every ring step; a Linear's ``bias`` goes through nn.Module.__getattr__.
         self.column_has_bias = [column.bias is not None for column in columns]
         # Per segment of a message: whether its step operand is the view transposed (a colwise weight).
-        self.transposed = [t for has_bias in self.column_has_bias for t in ((True, False) if has_bias else (True,))] + [False]
+        self.transposed = tuple(t for has_bias in self.column_has_bias for t in ((True, False) if has_bias else (True,))) + (False,)
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
 
     def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
@@ -253,22 +253,18 @@ def _shard_product(weight_t: torch.Tensor, bias: torch.Tensor | None, outputs: l
     return output
 
 
-def _step_operands(block: SubBlock, views: list[torch.Tensor], needs: list[bool] | None = None) -> list[torch.Tensor]:
-    """One shard's parameters as a ring step's products use them, one per segment: each colwise weight
-    transposed (``[in, rows]``), its bias, and the rowwise weight as it travels (``[in shard, out]``:
-    transposed already). With ``needs``, gradient leaves (requiring grad where it says), each a tensor
-    of its own over the ring buffer's memory, not a view of it: a view shares the buffer's version
-    counter, which every later message written into the buffer bumps, and autograd checks the version
-    of what it saved. ``.data`` makes such a tensor (a new version counter) with no op dispatched.
-    Without, views, for a step that records no graph."""
-    operands = [view.t() if transposed else view for view, transposed in zip(views, block.transposed)]
-    if needs is None:
-        return operands
+def _weight_leaves(operands: list[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
+    """Gradient leaves of one shard's parameters (``operands``: views of a ring buffer, as the step's
+    products use them), requiring grad where ``needs`` says: each a tensor of its own over the ring
+    buffer's memory, not a view of it. A view shares the buffer's version counter, which every later
+    message written into the buffer bumps, and autograd checks the version of what it saved; ``.data``
+    makes such a tensor (a new version counter) with no op dispatched."""
     return [operand.data.requires_grad_(need) for operand, need in zip(operands, needs)]
 
 
 def _shard_params(block: SubBlock, operands: list[torch.Tensor]) -> list[tuple]:
-    """(transposed weight, bias) per Linear, columns then row, from ``_step_operands``."""
+    """(transposed weight, bias) per Linear, columns then row, from one step's operands (views, or
+    ``_weight_leaves``)."""
     operands = iter(operands)
     params = [(next(operands), next(operands) if has_bias else None) for has_bias in block.column_has_bias]
     params.append((next(operands), None))
@@ -279,7 +275,7 @@ class _ShardGraphs:
     """The autograd graph of each forward step of one sub-block call, kept for its backward.
 
     A step's graph starts from leaves: the call's inputs (shared by every step) and the shard's
-    parameters (``_step_operands``), which alias the forward's ring buffer. Those leaves are the only
+    parameters (``_weight_leaves``), which alias the forward's ring buffer. Those leaves are the only
     way a step reaches ring-buffer memory, and the products hand them to ``mm``/``addmm`` as they are,
     so where autograd saves a weight it saves the leaf itself. When the step is backpropagated, each
     leaf is pointed (``.data``) at the same segment of the buffer that holds that shard in the backward
@@ -292,10 +288,11 @@ class _ShardGraphs:
         self.arguments = call.arguments(inputs)
         self._graphs: dict[int, tuple] = {}  # shard -> (partial output, leaves)
 
-    def forward(self, shard: int, views: list[torch.Tensor]) -> torch.Tensor:
-        """Run the sub-block on shard ``shard``'s weight ``views``, keeping its graph; returns its partial
-        output, whose memory the caller frees once it has added it (``release_output``)."""
-        leaves = _step_operands(self.call.block, views, self.needs_params)
+    def forward(self, shard: int, operands: list[torch.Tensor]) -> torch.Tensor:
+        """Run the sub-block on shard ``shard``'s weight ``operands`` (views of a ring buffer, colwise
+        weights transposed: ``SubBlock.transposed``), keeping its graph; returns its partial output, whose memory the caller frees once it has added
+        it (``release_output``)."""
+        leaves = _weight_leaves(operands, self.needs_params)
         with torch.enable_grad():
             partial = self.call.run(self.arguments, _shard_params(self.call.block, leaves))
         self._graphs[shard] = (partial, leaves)
@@ -307,15 +304,15 @@ class _ShardGraphs:
         does not run in its backward."""
         self._graphs[shard][0].untyped_storage().resize_(0)
 
-    def backward(self, shard: int, weights: list[torch.Tensor], dy: torch.Tensor, needs_inputs: list[bool], grad_slots: list[int]):
+    def backward(self, shard: int, operands: list[torch.Tensor], dy: torch.Tensor, needs_inputs: list[bool], grad_slots: list[int]):
         """Gradients of the needed inputs, then of the weights ``grad_slots``, from the kept graph of
-        ``shard`` with its weights read from ``weights``; None when there is none (then recompute)."""
+        ``shard`` with its weights read from ``operands``; None when there is none (then recompute)."""
         kept = self._graphs.pop(shard, None)
         if kept is None:
             return None
         partial, leaves = kept
-        for leaf, view, transposed in zip(leaves, weights, self.call.block.transposed):
-            leaf.data = view.t() if transposed else view
+        for leaf, operand in zip(leaves, operands):
+            leaf.data = operand
         wanted = [x for x, need in zip(self.inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_slots]
         return gradients_of(partial, wanted, dy.to(partial.dtype))
 
@@ -351,11 +348,11 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 shard = ring.weight_shard_at(step)
                 if row_layout.rows_of(shard) == 0:
                     return
-                views = message.views(buffer, shard)
+                operands = message.views(buffer, shard, transposed=block.transposed)
                 if graphs is None:
-                    partial = call.run(arguments, _shard_params(block, _step_operands(block, views)))
+                    partial = call.run(arguments, _shard_params(block, operands))
                 else:
-                    partial = graphs.forward(shard, views)
+                    partial = graphs.forward(shard, operands)
                 total = partial.clone() if total is None else total.add_(partial)
                 if graphs is not None:
                     graphs.release_output(shard)
@@ -402,17 +399,18 @@ class _RingSubBlockFunction(torch.autograd.Function):
         grad_inputs = [None] * n
         dy = grad_total.to(dtype)
 
-        def step(shard: int, weight_views: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
-            """Backpropagate through the sub-block for ``shard`` (its kept graph, or a recomputation): input
-            gradients into this rank's, weight gradients written or added (``add``) into ``into``."""
+        def step(shard: int, operands: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
+            """Backpropagate through the sub-block for ``shard`` (its kept graph, or a recomputation) with
+            its weight ``operands``: input gradients into this rank's, weight gradients written or added
+            (``add``) into ``into``."""
             if row_layout.rows_of(shard) == 0:
                 if into is not None and not add:
                     for view in into:
                         view.zero_()
                 return
-            got = None if ctx.graphs is None else ctx.graphs.backward(shard, weight_views, dy, needs_inputs, grad_index)
+            got = None if ctx.graphs is None else ctx.graphs.backward(shard, operands, dy, needs_inputs, grad_index)
             if got is None:  # recompute the step
-                leaves = _step_operands(block, weight_views, [needs_params[i] for i in present])
+                leaves = _weight_leaves(operands, [needs_params[i] for i in present])
                 inputs = [
                     (t.detach().to(ctx.input_dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
                     for t, need in zip(tensors, needs_inputs)
@@ -467,14 +465,13 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 weights) travels, to be added when its partial comes home."""
                 if hop == 0:
                     own = grads.views(mine, ring.rank)
-                    step(ring.rank, message.views(buffer, ring.rank, first_weight), own, add=False)
+                    step(ring.rank, message.views(buffer, ring.rank, first_weight, block.transposed), own, add=False)
                     add_unsynced(ring.rank, own)
 
             def on_arrival(hop: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(hop)
-                views = message.views(buffer, shard)
-                into = views[:first_weight]
-                step(shard, views[first_weight:], into, add=hop > 1)  # hop 1 starts it
+                into = message.views(buffer, shard)[:first_weight]
+                step(shard, message.views(buffer, shard, first_weight, block.transposed), into, add=hop > 1)  # hop 1 starts it
                 add_unsynced(shard, into)
 
             def region(hop: int) -> slice:
@@ -511,7 +508,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 shard = ring.weight_shard_at(hop)
                 views = weights_only.views(buffer, shard)
                 into = [state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, grad_index)]
-                step(shard, views, into, add=True)
+                step(shard, weights_only.views(buffer, shard, transposed=block.transposed), into, add=True)
 
             with layer.profiled(Phase.BACKWARD):
                 ring.circulate(
