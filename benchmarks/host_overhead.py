@@ -164,7 +164,10 @@ def main() -> None:
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (timings alternate over rounds)")
     if args.heads % args.world or args.hidden % args.world:
-        parser.error(f"--heads ({args.heads}) and --hidden ({args.hidden}) must divide by --world ({args.world}): the ring plan and the split need it")
+        parser.error(
+            f"--heads ({args.heads}) and --hidden ({args.hidden}) must divide by --world ({args.world}): "
+            "the ring plan and the split need it"
+        )
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
@@ -209,7 +212,8 @@ def main() -> None:
         print(
             f"| {strategy} | {median[strategy] * 1e3:.2f} ms | {median[strategy] / median['fsdp']:.2f} | "
             f"{median[strategy] / args.blocks * 1e6:.0f} µs | "
-            f"{(median[strategy] - median['unsharded']) / args.blocks * 1e6:.0f} µs | {counts[strategy]['sends_per_block']:.0f} | "
+            f"{(median[strategy] - median['unsharded']) / args.blocks * 1e6:.0f} µs | "
+            f"{counts[strategy]['sends_per_block']:.0f} | "
             f"{counts[strategy]['collectives_per_block']:.0f} | "
             f"{counts[strategy]['ops_per_block']:.0f} ({counts[strategy]['views_per_block']:.0f}) |"
         )

@@ -290,8 +290,8 @@ class _ShardGraphs:
 
     def forward(self, shard: int, operands: list[torch.Tensor]) -> torch.Tensor:
         """Run the sub-block on shard ``shard``'s weight ``operands`` (views of a ring buffer, colwise
-        weights transposed: ``SubBlock.transposed``), keeping its graph; returns its partial output, whose memory the caller frees once it has added
-        it (``release_output``)."""
+        weights transposed: ``SubBlock.transposed``), keeping its graph; returns its partial output,
+        whose memory the caller frees once it has added it (``release_output``)."""
         leaves = _weight_leaves(operands, self.needs_params)
         with torch.enable_grad():
             partial = self.call.run(self.arguments, _shard_params(self.call.block, leaves))
