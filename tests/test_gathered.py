@@ -87,14 +87,13 @@ def reshard_case(reshard_after_forward):
         _reference_loss(reference, x, world, range(world)).backward()
         assert_param_grads_match(block, reference, 1.0)
     gathered = block._get_rsdp_state().gathered
-    full_bytes = sum(p.numel() * p.element_size() for p in gathered.full)
-    return gathered.reshard_after_forward, alive_between[1], full_bytes
+    return gathered.reshard_after_forward, alive_between[1], gathered.full_nbytes
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gathered_parameters_resharded_after_forward_on_request_and_exact(ranks, world):
     """``reshard_after_forward=True`` frees the full tensors after forward (exactly their bytes fewer
-    alive until backward) and gathers them again for backward; gradients are exact either way."""
+    alive until backward, padding rows included) and gathers them again for backward; gradients are exact either way."""
     for kept, resharded in zip(ranks.run(world, reshard_case, False), ranks.run(world, reshard_case, True)):
         assert kept[0] is False and resharded[0] is True
         assert kept[1] - resharded[1] == kept[2], (kept, resharded)

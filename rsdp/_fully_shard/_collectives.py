@@ -15,10 +15,11 @@ queued before the backward's last ring on that ring's (``_ring.Rider``), as the 
 kind predicts. A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
 what it saves).
 
-While installed they are **leaf** ``nn.Parameter``s, one persistent tensor per parameter whose storage
-is allocated for a gather and freed afterwards (FSDP2's unsharded parameters): tools that hook module
-parameters during forward (torch's ``MemTracker``, ``register_post_accumulate_grad_hook``) work, and
-autograd saves the same tensor the backward's gather refills. Their gradients land in ``.grad`` of the
+While installed they are **leaf** ``nn.Parameter``s, persistent tensors whose storage is allocated for a
+gather and freed afterwards (FSDP2's unsharded parameters; views of one flat tensor, so that a gather
+refills a norm's weight and bias with one copy): tools that hook module parameters during forward
+(torch's ``MemTracker``, ``register_post_accumulate_grad_hook``) work, and autograd saves the same
+tensor the backward's gather refills. Their gradients land in ``.grad`` of the
 full tensors; once reduce-scattered they go to the module's ``RingGradients`` (``_grad.py``), which
 writes the ``Shard(0)`` ``.grad``. Under HSDP the module's post-backward reduce-scatters its own at
 once, so that they join the one all-reduce over replicas it makes of the module's gradients.
@@ -78,6 +79,18 @@ class GatheredParams:
         self._offsets = [0]
         for layout, inner in zip(self.layouts, self._inner):
             self._offsets.append(self._offsets[-1] + layout.chunk * inner)
+        # The full parameters are views of one flat tensor: parameter i at the start of a block of its W
+        # segments (``W * _offsets[i]``; its padding rows follow it), so that a run of parameters whose
+        # segments are equally wide (a norm's weight and bias) is refilled by one copy.
+        self._runs: list[tuple[int, int, int]] = []  # (first parameter, count, segment width)
+        for index, (start, stop) in enumerate(zip(self._offsets, self._offsets[1:])):
+            if self._runs and self._runs[-1][2] == stop - start:
+                first, count, width = self._runs[-1]
+                self._runs[-1] = (first, count + 1, width)
+            else:
+                self._runs.append((index, 1, stop - start))
+        self._flat: torch.Tensor | None = None
+        self._run_blocks: list[torch.Tensor] = []  # per run, its part of the flat tensor as [count, W, width]
         self.full: list[nn.Parameter] | None = None
         self.is_gathered = False
         self.gathered_in_pass = -1  # the forward pass (``_state.py``) whose start last gathered them
@@ -88,6 +101,12 @@ class GatheredParams:
     @property
     def segment_numel(self) -> int:
         return self._offsets[-1]
+
+    @property
+    def full_nbytes(self) -> int:
+        """The memory the full parameters hold while gathered: the flat tensor they are views of, with
+        every parameter's padding rows (fewer than W rows each, as in FSDP2's all-gather output)."""
+        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
 
     @property
     def requires_grad(self) -> bool:
@@ -132,26 +151,31 @@ class GatheredParams:
 
     def _unpack(self, received: torch.Tensor) -> None:
         """The full parameters from ``received`` (``[W, segment]``: every rank's segment)."""
-        state, dtype = self.state, received.dtype
+        world = self.state.ring.size
         if self.full is None:
-            self.full = [
-                nn.Parameter(torch.empty(p.shape, dtype=dtype, device=state.device), requires_grad=p.requires_grad)
-                for p in self.params
+            self._flat = torch.empty(world * self.segment_numel, dtype=received.dtype, device=self.state.device)
+            self.full = []
+            for param, offset in zip(self.params, self._offsets):
+                data = self._flat[world * offset : world * offset + param.numel()].view(param.shape)
+                self.full.append(nn.Parameter(data, requires_grad=param.requires_grad))
+            self._run_blocks = [
+                self._flat[world * self._offsets[first] : world * self._offsets[first + count]].view(count, world, width)
+                for first, count, width in self._runs
             ]
         elif not self.is_gathered:
-            for full in self.full:
-                full.untyped_storage().resize_(full.numel() * full.element_size())
-        for index, (full, param) in enumerate(zip(self.full, self.params)):
+            self._flat.untyped_storage().resize_(self._flat.numel() * self._flat.element_size())
+        for full, param in zip(self.full, self.params):
             full.requires_grad_(param.requires_grad)
-            with torch.no_grad(), preserve_version_counter(full):
-                for rows, shards in self.every_shard(received, index, full):
-                    rows.copy_(shards)
+        # The full parameters share the flat tensor's version counter: autograd may have saved them.
+        with torch.no_grad(), preserve_version_counter(self._flat):
+            for block, (first, count, width) in zip(self._run_blocks, self._runs):
+                offset = self._offsets[first]
+                block.copy_(received[:, offset : offset + count * width].unflatten(1, (count, width)).transpose(0, 1))
         self.is_gathered = True
 
     def free(self) -> None:
         if self.is_gathered:
-            for full in self.full:
-                full.untyped_storage().resize_(0)
+            self._flat.untyped_storage().resize_(0)
             self.is_gathered = False
 
     def reduce_gradients(self) -> None:
