@@ -411,11 +411,15 @@ class Ring:
                 arriving = 1 if held == 0 else 0
                 incoming = buffers[arriving]
                 part = None if region is None else region(step)
+                if part == slice(None):
+                    part = None  # all of it, with no slice dispatched
                 if passenger is not None and step == boards_at:
                     sent, received = wide[held], wide[arriving]
-                    passenger.board(sent[behind:])
-                    begin = 0 if part is None else part.start
-                    works = self.exchange(sent[begin:], received[begin:], tag)
+                    behind_sent, behind_received = sent[behind:], received[behind:]
+                    passenger.board(behind_sent)
+                    if part is not None:
+                        sent, received = sent[part.start :], received[part.start :]
+                    works = self.exchange(sent, received, tag)
                 elif part is None:
                     works = self.exchange(current, incoming, tag)
                 else:
@@ -436,7 +440,7 @@ class Ring:
                 if rider is not None:
                     rider.arrived(step + 1, current[rider_at:])
                 if passenger is not None and step == boards_at:
-                    passenger.alight(sent[behind:], received[behind:], arriving)
+                    passenger.alight(behind_sent, behind_received, arriving)
             prefetched = False
         if rider is not None:
             rider.finish(current[rider_at:])
