@@ -53,12 +53,11 @@ class RingLayer:
         return record_function(self._range_names[phase]) if profiler_enabled() else contextlib.nullcontext()
 
 
-def finished_gradients(state, message: Message, first: int, final: torch.Tensor, dtype: torch.dtype):
+def finished_gradients(state, message: Message, first: int, final: torch.Tensor) -> list[torch.Tensor]:
     """This rank's reduced shards of the gradient segments ``first:`` of the last message, copied out of
-    the ring buffer and divided in one piece."""
-    own = final[message.offsets[first] : message.nbytes].clone()
-    state.divide_gradient(own.view(dtype))
-    return message.tail(first).views(own, state.ring.rank)
+    the ring buffer divided (``gradient_divisor``): one op each, from views of the buffer."""
+    divisor = state.gradient_divisor
+    return [view.clone() if divisor == 1 else view / divisor for view in message.views(final, state.ring.rank, first)]
 
 
 def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, grad_keys: list, pack_weights, use_weights, contribute, adds: bool = False):
@@ -154,7 +153,7 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
             partial.add_(mine)
 
     final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival, rider=PENDING_REDUCTIONS.ring_rider(ring))
-    reduced = finished_gradients(state, message, weight_segments, final, grads.segments[0].dtype)
+    reduced = finished_gradients(state, message, weight_segments, final)
     RING_BUFFERS.trim()
     return reduced
 

@@ -123,12 +123,16 @@ class RSDPState(FSDPState):
     def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         return self.mp_policy.reduce_dtype or self.compute_dtype(param_dtype)
 
+    @property
+    def gradient_divisor(self) -> float:
+        """What a shard group's reduced gradient is divided by: the mean over all data-parallel ranks once
+        the replica groups' are summed (HSDP, ``RingGradients.flush``), unless a divide factor was set."""
+        return self.gradient_divide_factor or self.mesh.size()
+
     def divide_gradient(self, reduced: torch.Tensor) -> None:
-        """Divide a shard group's reduced gradient in place: the mean over all data-parallel ranks once the
-        replica groups' are summed (HSDP, ``RingGradients.flush``), unless a divide factor was set."""
-        factor = self.gradient_divide_factor or self.mesh.size()
-        if factor != 1:
-            reduced.div_(factor)
+        """Divide a shard group's reduced gradient in place (``gradient_divisor``)."""
+        if self.gradient_divisor != 1:
+            reduced.div_(self.gradient_divisor)
 
     def unsynced_gradient(self, key, segment) -> torch.Tensor:
         """The full-size gradient (every shard, ``[W, padded shard]``) accumulated for one parameter of a

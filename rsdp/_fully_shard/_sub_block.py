@@ -393,6 +393,9 @@ class _RingSubBlockFunction(torch.autograd.Function):
         grads = message_of(tuple(grad_segments))
         message = message_of(grads.segments + weight_segments)
         first_weight = len(grad_segments)
+        # The partials' views in the orientation of the gradients autograd gives: those of colwise weights
+        # transposed, as their operands are.
+        grads_transposed = tuple(block.transposed[slot] for slot in grad_index)
         weights_start = message.offsets[first_weight]
         row_layout = weight_segments[-1].layout
         keys = [(id(block), slot) for slot in grad_index]
@@ -402,7 +405,8 @@ class _RingSubBlockFunction(torch.autograd.Function):
         def step(shard: int, operands: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
             """Backpropagate through the sub-block for ``shard`` (its kept graph, or a recomputation) with
             its weight ``operands``: input gradients into this rank's, weight gradients written or added
-            (``add``) into ``into``."""
+            (``add``) into ``into``, views shaped as the operands are (a colwise weight's transposed:
+            ``grads_transposed``), so that no gradient is transposed first."""
             if row_layout.rows_of(shard) == 0:
                 if into is not None and not add:
                     for view in into:
@@ -431,7 +435,6 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     if not add:
                         view.zero_()
                     continue
-                g = g.t() if block.transposed[slot] else g  # a colwise weight's operand is transposed
                 if add:
                     view.add_(g)
                 else:
@@ -454,8 +457,10 @@ class _RingSubBlockFunction(torch.autograd.Function):
         if grad_index and state.requires_gradient_sync:
             mine = RING_BUFFERS.scratch(grads.nbytes, ring.device)
             unsynced = [state.take_unsynced(key) for key in keys]
+            any_unsynced = any(total is not None for total in unsynced)
 
             def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
+                """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""
                 for view, total in zip(views, unsynced):
                     if total is not None:
                         view.add_(state.unsynced_shard(total, shard, view.shape))
@@ -464,15 +469,17 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 """The owner's own contribution, from its local shard: while the first message (its
                 weights) travels, to be added when its partial comes home."""
                 if hop == 0:
-                    own = grads.views(mine, ring.rank)
+                    own = grads.views(mine, ring.rank, transposed=grads_transposed)
                     step(ring.rank, message.views(buffer, ring.rank, first_weight, block.transposed), own, add=False)
-                    add_unsynced(ring.rank, own)
+                    if any_unsynced:
+                        add_unsynced(ring.rank, grads.views(mine, ring.rank))
 
             def on_arrival(hop: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(hop)
-                into = message.views(buffer, shard)[:first_weight]
+                into = message.views(buffer, shard, transposed=grads_transposed)[:first_weight]
                 step(shard, message.views(buffer, shard, first_weight, block.transposed), into, add=hop > 1)  # hop 1 starts it
-                add_unsynced(shard, into)
+                if any_unsynced:
+                    add_unsynced(shard, message.views(buffer, shard)[:first_weight])
 
             def region(hop: int) -> slice:
                 return slice(weights_start, None) if hop == 0 else slice(None)  # nothing added to a partial yet
@@ -482,7 +489,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     buffer = RING_BUFFERS.pair(message.nbytes, ring.device)[0]
                     pack(buffer)
                     own_contribution(0, buffer)
-                    deliver(finished_gradients(state, grads, 0, mine, reduce_dtype))
+                    deliver(finished_gradients(state, grads, 0, mine))
                 else:
                     final = ring.circulate(
                         message.nbytes, layer.tags[Phase.BACKWARD], pack, own_contribution, on_arrival, region=region
@@ -495,7 +502,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                         # One add for every segment: all are in reduce_dtype, so none has a gap before it
                         # (padding rows are added too, and never read).
                         partials[: grads.nbytes].view(reduce_dtype).add_(own.view(reduce_dtype))
-                        deliver(finished_gradients(state, grads, 0, partials, reduce_dtype))
+                        deliver(finished_gradients(state, grads, 0, partials))
 
                     DEFERRED_HOPS.defer(DeferredHop(ring, layer.tags[Phase.BACKWARD], final[: grads.nbytes].clone(), home))
         else:
@@ -508,6 +515,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 shard = ring.weight_shard_at(hop)
                 views = weights_only.views(buffer, shard)
                 into = [state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, grad_index)]
+                into = [view.t() if transposed else view for view, transposed in zip(into, grads_transposed)]
                 step(shard, weights_only.views(buffer, shard, transposed=block.transposed), into, add=True)
 
             with layer.profiled(Phase.BACKWARD):
