@@ -194,18 +194,18 @@ class _Call:
         self.output_spec, self.output_position = None, None
         self.keeps_graphs = False
 
-    def arguments(self, tensors: list[torch.Tensor]) -> tuple:
-        """The call's ``(args, kwargs)`` with ``tensors`` for its tensors: made once for a ring's steps,
-        which all take the same."""
+    def arguments(self, tensors: list[torch.Tensor]) -> "_Arguments":
+        """The call's arguments with ``tensors`` for its tensors: made once for a ring's steps, which all
+        take the same."""
         leaves = list(self.leaves)
         for index, tensor in zip(self.tensor_at, tensors):
             leaves[index] = tensor
-        return tree_unflatten(leaves, self.spec)
+        return _Arguments(*tree_unflatten(leaves, self.spec), tensors)
 
-    def run(self, arguments: tuple, shard_params) -> torch.Tensor:
-        """The sub-block's forward on ``arguments`` (``(args, kwargs)`` as ``arguments()`` makes them) with
-        one shard's parameters installed; returns the rowwise Linear's output (the partial output)."""
-        args, kwargs = arguments
+    def run(self, arguments: "_Arguments", shard_params) -> torch.Tensor:
+        """The sub-block's forward on ``arguments`` (as ``arguments()`` makes them) with one shard's
+        parameters installed; returns the rowwise Linear's output (the partial output)."""
+        args, kwargs = arguments.args, arguments.kwargs
         block = self.block
         linears = block.columns + [block.row]
         # Each Linear's forward becomes its product with the shard's parameters, as an instance
@@ -215,7 +215,9 @@ class _Call:
         # Linear's own forward, whose compiler-disable wrapper adds about six Python calls to each.
         produced = []
         for linear, (weight_t, bias) in zip(linears, shard_params):
-            linear.__dict__["forward"] = functools.partial(_shard_product, weight_t, bias, produced if linear is block.row else None)
+            linear.__dict__["forward"] = functools.partial(
+                _shard_product, weight_t, bias, arguments, produced if linear is block.row else None
+            )
         try:
             output = block.forward(block.module, *args, **kwargs)
         finally:
@@ -239,13 +241,41 @@ class _Call:
         return tree_unflatten(out_leaves, self.output_spec)
 
 
-def _shard_product(weight_t: torch.Tensor, bias: torch.Tensor | None, outputs: list | None, input: torch.Tensor) -> torch.Tensor:
+class _Arguments:
+    """A call's ``(args, kwargs)`` for the steps of one ring, and its tensors flattened as the planned
+    Linears take them (``[tokens, features]``): once for every step and Linear that reads one (q, k and
+    v read the block's input at each of the W steps), not once per product."""
+
+    def __init__(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]):
+        self.args, self.kwargs = args, kwargs
+        # id -> (tensor, its version when flattened, the flat view or None): the tensors are held, so
+        # their ids stay theirs; a tensor changed in place since is flattened again.
+        self._flat = {id(t): (t, -1, None) for t in tensors}
+
+    def flat(self, input: torch.Tensor) -> torch.Tensor:
+        entry = self._flat.get(id(input))
+        if entry is None or input.is_inference():  # an activation inside the block; no version counter
+            return _flattened(input)
+        _, version, flat = entry
+        if version != input._version:
+            flat = _flattened(input)
+            self._flat[id(input)] = (input, input._version, flat)
+        return flat
+
+
+def _flattened(input: torch.Tensor) -> torch.Tensor:
+    return input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
+
+
+def _shard_product(
+    weight_t: torch.Tensor, bias: torch.Tensor | None, arguments: _Arguments, outputs: list | None, input: torch.Tensor
+) -> torch.Tensor:
     """A planned Linear's forward during a ring step: ``linear(input, weight, bias)`` with one shard's
     parameters, computed as ATen's ``linear`` computes it (``mm``, or ``addmm`` with a bias, of the
     flattened input and the transposed weight), but with the transposed weight given: ``weight_t`` is
     then the very tensor autograd saves (see ``_ShardGraphs``). The rowwise Linear's output is also
     kept in ``outputs``: it is the partial output."""
-    flat = input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
+    flat = arguments.flat(input)
     output = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
     output = output.view(*input.shape[:-1], weight_t.shape[1])
     if outputs is not None:
