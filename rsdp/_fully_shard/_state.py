@@ -104,6 +104,9 @@ class RSDPState(FSDPState):
         self._gathered_slots: list[tuple[nn.Module, str, int]] = []
         # (module, attribute, ring layer) of every weight installed as a RingOperand while it runs.
         self.operand_slots: list[tuple[nn.Module, str, Any]] = []
+        # slot index -> (the RingOperand installed there last, whether it requires grad): made once,
+        # not at every forward. (A RingOperand's own attributes go through its __torch_function__.)
+        self._operands: dict[int, tuple[RingOperand, bool]] = {}
         # The backward (graph task) whose post-backward this state awaits, None when none does.
         self._post_backward_task: int | None = None
         self.forward_depth = 0  # this module's forwards running now (nested calls count)
@@ -269,11 +272,15 @@ class RSDPState(FSDPState):
             full = self.gathered.full if self.gathered.is_gathered else self.gathered.gather()
             for owner, name, index in self._gathered_slots:
                 owner._parameters[name] = full[index]
-        for owner, name, layer in self.operand_slots:
+        for slot, (owner, name, layer) in enumerate(self.operand_slots):
             current = owner._parameters.get(name)
             if not isinstance(current, RingOperand):
                 sharded(current, owner, name)  # raises if it is no longer a sharded parameter
-                owner._parameters[name] = RingOperand(current, layer)
+                operand, requires_grad = self._operands.get(slot, (None, None))
+                if operand is None or operand.sharded_param is not current or requires_grad != current.requires_grad:
+                    operand = RingOperand(current, layer)
+                    self._operands[slot] = (operand, current.requires_grad)
+                owner._parameters[name] = operand
 
     def _await_post_backward(self) -> None:
         task = current_graph_task_id()
