@@ -76,19 +76,20 @@ class GatheredParams:
         self.layouts = [shard_layout(p.shape[0], state.ring.size) for p in params]
         self.trailing = [p.shape[1:] for p in params]
         self._inner = [math.prod(shape) for shape in self.trailing]
+        self._widths = [layout.chunk * inner for layout, inner in zip(self.layouts, self._inner)]  # per rank
         self._offsets = [0]
-        for layout, inner in zip(self.layouts, self._inner):
-            self._offsets.append(self._offsets[-1] + layout.chunk * inner)
+        for width in self._widths:
+            self._offsets.append(self._offsets[-1] + width)
         # The full parameters are views of one flat tensor: parameter i at the start of a block of its W
         # segments (``W * _offsets[i]``; its padding rows follow it), so that a run of parameters whose
         # segments are equally wide (a norm's weight and bias) is refilled by one copy.
         self._runs: list[tuple[int, int, int]] = []  # (first parameter, count, segment width)
-        for index, (start, stop) in enumerate(zip(self._offsets, self._offsets[1:])):
-            if self._runs and self._runs[-1][2] == stop - start:
-                first, count, width = self._runs[-1]
+        for index, width in enumerate(self._widths):
+            if self._runs and self._runs[-1][2] == width:
+                first, count, _ = self._runs[-1]
                 self._runs[-1] = (first, count + 1, width)
             else:
-                self._runs.append((index, 1, stop - start))
+                self._runs.append((index, 1, width))
         self._flat: torch.Tensor | None = None
         self._run_blocks: list[torch.Tensor] = []  # per run, its part of the flat tensor as [count, W, width]
         self.full: list[nn.Parameter] | None = None
@@ -112,27 +113,34 @@ class GatheredParams:
     def requires_grad(self) -> bool:
         return any(p.requires_grad for p in self.params)
 
-    def segment_view(self, flat: torch.Tensor, index: int, shard: int) -> torch.Tensor:
-        """Shard ``shard`` of parameter ``index`` inside one rank's flat segment."""
-        rows = self.layouts[index].rows_of(shard)
-        offset = self._offsets[index]
-        return flat[offset : offset + rows * self._inner[index]].view(rows, *self.trailing[index])
+    def segment_views(self, flat: torch.Tensor, shard: int) -> list[torch.Tensor]:
+        """Shard ``shard`` of every parameter inside one rank's flat segment (``flat`` may go on after it):
+        one split, and a view more only where a shard is shorter than its place or not a vector."""
+        pieces = flat.split([*self._widths, flat.numel() - self.segment_numel])
+        views = []
+        for piece, layout, inner, trailing in zip(pieces, self.layouts, self._inner, self.trailing):
+            rows = layout.rows_of(shard)
+            if rows * inner != piece.numel():
+                piece = piece[: rows * inner]
+            views.append(piece.view(rows, *trailing) if trailing else piece)
+        return views
 
-    def every_shard(self, segments: torch.Tensor, index: int, full: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Parameter ``index``'s rows in ``segments`` (``[W, segment]``: every rank's flat segment) and in
-        ``full`` (the whole parameter, or its gradient; contiguous), as at most two pairs of views of
-        the same rows, ``(in full, in segments)``: the whole shards, and the last, short one. Copying
-        those is two ops per parameter instead of one per rank (a host dispatch each)."""
+    def every_shard(self, shards: torch.Tensor, index: int, full: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Parameter ``index``'s rows in ``shards`` (``[W, its width]``: its place in every rank's flat
+        segment) and in ``full`` (the whole parameter, or its gradient; contiguous), as at most two pairs
+        of views of the same rows, ``(in full, in shards)``: the whole shards, and the last, short one.
+        Copying those is two ops per parameter instead of one per rank (a host dispatch each)."""
         layout, trailing = self.layouts[index], self.trailing[index]
         if layout.rows == 0:
             return []
-        offset = self._offsets[index]
-        shards = segments[:, offset : offset + layout.chunk * self._inner[index]].view(layout.world, layout.chunk, *trailing)
+        shards = shards.view(layout.world, layout.chunk, *trailing)
         whole, rest = divmod(layout.rows, layout.chunk)
-        pairs = [(full[: whole * layout.chunk].view(whole, layout.chunk, *trailing), shards[:whole])]
-        if rest:
-            pairs.append((full[whole * layout.chunk :], shards[whole, :rest]))
-        return pairs
+        if not rest:
+            return [(full.view(whole, layout.chunk, *trailing), shards if whole == layout.world else shards[:whole])]
+        return [
+            (full[: whole * layout.chunk].view(whole, layout.chunk, *trailing), shards[:whole]),
+            (full[whole * layout.chunk :], shards[whole, :rest]),
+        ]
 
     @property
     def gather_key(self) -> tuple:
@@ -146,8 +154,8 @@ class GatheredParams:
         return self.full
 
     def _pack(self, send: torch.Tensor) -> None:
-        for index, param in enumerate(self.params):
-            self.segment_view(send, index, self.state.ring.rank).copy_(local_of(param))
+        for view, param in zip(self.segment_views(send, self.state.ring.rank), self.params):
+            view.copy_(local_of(param))
 
     def _unpack(self, received: torch.Tensor) -> None:
         """The full parameters from ``received`` (``[W, segment]``: every rank's segment)."""
@@ -192,8 +200,9 @@ class GatheredParams:
         # [W, segment | one "used" flag per parameter]: rank r receives the sum of everyone's flags.
         contributions = torch.zeros(world, self.segment_numel + count, dtype=dtype, device=state.device)
         used = [index for index, grad in enumerate(grads) if grad is not None]
+        places = contributions.split([*self._widths, count], dim=1)
         for index in used:
-            for rows, shards in self.every_shard(contributions, index, grads[index].contiguous()):
+            for rows, shards in self.every_shard(places[index], index, grads[index].contiguous()):
                 shards.copy_(rows)
         flags = contributions[:, self.segment_numel :]
         if len(used) == count:  # the usual case: one op sets them all
@@ -228,12 +237,13 @@ class GatheredParams:
 
     def _write_gradients(self, used_here: list[bool], reduced: torch.Tensor) -> None:
         """Each used parameter's shard of ``reduced`` (summed over replicas, under HSDP) into its ``.grad``."""
-        for index, (param, used) in enumerate(zip(self.params, used_here)):
+        views = self.segment_views(reduced, self.state.ring.rank)
+        for index, (param, used, view) in enumerate(zip(self.params, used_here, views)):
             if not param.requires_grad:
                 continue
             if not used and not bool(reduced[self.segment_numel + index] > 0):
                 continue  # no rank used it
-            write_gradient(param, self.segment_view(reduced, index, self.state.ring.rank).to(param.dtype))
+            write_gradient(param, view.to(param.dtype))
 
 
 def _parts(modules: list[GatheredParams]) -> list[tuple[GatheredParams, int, int]]:
