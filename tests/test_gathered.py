@@ -213,6 +213,42 @@ def test_gathered_vectors_cost_the_same_ops_at_any_world_size(ranks):
     assert counts[2] == counts[4], counts
 
 
+class TwoWidths(nn.Module):
+    """Vectors of two widths: a norm's weight and bias and a bias-free norm's weight (12), a norm's (7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide, self.wide_no_bias, self.narrow = nn.LayerNorm(12), nn.LayerNorm(12, bias=False), nn.LayerNorm(7)
+
+    def forward(self, x):
+        return self.wide_no_bias(self.wide(x)).sum() + self.narrow(x[:, :7]).sum()
+
+
+def refill_case():
+    """The aten ops of refilling a module's full vectors from a gather (``[W, segment]``), and what
+    they hold then."""
+    _, world = rank_and_world()
+    model = TwoWidths()
+    rsdp_shard(model)
+    model(torch.randn(3, 12)).backward()  # the full tensors exist
+    gathered = model._get_rsdp_state().gathered
+    received = torch.arange(world * gathered.segment_numel, dtype=torch.float32).view(world, -1)
+    with OpCounter() as ops:
+        gathered._unpack(received)
+    for full, start, stop in zip(gathered.full, gathered._offsets, gathered._offsets[1:]):
+        expected = received[:, start:stop].reshape(-1)[: full.numel()]  # every rank's rows, in rank order
+        assert torch.equal(full.detach(), expected), (full, expected)
+    return ops.by_op
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_vectors_are_refilled_by_one_copy_per_run_of_equal_widths(ranks, world):
+    """The wide norms' three vectors are refilled by one copy, the narrow norm's two by a second (the
+    last rank's rows short at W=3): not one copy, and a few views, per parameter."""
+    by_op = ranks.run(world, refill_case)[0]
+    assert by_op["aten.copy_"] == 2 and sum(by_op.values()) <= 10, by_op
+
+
 def unused_case():
     """``unused`` is used by no rank, ``scale`` by rank 0 only."""
     rank, world = rank_and_world()
