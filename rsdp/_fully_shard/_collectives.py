@@ -19,10 +19,10 @@ While installed they are **leaf** ``nn.Parameter``s, persistent tensors whose st
 gather and freed afterwards (FSDP2's unsharded parameters; views of one flat tensor, so that a gather
 refills a norm's weight and bias with one copy): tools that hook module parameters during forward
 (torch's ``MemTracker``, ``register_post_accumulate_grad_hook``) work, and autograd saves the same
-tensor the backward's gather refills. Their gradients land in ``.grad`` of the
-full tensors; once reduce-scattered they go to the module's ``RingGradients`` (``_grad.py``), which
-writes the ``Shard(0)`` ``.grad``. Under HSDP the module's post-backward reduce-scatters its own at
-once, so that they join the one all-reduce over replicas it makes of the module's gradients.
+tensor the backward's gather refills. Their gradients land in ``.grad`` of the full tensors; once
+reduce-scattered they go to the module's ``RingGradients`` (``_grad.py``), which writes the
+``Shard(0)`` ``.grad``. Under HSDP the module's post-backward reduce-scatters its own at once, so that
+they join the one all-reduce over replicas it makes of the module's gradients.
 
 Resharding after forward (``reshard_after_forward=True``) frees the full tensors between forward and
 backward, which then gathers them again: one more all-gather per module and step. rsdp's default keeps
