@@ -50,6 +50,10 @@ def test_benchmark_reports_sane_figures(strategy, tmp_path):
     assert all(peak > 0 for peak in result["peak_memory_bytes_per_rank"])
     assert all(sent > 0 for sent in result["bytes_sent_per_step_per_rank"])
     assert result["cpu_per_step_s"] >= result["system_cpu_per_step_s"] >= 0 and result["cpu_per_step_s"] > 0
+    phases = result["phase_times_s"]
+    assert list(phases) == ["forward", "backward", "optimizer"] and all(seconds > 0 for seconds in phases.values())
+    assert sum(phases.values()) <= result["step_time_s"], (phases, result["step_time_s"])  # the same rank's steps
+    assert "phases         forward " in done.stdout
 
 
 def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):

@@ -5,7 +5,8 @@ CPU, spawn on CUDA) unless torchrun already started them, and on every rank buil
 parallelises it, and trains it on synthetic data:
 
 - ``--warmup`` batches, untimed;
-- ``--max_batch`` measured batches, timed on every rank (the slowest rank's time counts);
+- ``--max_batch`` measured batches, timed on every rank (the slowest rank's time counts), and within
+  each its forward (with the loss), backward and optimizer step (CUDA events on GPUs, no extra sync);
 - one more batch under ``rsdp.memory.MemoryTracker`` and ``CommCounter``, both of which slow a CPU run
   down (they are dispatch modes there), which is why they stay out of the timed batches. Its peak is
   the steady-state peak of one batch above the sharded parameters and optimizer state.
@@ -232,6 +233,25 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _mark(device: torch.device):
+    """A point in a step to time its phases from: a recorded CUDA event (no sync), or the clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _seconds_between(marks: list) -> list[float]:
+    """The seconds between consecutive ``_mark``s (on CUDA, once the step has synchronised)."""
+    if isinstance(marks[0], float):
+        return [end - start for start, end in zip(marks, marks[1:])]
+    return [start.elapsed_time(end) / 1e3 for start, end in zip(marks, marks[1:])]
+
+
 def _benchmark(strategy: Strategy, worker: Worker) -> dict:
     args, device = worker.args, worker.device
     torch.manual_seed(MODEL_SEED)
@@ -247,33 +267,39 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
     total_batches = args.warmup + args.max_batch + 1
     batches = list(_synthetic_batches(args, data_rank, total_batches, device))
 
-    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, list[float]]:
+        """The loss, and the seconds of the step's phases (``PHASES``)."""
+        marks = [_mark(device)]
         with strategy.loss_context():
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            marks.append(_mark(device))
             loss.backward()
+        marks.append(_mark(device))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        marks.append(_mark(device))
+        return loss.item(), _seconds_between(marks)  # item() waits for the step
 
     def log(label: str, loss: float, seconds: float) -> None:
         if worker.rank == 0:
             print(f"[{strategy.name}] {label} | loss {loss:.4f} | {seconds * 1e3:8.1f} ms", flush=True)
 
-    step_times = []
+    step_times, phase_totals = [], [0.0] * len(PHASES)
     cpu_at_start = cpu_at_end = resource.getrusage(resource.RUSAGE_SELF)
     for index, batch in enumerate(batches[:-1]):
         _synchronize(device)
         if index == args.warmup:
             cpu_at_start = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
-        loss = train_step(*batch)
+        loss, phases = train_step(*batch)
         _synchronize(device)
         seconds = time.perf_counter() - start
         if index < args.warmup:
             log(f"warm-up {index + 1}/{args.warmup}", loss, seconds)
         else:
             step_times.append(seconds)
+            phase_totals = [total + phase for total, phase in zip(phase_totals, phases)]
             log(f"batch {len(step_times)}/{args.max_batch}", loss, seconds)
     if step_times:
         cpu_at_end = resource.getrusage(resource.RUSAGE_SELF)
@@ -282,12 +308,13 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
     release_ring_buffers()
     with MemoryTracker(device) as memory, CommCounter() as comm:
         start = time.perf_counter()
-        final_loss = train_step(*batches[-1])
+        final_loss, _ = train_step(*batches[-1])
         log("memory+comm", final_loss, time.perf_counter() - start)
 
     per_rank = [None] * worker.world_size
     mine = {
         "measured_s": sum(step_times),
+        "phases_s": phase_totals,
         # The process's CPU time over the measured batches, all its threads (communication's too).
         "user_s": cpu_at_end.ru_utime - cpu_at_start.ru_utime,
         "system_s": cpu_at_end.ru_stime - cpu_at_start.ru_stime,
@@ -299,7 +326,8 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
     }
     dist.all_gather_object(per_rank, mine)
 
-    measured_s = max(r["measured_s"] for r in per_rank)
+    slowest = max(per_rank, key=lambda r: r["measured_s"])
+    measured_s = slowest["measured_s"]
     sequences = args.batch_size * data_parallel_size * args.max_batch
     return {
         "strategy": strategy.name,
@@ -310,6 +338,8 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "config": {name: getattr(args, name) for name in (*MODEL_FLAGS, "max_batch", "warmup")},
         "parameters": parameter_count,
         "step_time_s": measured_s / args.max_batch,
+        # Where the slowest rank's step goes (the rest is waiting for the loss).
+        "phase_times_s": {name: total / args.max_batch for name, total in zip(PHASES, slowest["phases_s"])},
         # Host CPU time per step, summed over the ranks: on ranks that share cores the step time
         # follows it; on GPUs it is the host work that bounds small batches.
         "cpu_per_step_s": sum(r["user_s"] + r["system_s"] for r in per_rank) / args.max_batch,
@@ -341,11 +371,13 @@ def _print_summary(results: dict) -> None:
     config = results["config"]
     shape = " ".join(f"{name} {config[name]}" for name in MODEL_FLAGS)
     per_rank = ", ".join(format_bytes(b) for b in results["peak_memory_bytes_per_rank"])
+    phases = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in results["phase_times_s"].items())
     print(
         f"\n== {results['strategy']}: {results['world_size']} ranks, {results['device']}, {results['dtype']}, "
         f"{results['parameters']:,} parameters | {shape}\n"
         f"  step time      {results['step_time_s'] * 1e3:.1f} ms (mean of {config['max_batch']} measured batches, "
         f"slowest rank; {config['warmup']} warm-up batches excluded)\n"
+        f"  phases         {phases} (the slowest rank's, mean per step)\n"
         f"  throughput     {results['tokens_per_s']:.1f} tokens/s, {results['sequences_per_s']:.2f} sequences/s "
         f"(global: {results['data_parallel_size']} data-parallel ranks)\n"
         f"  host CPU       {results['cpu_per_step_s'] * 1e3:.1f} ms per step, all ranks together "
