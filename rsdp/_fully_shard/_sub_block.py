@@ -487,7 +487,6 @@ class _RingSubBlockFunction(torch.autograd.Function):
         if grad_index and state.requires_gradient_sync:
             mine = RING_BUFFERS.scratch(grads.nbytes, ring.device)
             unsynced = [state.take_unsynced(key) for key in keys]
-            any_unsynced = any(total is not None for total in unsynced)
 
             def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
                 """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""
@@ -501,15 +500,13 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 if hop == 0:
                     own = grads.views(mine, ring.rank, transposed=grads_transposed)
                     step(ring.rank, message.views(buffer, ring.rank, first_weight, block.transposed), own, add=False)
-                    if any_unsynced:
-                        add_unsynced(ring.rank, grads.views(mine, ring.rank))
+                    add_unsynced(ring.rank, grads.views(mine, ring.rank))
 
             def on_arrival(hop: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(hop)
                 into = message.views(buffer, shard, transposed=grads_transposed)[:first_weight]
                 step(shard, message.views(buffer, shard, first_weight, block.transposed), into, add=hop > 1)  # hop 1 starts it
-                if any_unsynced:
-                    add_unsynced(shard, message.views(buffer, shard)[:first_weight])
+                add_unsynced(shard, message.views(buffer, shard)[:first_weight])
 
             def region(hop: int) -> slice:
                 return slice(weights_start, None) if hop == 0 else slice(None)  # nothing added to a partial yet
