@@ -8,7 +8,6 @@ forward — against the single-process fp64 reference, and its memory against FS
 """
 
 import importlib.util
-import sys
 import warnings
 
 import pytest
@@ -219,10 +218,9 @@ def test_an_op_with_no_ring_form_gathers_exactly_and_warns_once(ranks):
 
 
 def torchtitan_embedding_case():
-    if "torchtitan" not in sys.modules:
-        from rsdp.torchtitan import _cpu
+    from rsdp.torchtitan import _cpu
 
-        _cpu.prepare_imports()  # torchtitan imports triton kernels, absent on CPU machines
+    _cpu.prepare_imports()  # torchtitan imports triton kernels, absent on CPU machines
     from torchtitan.models.common.embedding import Embedding
 
     rank, world = rank_and_world()

@@ -2,22 +2,26 @@
 the same under every strategy as under torchtitan's own FSDP, and resumes across strategies.
 
 Every run starts from one seed checkpoint (torchtitan's way to give differently sharded runs the same
-initial weights) and reads a tokenizer and dataset generated here. Each run is a real
-``python -m rsdp.torchtitan.train`` process tree (~10 s), so the runs are few and shared.
+initial weights) and reads a tokenizer and dataset generated here. Each run is the CPU launcher's
+process tree, forked from this process (a few seconds), and the runs are few and shared.
 """
 
+import itertools
+import multiprocessing
 import os
 import re
-import subprocess
+import signal
 import sys
 
 import pytest
 
 from rsdp.torchtitan import _cpu
+from rsdp.torchtitan import train as launcher
 from rsdp.torchtitan.assets import write_assets
 
 _cpu.prepare_imports()  # this module imports torchtitan below, without triton or a GPU
 
+import torchtitan.train  # noqa: E402,F401  (once: every launch forks from this process)
 from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.models.llama3 import model_registry as llama3_model  # noqa: E402
 from torchtitan.models.qwen3 import model_registry as qwen3_model  # noqa: E402
@@ -31,6 +35,8 @@ STEPS = 3
 # sharding agree to about 1e-6. The gradient norm is what catches a wrong reduction (mean instead of
 # torchtitan's sum): AdamW's steps, and so the losses, barely change when every gradient halves.
 RTOL = 2e-4
+LAUNCH_TIMEOUT_S = 600
+_launches = itertools.count()
 AUTO_BUDGETS_MIB = (61, 75)  # a mixed plan and one that is all replicate but for the embedding (see the test)
 BF16_RTOL = 5e-4  # bf16 compute; the measured gap is under 1e-4
 STEP_LOG = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
@@ -55,18 +61,43 @@ def logged_losses(output: str) -> dict[int, tuple[float, float]]:
 def launch_training(workdir, name: str, *flags: str, nproc: int = 2, steps: int = STEPS, module: str = "rsdp.torchtitan",
                     config: str = "llama3_debugmodel_rsdp") -> str:
     """Run the CPU launcher in ``workdir`` with dump folder ``name``; what it printed."""
-    command = [
-        sys.executable, "-m", "rsdp.torchtitan.train", f"--nproc={nproc}", "--module", module, "--config", config,
+    argv = [
+        f"--nproc={nproc}", "--module", module, "--config", config,
         "--hf_assets_path", "assets/tokenizer", "--dataloader.dataset_path", "assets/dataset",
         "--dump_folder", name, f"--training.steps={steps}", "--training.seq_len=64",
         "--training.local_batch_size=2", "--metrics.disable_color_printing", *flags,
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
-    output = done.stdout + done.stderr
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(command)} exited {done.returncode}:\n{output[-6000:]}")
+    exitcode, output = run_launcher(workdir, argv)
+    if exitcode != 0:
+        pytest.fail(f"python -m rsdp.torchtitan.train {' '.join(argv)} exited {exitcode}:\n{output[-6000:]}")
     return output
+
+
+def run_launcher(workdir, argv: list[str]) -> tuple[int, str]:
+    """``python -m rsdp.torchtitan.train *argv`` in ``workdir``: its exit status and what it printed.
+    It runs in a child forked from this process, which has imported torchtitan, so the child and the
+    ranks it forks skip the ~10 s import that a new process pays."""
+    log = workdir / f"launch-{next(_launches)}.log"
+    process = multiprocessing.get_context("fork").Process(target=_launch, args=(workdir, log, argv))
+    process.start()
+    process.join(LAUNCH_TIMEOUT_S)
+    if process.is_alive():
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks
+        process.join()
+    return process.exitcode, log.read_text()
+
+
+def _launch(workdir, log, argv: list[str]) -> None:
+    """``python -m rsdp.torchtitan.train *argv`` in ``workdir``, printing to ``log`` (a forked child)."""
+    os.setpgrp()  # one group with the ranks, to kill them all on a timeout
+    os.chdir(workdir)
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    # pytest's capture replaced these; torchtitan's logger prints to sys.stdout
+    sys.stdout, sys.stderr = open(1, "w", buffering=1, closefd=False), open(2, "w", buffering=1, closefd=False)
+    launcher.main(argv)
 
 
 def from_seed(workdir) -> list[str]:
@@ -105,7 +136,7 @@ def assert_losses_match(logged: dict[int, tuple], expected: dict[int, tuple]) ->
     ids=["fsdp", "replicate", "mixed"],
 )
 def test_strategy_trains_like_torchtitan_fsdp(workdir, torchtitan_fsdp, flags):
-    """rsdp's run is the checkpoint test's, auto's the budget test's (each launch is ~10-25 s)."""
+    """rsdp's run is the checkpoint test's, auto's the budget test's (each launch is ~5-10 s)."""
     losses = train(workdir, "run-" + "-".join(f.split(".")[-1] for f in flags), *from_seed(workdir), *flags)
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert_losses_match(losses, torchtitan_fsdp)
@@ -159,6 +190,13 @@ def test_tensor_parallel_with_fsdp_matches_torchtitan(workdir):
     ours = train(workdir, "tp-fsdp", *tp, "--parallelism.dp_strategy=fsdp")
     assert sorted(stock) == list(range(1, STEPS + 1))
     assert_losses_match(ours, stock)
+
+
+def test_a_failing_rank_fails_the_launch_with_its_error(workdir):
+    exitcode, output = run_launcher(workdir, ["--nproc=2", "--config", "llama3_debugmodel_rsdp", "--training.steps=many"])
+    assert exitcode == 1, output[-3000:]
+    assert "rsdp.torchtitan.train: process 0 terminated with exit code" in output, output[-3000:]
+    assert "--training.steps" in output, output[-3000:]
 
 
 # Configuration errors, without processes.

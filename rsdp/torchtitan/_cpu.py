@@ -13,8 +13,14 @@ import torch
 import torch.distributed as dist
 
 
+_prepared = False
+
+
 def prepare_imports() -> None:
-    """Call before anything imports torchtitan."""
+    """Call before anything imports torchtitan; again, it does nothing (a forked rank inherits them)."""
+    global _prepared
+    if _prepared:
+        return
     if "torchtitan" in sys.modules:
         raise RuntimeError("rsdp.torchtitan CPU shims must be installed before torchtitan is imported")
     import torchtitan.tools.utils as utils
@@ -42,6 +48,7 @@ def prepare_imports() -> None:
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
         dist.set_timeout = lambda timeout, group=None: _set_pg_timeout(timeout, group)
+    _prepared = True
 
 
 class _CPUDeviceModule(types.ModuleType):

@@ -3,15 +3,25 @@
     python -m rsdp.torchtitan.train --nproc 2 --config llama3_debugmodel_rsdp \\
         --parallelism.dp_strategy rsdp --training.steps 3
 
-Starts ``--nproc`` ranks with torchrun (``--standalone``), applies the CPU shims of ``_cpu`` in each,
-and runs ``torchtitan.train``. ``--module`` defaults to ``rsdp.torchtitan``; stock torchtitan configs
-(``--module llama3 --config llama3_debugmodel``) run too. Without ``--hf_assets_path`` and
-``--dataloader.dataset_path`` it uses a tokenizer and dataset generated in ``./outputs/assets``.
+Imports torchtitan once, with the CPU shims of ``_cpu``, and forks ``--nproc`` ranks that run
+``torchtitan.train`` on one machine: a torchrun launch re-imports torch and torchtitan in every rank
+(~10 s each on a small machine). When a rank fails, the others are stopped and the launcher exits 1.
+Started by torchrun (``RANK`` set), it runs that rank. ``--module`` defaults to ``rsdp.torchtitan``;
+stock torchtitan configs (``--module llama3 --config llama3_debugmodel``) run too. Without
+``--hf_assets_path`` and ``--dataloader.dataset_path`` it uses a tokenizer and dataset generated in
+``./outputs/assets``.
+
+Pitfall: the ranks are forked, so the launcher must not have run parallel CPU work before (an OpenMP
+thread pool does not survive a fork); each rank sets its own thread count before its first op.
 """
 
 import argparse
 import os
+import socket
 import sys
+
+import torch
+import torch.multiprocessing as mp
 
 ASSETS = os.path.join("outputs", "assets")
 
@@ -46,13 +56,39 @@ def _with_defaults(args: list[str]) -> list[str]:
     return defaults + args
 
 
-def worker(args: list[str]) -> None:
+def launch(nproc: int, args: list[str]) -> int:
+    """Fork ``nproc`` ranks that run torchtitan's trainer with ``args``; 0 when every rank finished,
+    1 when one failed (its error printed, the others stopped)."""
+    _prepare()
+    environment = {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+    }
+    # Ranks share the cores: one each would leave cores idle, more would oversubscribe them.
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        mp.start_processes(_rank, args=(args, environment, threads), nprocs=nproc, start_method="fork")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as failure:
+        print(f"rsdp.torchtitan.train: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _rank(local_rank: int, args: list[str], environment: dict[str, str], threads: int) -> None:
+    os.environ.update(environment, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    torch.set_num_threads(threads)
+    _train(args)
+
+
+def _prepare() -> None:
+    """Import torchtitan's trainer with the CPU shims, and make its config parser adapt configs to CPUs."""
     from . import _cpu
 
     _cpu.prepare_imports()
-    import torchtitan.train
+    import torchtitan.train  # noqa: F401  (once, here: forked ranks inherit it)
     from torchtitan.config import ConfigManager
 
+    if getattr(ConfigManager.parse_args, "adapts_to_cpu", False):
+        return
     parse_args = ConfigManager.parse_args
 
     def parse_for_cpu(self, argv=None):
@@ -60,20 +96,30 @@ def worker(args: list[str]) -> None:
         _cpu.adapt_config(config)
         return config
 
+    parse_for_cpu.adapts_to_cpu = True
     ConfigManager.parse_args = parse_for_cpu
+
+
+def _train(args: list[str]) -> None:
+    import torchtitan.train
+
     sys.argv = [sys.argv[0], *args]
     torchtitan.train.main()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> None:
     nproc, args = _split(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ:
-        worker(args)
+        _prepare()
+        _train(args)
         return
-    from torch.distributed.run import main as torchrun
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    torchrun(["--standalone", f"--nproc_per_node={nproc}", "-m", "rsdp.torchtitan.train", *_with_defaults(args)])
+    sys.exit(launch(nproc, _with_defaults(args)))
 
 
 if __name__ == "__main__":
