@@ -15,9 +15,9 @@ Where NCCL differs, and what the emulation (``NcclLikeExchanges``) does about it
   emulation runs it at ``wait()``, so a read before it sees the unreduced values.
 
 The first test shows the emulation catching each of these; the others train against the fp64
-reference under it: the planned sub-block rings with their prefetched first messages and deferred hops,
-the norms riding the rings, accumulation without sync, HSDP, and Linear and Embedding rings under
-activation checkpointing that keeps their outputs.
+reference under it (a bf16 policy against FSDP2's): the planned sub-block rings with their prefetched
+first messages and deferred hops, the norms riding the rings, accumulation without sync, HSDP, and
+Linear and Embedding rings under activation checkpointing that keeps their outputs.
 """
 
 import pytest
@@ -157,10 +157,11 @@ def test_planned_lm_under_hsdp_trains_exactly_under_nccl_semantics(ranks):
 
 
 def test_linear_and_embedding_rings_train_exactly_under_nccl_semantics(ranks):
-    """Prefetched Linear and Embedding rings, and (on 3 ranks) activation checkpointing that keeps the
-    ring outputs."""
+    """Prefetched Linear and Embedding rings; on 3 ranks activation checkpointing that keeps the ring
+    outputs, and bf16 messages (a bf16 policy, against FSDP2's)."""
     for exchanges, _ in ranks.run(4, under_nccl_semantics, test_prefetch.trajectory_case):
         assert exchanges > 0
     kept = ranks.run(3, under_nccl_semantics, test_training.lm_training_case, 6, 2, 6, 9, ["rsdp", "rsdp"],
                      checkpointing=True, steps=3, rows=1, seq=4)
-    assert all(exchanges > 0 for exchanges, _ in kept)
+    bf16 = ranks.run(3, under_nccl_semantics, test_training.bf16_case, 11)
+    assert all(exchanges > 0 for exchanges, _ in kept + bf16)
