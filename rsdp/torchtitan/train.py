@@ -11,8 +11,10 @@ stock torchtitan configs (``--module llama3 --config llama3_debugmodel``) run to
 ``--hf_assets_path`` and ``--dataloader.dataset_path`` it uses a tokenizer and dataset generated in
 ``./outputs/assets``.
 
-Pitfall: the ranks are forked, so the launcher must not have run parallel CPU work before (an OpenMP
-thread pool does not survive a fork); each rank sets its own thread count before its first op.
+Pitfall: the ranks are forked, and GNU OpenMP's thread pool does not survive a fork (a child that runs
+a parallel region after its parent ran one can hang). So the launcher forks before any CPU work of its
+own, and each rank sets its thread count before its first op; a process that has run parallel work
+(the tests fork the launcher from theirs) must give its ranks one thread each (``OMP_NUM_THREADS=1``).
 """
 
 import argparse
