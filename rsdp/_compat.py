@@ -66,6 +66,12 @@ def send_and_receive(group, send: torch.Tensor, to: int, receive: torch.Tensor, 
     step of Llama blocks at W=8)."""
     if send.device.type == "cpu":
         return [group.send([send], to, tag), group.recv([receive], source, tag)]
+    return batched_send_and_receive(group, send, to, receive, source, tag)
+
+
+def batched_send_and_receive(group, send: torch.Tensor, to: int, receive: torch.Tensor, source: int, tag: int) -> list:
+    """``send_and_receive`` as ``batch_isend_irecv`` (group ranks mapped to the global ranks it takes):
+    the GPU path, which gloo runs too (``tests/test_nccl_semantics.py`` runs it so)."""
     return dist.batch_isend_irecv(
         [
             dist.P2POp(dist.isend, send, dist.get_global_rank(group, to), group, tag),

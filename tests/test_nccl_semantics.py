@@ -14,10 +14,12 @@ Where NCCL differs, and what the emulation (``NcclLikeExchanges``) does about it
 - An ``async_op`` all-reduce (HSDP's, ``_grad.py``) reads and writes its tensor until ``wait()``: the
   emulation runs it at ``wait()``, so a read before it sees the unreduced values.
 
-The first test shows the emulation catching each of these; the others train against the fp64
-reference under it (a bf16 policy against FSDP2's): the planned sub-block rings with their prefetched
-first messages and deferred hops, the norms riding the rings, accumulation without sync, HSDP, and
-Linear and Embedding rings under activation checkpointing that keeps their outputs.
+The exchanges themselves go through ``batch_isend_irecv``, the GPU path's call (group ranks mapped
+to global ones: HSDP's shard groups are subgroups). The first test shows the emulation catching each
+hazard; the others train against the fp64 reference under it (a bf16 policy against FSDP2's): the
+planned sub-block rings with their prefetched first messages and deferred hops, the norms riding the
+rings, accumulation without sync, HSDP, and Linear and Embedding rings under activation checkpointing
+that keeps their outputs.
 """
 
 import pytest
@@ -28,14 +30,15 @@ import test_prefetch
 import test_sub_block
 import test_training
 from models import rank_and_world
+from rsdp._compat import batched_send_and_receive
 from rsdp._fully_shard import _ring
 
 
 class _Exchange:
     """One send and receive, done at ``wait()`` as NCCL may do it (see the module docstring)."""
 
-    def __init__(self, exchange, group, send, to, receive, source):
-        self._exchange, self._args = exchange, (group, send, to, receive, source)
+    def __init__(self, group, send, to, receive, source):
+        self._args = (group, send, to, receive, source)
         self._works = None  # the gloo works of the real exchange, kept as the ring keeps its works
         if receive.dtype == torch.uint8:
             receive.fill_(0xFF)
@@ -46,7 +49,7 @@ class _Exchange:
         if self._works is None:
             group, send, to, receive, source = self._args
             landing = torch.empty_like(receive)
-            self._works = self._exchange(group, send, to, landing, source, 0)
+            self._works = batched_send_and_receive(group, send, to, landing, source, 0)
             for work in self._works:
                 work.wait()
             receive.copy_(landing)
@@ -82,7 +85,7 @@ class NcclLikeExchanges:
 
     def _exchange(self, group, send, to, receive, source, tag):
         self.exchanges += 1
-        return [_Exchange(self._send_and_receive, group, send, to, receive, source)]
+        return [_Exchange(group, send, to, receive, source)]
 
     def _async_all_reduce(self, tensor, *args, async_op=False, **kwargs):
         if not async_op:
