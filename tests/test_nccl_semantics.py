@@ -34,38 +34,24 @@ from rsdp._compat import batched_send_and_receive
 from rsdp._fully_shard import _ring
 
 
-class _Exchange:
-    """One send and receive, done at ``wait()`` as NCCL may do it (see the module docstring)."""
+class _AtWait:
+    """A work whose operation runs at its first ``wait()``, as late as NCCL may run it."""
 
-    def __init__(self, group, send, to, receive, source):
-        self._args = (group, send, to, receive, source)
-        self._works = None  # the gloo works of the real exchange, kept as the ring keeps its works
-        if receive.dtype == torch.uint8:
-            receive.fill_(0xFF)
-        else:
-            receive.fill_(float("nan"))
+    def __init__(self, run):
+        self._run = run
 
     def wait(self, timeout=None) -> bool:
-        if self._works is None:
-            group, send, to, receive, source = self._args
-            landing = torch.empty_like(receive)
-            self._works = batched_send_and_receive(group, send, to, landing, source, 0)
-            for work in self._works:
-                work.wait()
-            receive.copy_(landing)
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
         return True
 
 
-class _AllReduce:
-    def __init__(self, all_reduce, tensor, args, kwargs):
-        self._run = lambda: all_reduce(tensor, *args, **kwargs)
-        self._done = False
-
-    def wait(self, timeout=None) -> bool:
-        if not self._done:
-            self._run()
-            self._done = True
-        return True
+def _exchange_now(group, send, to, receive, source) -> None:
+    landing = torch.empty_like(receive)
+    for work in batched_send_and_receive(group, send, to, landing, source, 0):
+        work.wait()
+    receive.copy_(landing)
 
 
 class NcclLikeExchanges:
@@ -85,13 +71,14 @@ class NcclLikeExchanges:
 
     def _exchange(self, group, send, to, receive, source, tag):
         self.exchanges += 1
-        return [_Exchange(group, send, to, receive, source)]
+        receive.fill_(0xFF if receive.dtype == torch.uint8 else float("nan"))  # NaN in every float dtype
+        return [_AtWait(lambda: _exchange_now(group, send, to, receive, source))]
 
     def _async_all_reduce(self, tensor, *args, async_op=False, **kwargs):
         if not async_op:
             return self._all_reduce(tensor, *args, **kwargs)
         self.all_reduces += 1
-        return _AllReduce(self._all_reduce, tensor, args, kwargs)
+        return _AtWait(lambda: self._all_reduce(tensor, *args, **kwargs))
 
 
 def hazards_case():
