@@ -45,8 +45,9 @@ def rsdp_lm(seed, *, mesh=None, **config):
     return model, reference
 
 
-def train_and_compare(model, reference, *, steps, rows, seq, micro_batches=1, sync_last_only=False, clip=None):
-    """Train both with AdamW on the same global batches; compare losses, gradients and parameters."""
+def train_and_compare(model, reference, *, steps, rows, seq, micro_batches=1, sync_last_only=False, clip=None, backward=torch.Tensor.backward):
+    """Train both with AdamW on the same global batches; compare losses, gradients and parameters.
+    ``backward(loss)`` runs the sharded model's backwards."""
     rank, world = rank_and_world()
     dp_size = world
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -59,7 +60,7 @@ def train_and_compare(model, reference, *, steps, rows, seq, micro_batches=1, sy
             if sync_last_only:
                 model.set_requires_gradient_sync(index == micro_batches - 1)
             loss = lm_loss(model(local_rows(tokens, rank, world)), local_rows(tokens, rank, world))
-            (loss / micro_batches).backward()
+            backward(loss / micro_batches)
             losses.append(loss.detach())
         reference_loss = sum(lm_loss(reference(tokens), tokens) for tokens in batches) / micro_batches
         reference_loss.backward()

@@ -32,7 +32,7 @@ from .._compat import DTensor, autocast_dtype, profiler_enabled
 from ._checkpoint import kept_or_run
 from ._collectives import PENDING_GATHERS, PENDING_REDUCTIONS
 from ._param import Message, Segment, ShardLayout, message_of, shard_layout
-from ._prefetch import FORWARD_RING_ORDER
+from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER, ring_begins
 from ._ring import RING_BUFFERS, Phase
 
 
@@ -75,6 +75,9 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
     FSDP2), which the next synchronised backward adds into the travelling partials.
     """
     state, ring = layer.state, layer.state.ring
+    # Its first message carries partials: not prefetchable, but its last exchange may carry the next
+    # ring's first message.
+    ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], None, [])
     grads = message.tail(weight_segments)
     weights = message_of(message.segments[:weight_segments])
     RING_BUFFERS.pair(message.nbytes, ring.device)
@@ -110,6 +113,7 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
                 lambda buffer: pack_weights(message.views(buffer, ring.rank)),
                 lambda step, buffer: use_weights(ring.weight_shard_at(step), message.views(buffer, ring.weight_shard_at(step))),
                 rider=PENDING_REDUCTIONS.ring_rider(ring),
+                carry_next=BACKWARD_RING_ORDER.next_first,
             )
             RING_BUFFERS.trim()
         return None
@@ -152,7 +156,8 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
         for partial, mine in zip(partials, grads.views(scratch, shard)):
             partial.add_(mine)
 
-    final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival, rider=PENDING_REDUCTIONS.ring_rider(ring))
+    final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival,
+                           rider=PENDING_REDUCTIONS.ring_rider(ring), carry_next=BACKWARD_RING_ORDER.next_first)
     reduced = finished_gradients(state, message, weight_segments, final)
     RING_BUFFERS.trim()
     return reduced
@@ -162,7 +167,7 @@ def first_message(layer: RingLayer, message: Message, tensors: list[torch.Tensor
     """A forward ring's first message, for ``Ring.circulate``: the exchange prefetched for it, else
     ``tensors`` themselves when they are the message, else a function that packs them."""
     ring = layer.state.ring
-    prefetched = FORWARD_RING_ORDER.begin(ring, layer.tags[Phase.FORWARD], message, tensors)
+    prefetched = ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], message, tensors)
     if prefetched is not None:
         return prefetched
     as_is = message.as_is(tensors)
@@ -416,7 +421,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
                 _, flag = message.views(buffer, ring.weight_shard_at(step))
                 flag.bitwise_or_(out_of_range)
 
-            FORWARD_RING_ORDER.begin(ring, layer.tags[Phase.FORWARD], None, [])  # the flag: not prefetchable
+            ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], None, [])  # the flag: not prefetchable
             with layer.profiled(Phase.FORWARD):
                 final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
                                        carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))

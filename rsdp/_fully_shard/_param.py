@@ -161,9 +161,9 @@ class Message:
         """The message made of segments ``first:``, laid out as they are here (offsets shifted)."""
         return message_of(self.segments[first:])
 
-    def pack(self, buffer: torch.Tensor, shard: int, tensors: list[torch.Tensor]) -> None:
-        """Write ``tensors`` (shard ``shard`` of the first segments) into ``buffer``."""
-        for view, tensor in zip(self.views(buffer, shard), tensors):
+    def pack(self, buffer: torch.Tensor, shard: int, tensors: list[torch.Tensor], first: int = 0) -> None:
+        """Write ``tensors`` (shard ``shard`` of segments ``first:``) into ``buffer``."""
+        for view, tensor in zip(self.views(buffer, shard, first), tensors):
             view.copy_(tensor)
 
     def as_is(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:

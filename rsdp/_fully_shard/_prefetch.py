@@ -1,33 +1,45 @@
-"""Prefetch across ring layers: the next forward ring's first exchange rides this ring's last one.
+"""Prefetch across ring layers: the next ring's first exchange rides this ring's last one.
 
-A forward ring's first message is this rank's own shards, packed from the parameters: it does not
-depend on the input, so it can travel before its layer is called. The last exchange of a ring, which
-overlaps its second-to-last GEMMs, carries it behind the ring's own message (a ``Passenger``), to the
-same neighbour: the next ring then starts with its first exchange done and costs W-2 exchanges of
-its own instead of W-1, and a forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges
-instead of R(W-1). On 2 ranks a ring whose one exchange was done ahead has no exchange to carry the
-next one's, and on 3 its one exchange sends the prefetched message, which lies behind the carrying
-ring's and has nothing free behind it: there every other ring is prefetched.
+A ring's first message is often nothing but this rank's own shards, packed from the parameters:
 
-Which ring comes next is learned from the previous forward pass (the rings between the start of the
-outermost rsdp forward and its end), and a ring is prefetched as its previous call made its first
-message: the same layout, packed from the same tensors. A prefetched ring that is not called next
-(control flow changed, or a different layout) runs as usual, its own first exchange and all; the
-next pass learns the new order.
+- **forward**, every ring but an Embedding's: it does not depend on the input;
+- **backward**, a planned sub-block's (``_sub_block.py``): its first exchange sends the weights alone
+  (the partials start at the second), so it does not depend on the gradient arriving.
+
+So it can travel before its ring is called. The last exchange of a ring, which overlaps its
+second-to-last step's computation, carries it behind the ring's own message (a ``Passenger``), to the
+same neighbour: the next ring then starts with its first exchange done and costs one exchange fewer.
+A forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges instead of R(W-1); a backward
+saves one per planned sub-block after the first backward ring. A prefetched ring's own first exchange
+sends the message prefetched, which lies behind the carrying ring's with nothing free behind it, so
+only its later exchanges can carry anything: on 2 ranks (no exchange of its own) and 3 (one) there is
+none, and every other forward ring is prefetched; a backward ring prefetches only on W >= 4, where the
+hop deferred by the ring before it (``_ring.DeferredHop``), which would have ridden its first
+exchange, rides its third instead, beside the next ring's first message at W = 4.
+
+A backward message puts its partials first: the weights the first exchange sends start ``lead`` bytes
+into it. Those bytes do not travel; the message prefetched starts that far before the weights, over
+the carrying ring's own message, which that ring has copied out before the next one writes its
+partials there.
+
+Which ring comes next is learned from the previous pass of the same kind (forward: the rings between
+the start of the outermost rsdp forward and its end; backward: the rings of one backward, forward
+rings recomputed by activation checkpointing included, which take no prefetch and make none), and a
+ring is prefetched as its previous call made its first message: the same layout, packed from the same
+tensors. A prefetched ring that is not called next (control flow changed, or a different layout) runs
+as usual, its own first exchange and all; the next pass learns the new order.
 
 Pitfalls:
 - The ring buffers are a passenger's length longer during the carrying ring (each of the two holds
   its message and the next ring's first one), and the next ring starts in the part of them behind
   the message, which the carrying ring no longer reads. A prefetched ring must not make them larger
   (that would lose its own message): if they are too small it carries nothing, and the next pass
-  makes them large enough from its start (``RingBuffers.hold``).
-- Only forward rings of a weights-only first message are prefetched (Linear groups, ring plans'
-  sub-blocks, input-split products); an Embedding's first message carries the rank's "index out of
-  range" flag, known only once it is called. Backward messages carry gradient partials, which depend
-  on the gradient arriving.
+  makes them large enough from its start (``RingBuffers.hold``). Until the message is taken the
+  backward's ring buffers are not trimmed (``RingBuffers.trim``).
+- An Embedding's forward first message carries the rank's "index out of range" flag, known only once
+  it is called; a Linear group's backward first message carries partials: neither is prefetched.
 - Only on the carrying ring's own group and device: the passenger travels on its exchange.
-- Not inside backward (recomputations by activation checkpointing) nor under selective activation
-  checkpointing (whose replay needs fresh buffers): rings there take no prefetch and make none.
+- Not under selective activation checkpointing, whose replay needs fresh buffers.
 - NCCL matches point-to-point operations by order, gloo by tag and size: the decisions depend only on
   the sequence of rings, which every rank runs alike, as the rings themselves require.
 """
@@ -36,21 +48,27 @@ import dataclasses
 
 import torch
 
-from .._compat import in_backward, in_selective_checkpoint
+from .._compat import at_end_of_backward, current_graph_task_id, in_backward, in_selective_checkpoint
 from ._param import Message
-from ._ring import Prefetched, Ring
+from ._ring import RING_BUFFERS, Phase, Prefetched, Ring
 
 
 @dataclasses.dataclass
 class _FirstMessage:
-    """How a ring made its first message at its last call."""
+    """How a ring made its first message at its last call: ``tensors`` are its segments ``first:``,
+    which its first exchange sends."""
 
     ring: Ring
     message: Message
     tensors: list[torch.Tensor]
+    first: int
+
+    @property
+    def lead(self) -> int:
+        return self.message.offsets[self.first]
 
     def signature(self) -> tuple:
-        return (self.message.segments, _where(self.tensors))
+        return (self.message.segments, self.first, _where(self.tensors))
 
 
 def _where(tensors: list[torch.Tensor]) -> tuple:
@@ -62,50 +80,64 @@ def _where(tensors: list[torch.Tensor]) -> tuple:
 class _NextFirstMessage:
     """The next ring's first message as a ``Passenger`` of this ring's last exchange."""
 
-    def __init__(self, order: "ForwardRingOrder", tag: int, first: _FirstMessage):
+    def __init__(self, order: "RingOrder", tag: int, first: _FirstMessage):
         self.order, self.tag, self.first = order, tag, first
-        self.nbytes = first.message.nbytes
+        self.lead = first.lead
+        self.nbytes = first.message.nbytes - self.lead
 
     def board(self, region: torch.Tensor) -> None:
         first = self.first
-        as_is = first.message.as_is(first.tensors)
+        as_is = first.message.as_is(first.tensors) if first.first == 0 else None
         if as_is is None:
-            first.message.pack(region, first.ring.rank, first.tensors)
+            first.message.pack(region, first.ring.rank, first.tensors, first.first)
         else:
             region.copy_(as_is)
 
     def alight(self, sent: torch.Tensor, received: torch.Tensor, received_in: int) -> None:
-        self.order.prefetched = (self.tag, self.first.signature(), Prefetched(sent, received, received_in))
+        self.order.arrived(self.tag, self.first.signature(), Prefetched(sent, received, received_in))
 
 
-class ForwardRingOrder:
-    """The forward rings of the pass now running, those of the previous pass, and the first exchange
-    done ahead for the ring expected next."""
+class RingOrder:
+    """The rings of the pass of one kind (forward or backward) now running, those of the previous pass
+    of that kind, and the first exchange done ahead for the ring expected next."""
 
-    def __init__(self):
-        # (tag, message layout or None) of each forward ring, in call order: a ring's layout changes
-        # when Linears start sharing its ring, and then it is another ring to wait for.
+    def __init__(self, backward: bool):
+        self.backward = backward
+        # (tag, message layout or None) of each ring, in call order: a ring's layout changes when
+        # Linears start sharing its ring, and then it is another ring to wait for.
         self._previous_pass: list[tuple] = []
         self._this_pass: list[tuple] = []
         self._first_messages: dict[int, _FirstMessage | None] = {}  # None: not prefetchable
-        self.prefetched: tuple[int, tuple, Prefetched] | None = None  # (tag, signature, exchange)
+        self._prefetched: tuple[int, tuple, Prefetched] | None = None  # (tag, signature, exchange)
         self._forget = False
+        self._pass_task = -1  # backward: the backward whose rings this pass records
         self.used = 0  # prefetched exchanges that their ring took (tests count them)
 
-    def begin(self, ring: Ring, tag: int, message: Message | None, tensors: list[torch.Tensor]) -> Prefetched | None:
-        """A forward ring begins; ``message`` is None when its first message cannot be prefetched.
-        Returns its first exchange if the ring before did it, or None (then it makes its own)."""
-        prefetched, self.prefetched = self.prefetched, None
-        if in_backward():
-            return None
+    def arrived(self, tag: int, signature: tuple, exchange: Prefetched) -> None:
+        """The first exchange of the ring expected next is done (``_NextFirstMessage.alight``)."""
+        self._prefetched = (tag, signature, exchange)
+        RING_BUFFERS.holds_prefetched = True
+
+    def _take(self) -> tuple | None:
+        prefetched, self._prefetched = self._prefetched, None
+        RING_BUFFERS.holds_prefetched = False
+        return prefetched
+
+    def begin(self, ring: Ring, tag: int, message: Message | None, tensors: list[torch.Tensor], first: int = 0) -> Prefetched | None:
+        """A ring of this order's kind begins; ``message`` is None when its first message (segments
+        ``first:``, packed from ``tensors``) cannot be prefetched. Returns its first exchange if the
+        ring before did it, or None (then it makes its own)."""
+        if self.backward:
+            self._end_with_backward()
+        prefetched = self._take()
         prefetchable = message is not None and ring.size > 1 and not in_selective_checkpoint()
-        first = _FirstMessage(ring, message, tensors) if prefetchable else None
-        self._first_messages[tag] = first
-        self._this_pass.append((tag, None if message is None else message.segments))
+        first_message = _FirstMessage(ring, message, tensors, first) if prefetchable else None
+        self._first_messages[tag] = first_message
+        self._this_pass.append((tag, None if message is None else (message.segments, first)))
         if prefetched is None:
             return None
         expected_tag, signature, exchange = prefetched
-        if first is None or expected_tag != tag or signature != first.signature():
+        if first_message is None or expected_tag != tag or signature != first_message.signature():
             return None
         self.used += 1
         return exchange
@@ -113,15 +145,17 @@ class ForwardRingOrder:
     def next_first(self, ring: Ring) -> _NextFirstMessage | None:
         """The next ring's first message, for ``ring``'s last exchange to carry (``Ring.circulate``'s
         ``carry_next``), if the previous pass says which ring that is and it shares ``ring``'s group
-        and device. Called as a forward ring starts."""
-        if in_backward() or in_selective_checkpoint():
+        and device. Called as a ring of this order's kind starts."""
+        if in_backward() != self.backward or in_selective_checkpoint():
+            return None
+        if self.backward and ring.size < 4:  # the deferred hop the next ring would carry has no place
             return None
         position = len(self._this_pass)
         if position >= len(self._previous_pass) or self._this_pass != self._previous_pass[:position]:
             return None
-        tag, segments = self._previous_pass[position]
+        tag, layout = self._previous_pass[position]
         first = self._first_messages.get(tag)
-        if first is None or first.message.segments != segments:
+        if first is None or (first.message.segments, first.first) != layout:
             return None
         if first.ring.group is not ring.group or first.ring.device != ring.device:
             return None
@@ -132,8 +166,8 @@ class ForwardRingOrder:
         self._forget = True
 
     def end_pass(self) -> None:
-        """The outermost rsdp forward ended: drop an exchange no ring took, remember the order."""
-        self.prefetched = None
+        """The pass ended: drop an exchange no ring took, remember the order."""
+        self._take()
         self._previous_pass = [] if self._forget else self._this_pass
         # Only this pass's rings can be prefetched next: the others' tensors (a model no longer
         # trained, perhaps) are not kept alive here.
@@ -141,5 +175,32 @@ class ForwardRingOrder:
         self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in called}
         self._this_pass, self._forget = [], False
 
+    def abandon(self) -> None:
+        """Drop what a pass that raised left (called as a forward starts): its end never came."""
+        if self._this_pass or self._prefetched is not None:
+            self._take()
+            self._this_pass, self._forget, self._pass_task = [], False, -1
 
-FORWARD_RING_ORDER = ForwardRingOrder()
+    def _end_with_backward(self) -> None:
+        """Queue the end of this backward pass at the end of the backward now running (once)."""
+        task = current_graph_task_id()
+        if task != self._pass_task:
+            self._pass_task = task
+            at_end_of_backward(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._pass_task = -1
+        self.end_pass()
+
+
+FORWARD_RING_ORDER = RingOrder(backward=False)
+BACKWARD_RING_ORDER = RingOrder(backward=True)
+
+
+def ring_begins(ring: Ring, phase: Phase, tag: int, message: Message | None, tensors: list[torch.Tensor], first: int = 0) -> Prefetched | None:
+    """A ring of ``phase`` begins (see ``RingOrder.begin``): it is one of the pass running, and a
+    forward ring recomputed in backward (activation checkpointing) is one of the backward's, which
+    takes no prefetch (it would overwrite one made for the ring after it)."""
+    if not in_backward():
+        return FORWARD_RING_ORDER.begin(ring, tag, message, tensors, first)
+    return BACKWARD_RING_ORDER.begin(ring, tag, message if phase is Phase.BACKWARD else None, tensors, first)

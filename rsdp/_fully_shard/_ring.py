@@ -18,9 +18,10 @@ A ring's W-1 steps pass every rank's message by every other rank, which is what 
 and carry one running sum per rank to its owner, which is what a reduce-scatter does. So a
 collective of small data can ride a ring's messages (``Rider``) instead of synchronising every rank
 once more: the norms' all-gather rides the first forward ring and their gradients' reduce-scatter
-the last backward ring (``_collectives.py``). Likewise one exchange can carry a ``Passenger`` to the
-same neighbour behind its message: the next forward ring's first message rides a ring's last exchange
-(``_prefetch.py``), and the last hop of a planned sub-block's partials the next ring's first.
+the last backward ring (``_collectives.py``). Likewise an exchange can carry ``Passenger``s to the
+same neighbour behind its message: the next ring's first message (a forward ring's, or a planned
+sub-block's backward weights) rides a ring's last exchange (``_prefetch.py``), and the last hop of a
+planned sub-block's partials an early exchange of the next ring (``_Boarding``).
 
 Messages live in byte buffers shared by every ring of the process (``RING_BUFFERS``: two ping-pong
 message buffers and a scratch, given memory once per pass and then reused), so a ring step allocates
@@ -143,6 +144,8 @@ class RingBuffers:
         # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
         # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
         self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+        # Whether the next ring's first message, prefetched, lies in the message buffers (``_prefetch.py``).
+        self.holds_prefetched = False
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever buffers are replaced (to drop cached views of them)."""
@@ -210,7 +213,7 @@ class RingBuffers:
         weights and partials) must not stay for its last ones (the Embedding's partials). The next
         request makes a freed buffer again, at the size the rest of the backward needs."""
         upcoming = self._sizes[True].upcoming() if in_backward() else None
-        if upcoming is None:
+        if upcoming is None or self.holds_prefetched:
             return
         freed = False
         for index, buffer in list(self._live()):
@@ -309,11 +312,17 @@ class Prefetched:
 class Passenger(typing.Protocol):
     """Data that travels behind the message of one exchange of a ring, to save an exchange of its
     own: the last hop of an earlier ring's message (``DeferredHop``), the next ring's first message
-    (``_prefetch.py``). ``board(region)`` writes this rank's data into ``region`` (``nbytes`` bytes);
+    (``_prefetch.py``). ``board(region)`` writes this rank's data into ``region``;
     ``alight(sent, received, received_in)`` sees the data sent and the data received (in ring buffer
-    ``received_in``), both in the ring buffers behind the message, where the next ring may start."""
+    ``received_in``), both in the ring buffers behind the message, where the next ring may start.
+
+    The ``nbytes`` bytes that travel may be preceded by ``lead`` bytes that do not: the regions given
+    start ``lead`` bytes before them (a backward message's first exchange sends its weights, which
+    follow its partials). The lead lies over what the exchange carried before the passenger, which its
+    ring has read (or copied out) by the time the next ring writes there."""
 
     nbytes: int
+    lead: int
 
     def board(self, region: torch.Tensor) -> None: ...
 
@@ -362,10 +371,13 @@ class Ring:
         every step (see ``Rider``): only on all W-1 steps of a whole message not yet sent (one to be
         sent as it is gets copied into a ring buffer first).
 
-        One exchange may carry a ``Passenger`` behind the message (and rider): a hop deferred by an
-        earlier ring (``DEFERRED_HOPS``) rides the first exchange, if that is this ring's own and sends
-        its message to the end; else ``carry_next(ring)``, called first, may give the next ring's first
-        message, which rides the last exchange, if that is this ring's own.
+        Exchanges may carry ``Passenger``s behind the message (and rider): a hop deferred by an
+        earlier ring (``DEFERRED_HOPS``) rides the first exchange that is this ring's own, sends its
+        message to the end, and sends a message at the start of a buffer (a prefetched one lies behind
+        the message of the ring that carried it); ``carry_next(ring)`` may give the next ring's first
+        message, which rides the last exchange if that is such an exchange. A prefetched ring takes
+        passengers only where the ring buffers hold them already (growing them would lose its own
+        first message); a deferred hop it cannot take goes alone before its first exchange.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
         hops = self.size - 1 if hops is None else hops
@@ -376,20 +388,15 @@ class Ring:
                 raise AssertionError("a rider needs a message not yet sent and all of the ring's W-1 steps")
             rider_at = _aligned(nbytes)
             nbytes = rider_at + rider.nbytes
-        first_part = None if region is None or hops == 0 else region(0)
-        open_ended = first_part is None or first_part.stop is None
-        passenger, boards_at = DEFERRED_HOPS.take(self, hops > 0 and not prefetched and open_ended), 0
-        # The last exchange must be this ring's own, and send a message at the start of a buffer (not
-        # one prefetched, which lies behind the message of the ring that carried it).
-        if passenger is None and carry_next is not None and region is None and hops > (2 if prefetched else 0):
-            passenger, boards_at = carry_next(self), hops - 1
-            if passenger is not None and prefetched and not RING_BUFFERS.hold(_aligned(nbytes) + passenger.nbytes, self.device):
-                passenger = None  # growing the buffers would lose this ring's prefetched message
-        if passenger is not None:
-            behind = _aligned(nbytes)
+        boarding = _Boarding(self, nbytes, hops, prefetched, region)
+        boarding.add_deferred_hop()
+        if carry_next is not None:
+            boarding.add_next_first(carry_next)
+        boarding.fit()
+        if boarding:
             # First, so that the message's own (shorter) views below are of the buffers it makes.
-            wide = RING_BUFFERS.pair(behind + passenger.nbytes, self.device)
-        if isinstance(start, torch.Tensor) and (rider is not None or passenger is not None):
+            wide = RING_BUFFERS.pair(boarding.nbytes, self.device)
+        if isinstance(start, torch.Tensor) and (rider is not None or boarding):
             start = functools.partial(_copy_message, start)  # into a ring buffer, for what follows it
         buffers = RING_BUFFERS.pair(nbytes, self.device)
         works = []
@@ -413,13 +420,11 @@ class Ring:
                 part = None if region is None else region(step)
                 if part == slice(None):
                     part = None  # all of it, with no slice dispatched
-                if passenger is not None and step == boards_at:
+                if boarding.boards_at(step):
                     sent, received = wide[held], wide[arriving]
-                    behind_sent, behind_received = sent[behind:], received[behind:]
-                    passenger.board(behind_sent)
-                    if part is not None:
-                        sent, received = sent[part.start :], received[part.start :]
-                    works = self.exchange(sent, received, tag)
+                    aboard = boarding.board(step, sent, received)
+                    first = 0 if part is None else part.start
+                    works = self.exchange(sent[first : boarding.end(step)], received[first : boarding.end(step)], tag)
                 elif part is None:
                     works = self.exchange(current, incoming, tag)
                 else:
@@ -439,12 +444,89 @@ class Ring:
                     on_arrival(step + 1, current)
                 if rider is not None:
                     rider.arrived(step + 1, current[rider_at:])
-                if passenger is not None and step == boards_at:
-                    passenger.alight(behind_sent, behind_received, arriving)
+                if boarding.boards_at(step):
+                    for passenger, sent_region, received_region in aboard:
+                        passenger.alight(sent_region, received_region, arriving)
             prefetched = False
         if rider is not None:
             rider.finish(current[rider_at:])
         return current
+
+
+class _Boarding:
+    """Which passengers ride which exchanges of one ``Ring.circulate``, and where they lie in the ring
+    buffers: behind the message (and rider), each after the one before, each at a multiple of 16 bytes,
+    its lead over what precedes it."""
+
+    def __init__(self, ring: Ring, nbytes: int, hops: int, prefetched: bool, region: Callable[[int], slice] | None):
+        self.ring, self.message_nbytes, self.hops, self.prefetched, self.region = ring, nbytes, hops, prefetched, region
+        self._aboard: dict[int, list[tuple[Passenger, int]]] = {}  # step -> (passenger, where its data starts)
+        self._ends: dict[int, int] = {}
+        self.nbytes = 0
+        self._deferred: DeferredHop | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._aboard)
+
+    def boards_at(self, step: int) -> bool:
+        return step in self._aboard
+
+    def _can_board(self, step: int) -> bool:
+        """Whether the exchange of ``step`` is this ring's own, sends its message to the end, and sends a
+        message at the start of a buffer."""
+        if step >= self.hops or step < (1 if self.prefetched else 0) or (self.prefetched and step == 1):
+            return False
+        part = None if self.region is None else self.region(step)
+        return part is None or part.stop is None
+
+    def _free_at(self, step: int) -> int:
+        return _aligned(self._ends.get(step, self.message_nbytes))
+
+    def _add(self, step: int, passenger: Passenger) -> None:
+        at = self._free_at(step)
+        self._aboard.setdefault(step, []).append((passenger, at))
+        self._ends[step] = at + passenger.nbytes
+        self.nbytes = max(self.nbytes, self._ends[step])
+
+    def add_deferred_hop(self) -> None:
+        step = next((s for s in range(self.hops) if self._can_board(s)), None)
+        hop = DEFERRED_HOPS.take(self.ring, step is not None)
+        if hop is not None:
+            self._add(step, hop)
+            self._deferred = hop
+
+    def add_next_first(self, carry_next: "Callable[[Ring], Passenger | None]") -> None:
+        step = self.hops - 1
+        if not self._can_board(step):
+            return
+        passenger = carry_next(self.ring)
+        # Its lead lies over what the exchange carries before it: a longer one would be bytes sent for
+        # nothing (a short message carrying one whose partials are longer).
+        if passenger is not None and passenger.lead <= self._free_at(step):
+            self._add(step, passenger)
+
+    def fit(self) -> None:
+        """A prefetched ring must not grow the ring buffers: that would lose its own first message. If
+        they are too small it carries nothing (a deferred hop goes alone), and the next pass makes
+        them large enough from its start (``RingBuffers.hold``)."""
+        if self and self.prefetched and not RING_BUFFERS.hold(self.nbytes, self.ring.device):
+            self._aboard, self._ends, self.nbytes = {}, {}, 0
+            if self._deferred is not None:
+                _send_alone(self._deferred)
+        self._deferred = None
+
+    def end(self, step: int) -> int:
+        return self._ends[step]
+
+    def board(self, step: int, sent: torch.Tensor, received: torch.Tensor) -> list[tuple[Passenger, torch.Tensor, torch.Tensor]]:
+        """Board the passengers of ``step`` into ``sent``; their regions in ``sent`` and ``received``."""
+        aboard = []
+        for passenger, at in self._aboard[step]:
+            start, stop = at - passenger.lead, at + passenger.nbytes
+            sent_region, received_region = sent[start:stop], received[start:stop]
+            passenger.board(sent_region)
+            aboard.append((passenger, sent_region, received_region))
+        return aboard
 
 
 def _copy_message(message: torch.Tensor, buffer: torch.Tensor) -> None:
@@ -477,8 +559,8 @@ class Rider(typing.Protocol):
 
 @dataclasses.dataclass
 class DeferredHop:
-    """The last hop of a ring's message, deferred to travel behind the next ring's first message (a
-    ``Passenger``): a planned sub-block's backward partials end one hop from their owners
+    """The last hop of a ring's message, deferred to travel behind a message of the next ring (a
+    ``Passenger``, see ``_Boarding``): a planned sub-block's backward partials end one hop from their owners
     (``_sub_block.py``), and that hop alone would be one more synchronisation of every rank.
     ``payload`` (bytes) goes down the ring of ``ring``; ``arrived`` is given the bytes that came from
     up, in a buffer it may change but not keep."""
@@ -487,6 +569,7 @@ class DeferredHop:
     tag: int
     payload: torch.Tensor
     arrived: Callable[[torch.Tensor], None]
+    lead = 0
 
     @property
     def nbytes(self) -> int:
@@ -500,9 +583,10 @@ class DeferredHop:
 
 
 class _DeferredHops:
-    """The one hop deferred and not yet sent. The next ``Ring.circulate`` takes it into its first
-    exchange when it can (same group and device, a first exchange of its own that ends at the end of
-    its message); otherwise, and when the backward ends with none to take it, it is sent alone. Every
+    """The one hop deferred and not yet sent. The next ``Ring.circulate`` takes it into an exchange when
+    it can (same group and device, an exchange of its own that sends its message to the end, from a
+    buffer's start: ``_Boarding``); otherwise, and when the backward ends with none to take it, it is
+    sent alone. Every
     rank runs the same rings in the same order, so all decide alike (the messages' sizes match)."""
 
     def __init__(self):
@@ -520,8 +604,8 @@ class _DeferredHops:
             at_end_of_backward(self._end_of_backward)
 
     def take(self, ring: "Ring", can_carry: bool) -> DeferredHop | None:
-        """The hop deferred, for ``ring``'s first exchange to carry, or None (sent alone if there is
-        one that ``ring`` cannot carry)."""
+        """The hop deferred, for an exchange of ``ring`` to carry, or None (sent alone if there is one
+        that ``ring`` cannot carry)."""
         hop, self._pending = self._pending, None
         if hop is None or (can_carry and hop.ring.group is ring.group and hop.ring.device == ring.device):
             return hop

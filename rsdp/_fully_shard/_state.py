@@ -45,7 +45,7 @@ from ._fusion import SharedInputFusion
 from ._grad import RUNNING_BACKWARD, RingGradients
 from ._operand import RingOperand
 from ._ops import sharded
-from ._prefetch import FORWARD_RING_ORDER
+from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER
 from ._ring import DEFERRED_HOPS, RING_BUFFERS, Ring
 
 
@@ -178,6 +178,7 @@ class RSDPState(FSDPState):
             RUNNING_BACKWARD.abandon()
             PENDING_REDUCTIONS.abandon()
             DEFERRED_HOPS.abandon()
+            BACKWARD_RING_ORDER.abandon()
             _forward_pass += 1
             self.gather_nested(module)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:

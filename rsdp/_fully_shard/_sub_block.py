@@ -20,12 +20,13 @@ siblings; their parent module is the sub-block. The rowwise weight is stored as 
   for the shards held, adding the input gradient to its own and the weight gradient to the partial of
   that shard. A shard's gradient needs that shard's weights (it flows back through the rowwise weight),
   so a partial starts one rank below its owner and collects W-1 ranks' contributions in W-1 exchanges
-  (the first carries the weights only), ending one hop from the owner. That last hop, the partial
-  alone, is deferred (``_ring.DeferredHop``): it rides the next ring's first exchange (the previous
-  sub-block's, the Embedding's), or goes alone at the end of the backward. The owner adds its own
-  contribution, computed from its local shard at step 0, when its partial arrives, and hands the
-  gradient to the parameters itself (the function has returned by then). So a backward costs W-1
-  exchanges of its own, the ZeRO-3 bytes.
+  (the first carries the weights only, so on W >= 4 ranks it rides the last exchange of the backward
+  ring before, once the order of rings is known: ``_prefetch.py``), ending one hop from the owner.
+  That last hop, the partial alone, is deferred (``_ring.DeferredHop``): it rides an early exchange of
+  the next ring (the previous sub-block's, the Embedding's), or goes alone at the end of the backward.
+  The owner adds its own contribution, computed from its local shard at step 0, when its partial
+  arrives, and hands the gradient to the parameters itself (the function has returned by then). So a
+  backward costs W-1 exchanges of its own (W-2 prefetched), the ZeRO-3 bytes.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
   its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
   ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
@@ -61,7 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, gradients_of, saved_tensors_hooks_active
 from ._checkpoint import kept_or_run
 from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard, sharded
-from ._prefetch import FORWARD_RING_ORDER
+from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER, ring_begins
 from ._param import Segment, message_of, shard_layout
 from ._ring import DEFERRED_HOPS, RING_BUFFERS, DeferredHop, Phase
 
@@ -482,10 +483,11 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 else:
                     view.copy_(g)
 
+        # As laid out in a message: the colwise weights (and biases), then the rowwise weight transposed.
+        weights = [params[i] for i in present[:-1]] + [params[present[-1]].t()]
+
         def pack(buffer: torch.Tensor, into=message) -> None:
-            weights = [params[i] for i in present[:-1]] + [params[present[-1]].t()]
-            for view, weight in zip(into.views(buffer, ring.rank, len(into.segments) - len(weight_segments)), weights):
-                view.copy_(weight)
+            into.pack(buffer, ring.rank, weights, len(into.segments) - len(weight_segments))
 
         def deliver(reduced: list[torch.Tensor]) -> None:
             """This rank's reduced gradient shards, to its parameters (``_grad.py``): not returned, since
@@ -496,7 +498,10 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 grad = grad.t().contiguous() if index == len(params) - 1 else grad
                 state.gradients.receive(sharded(getattr(linear, name), linear, name), grad.to(params[index].dtype))
 
+        tag = layer.tags[Phase.BACKWARD]
         if grad_index and state.requires_gradient_sync:
+            # The first exchange sends the weights alone, so the ring before may have done it.
+            prefetched = ring_begins(ring, Phase.BACKWARD, tag, message, weights, first_weight)
             mine = RING_BUFFERS.scratch(grads.nbytes, ring.device)
             unsynced = [state.take_unsynced(key) for key in keys]
 
@@ -531,7 +536,8 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     deliver(finished_gradients(state, grads, 0, mine))
                 else:
                     final = ring.circulate(
-                        message.nbytes, layer.tags[Phase.BACKWARD], pack, own_contribution, on_arrival, region=region
+                        message.nbytes, tag, pack if prefetched is None else prefetched, own_contribution, on_arrival,
+                        region=region, carry_next=BACKWARD_RING_ORDER.next_first,
                     )
                     # W-1 hops took every partial past every rank but its owner, one hop down. That
                     # hop rides the next ring's first exchange, or goes alone at the end of the backward.
@@ -543,12 +549,13 @@ class _RingSubBlockFunction(torch.autograd.Function):
                         partials[: grads.nbytes].view(reduce_dtype).add_(own.view(reduce_dtype))
                         deliver(finished_gradients(state, grads, 0, partials))
 
-                    DEFERRED_HOPS.defer(DeferredHop(ring, layer.tags[Phase.BACKWARD], final[: grads.nbytes].clone(), home))
+                    DEFERRED_HOPS.defer(DeferredHop(ring, tag, final[: grads.nbytes].clone(), home))
         else:
             # No partials travel: the weights rotate for the input gradient, and with sync off each
             # rank's contributions to every shard are kept locally until the next synchronised backward.
             weights_only = message_of(weight_segments)
             totals = [state.unsynced_gradient(key, segment) for key, segment in zip(keys, grad_segments)]
+            ring_begins(ring, Phase.BACKWARD, tag, None, [])
 
             def during(hop: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(hop)
@@ -559,7 +566,8 @@ class _RingSubBlockFunction(torch.autograd.Function):
 
             with layer.profiled(Phase.BACKWARD):
                 ring.circulate(
-                    weights_only.nbytes, layer.tags[Phase.BACKWARD], lambda buffer: pack(buffer, weights_only), during
+                    weights_only.nbytes, tag, lambda buffer: pack(buffer, weights_only), during,
+                    carry_next=BACKWARD_RING_ORDER.next_first,
                 )
         RING_BUFFERS.trim()
         grad_inputs = [
