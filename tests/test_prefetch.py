@@ -4,16 +4,19 @@ Counted, not timed: how many exchanges were prefetched and taken, the sends per 
 against the fp64 reference when the order changes from one step to the next.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from models import TinyLM, assert_param_grads_match, local_rows, lm_loss, rank_and_world
-from rsdp import rsdp_shard
+from models import TinyLM, assert_param_grads_match, full, local_rows, lm_loss, rank_and_world
+from rsdp import MixedPrecisionPolicy, rsdp_shard
+from rsdp._compat import fully_shard
 from rsdp._fully_shard._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER
 from rsdp.memory import CommCounter
-from test_sub_block import LlamaLM, planned_llama
+from test_sub_block import HF_PLAN, LlamaLM, planned_llama
 from test_training import rsdp_lm, train_and_compare
 
 
@@ -123,7 +126,7 @@ def planned_backward_case(steps):
     """A planned 2-block Llama (the Hugging Face plan) trained ``steps`` steps against the fp64
     reference; per step the backward's prefetched exchanges taken and its sends."""
     torch.manual_seed(5)
-    model, reference = planned_llama()
+    model, reference = planned_llama(vocab=211)  # the head's ring much the largest, as in a language model
     counts = []
 
     def count_backward(loss):
@@ -139,15 +142,14 @@ def planned_backward_case(steps):
 @pytest.mark.parametrize("world", [3, 4])
 def test_planned_backward_rings_take_their_first_exchange_from_the_ring_before(ranks, world):
     """Backward rings: the head, then per block the MLP and the attention, then the Embedding. A planned
-    sub-block's first exchange sends its weights alone, so from the third step (the first learns the
-    order, the second the ring buffers' sizes) it rides the last exchange of the ring before it, and
-    the deferred last hop of each sub-block's partials rides the next ring's third exchange (the
-    attention's, beside the next MLP's first message) or the Embedding's first. Here the head's
-    message (a 13-row vocabulary) is shorter than the first MLP's partials, which its first message
-    is laid out behind and which do not travel: the head carries nothing (its bytes would be sent for
-    nothing), and 3 of the 4 sub-blocks are prefetched. On 3 ranks a prefetched ring's one exchange of
-    its own sends the message prefetched, with no room behind it for the hop deferred by the ring
-    before: nothing is prefetched. The gradients are exact either way (``train_and_compare``)."""
+    sub-block's first exchange sends its weights alone, so from the third step (the first shows the
+    order of rings, the second the ring buffers' sizes) it rides the last exchange of the ring before
+    it, and the deferred last hop of each sub-block's partials rides the next ring's third exchange
+    (the attention's, beside the next MLP's first message) or the Embedding's first. The head's ring,
+    the backward's largest, carries nothing (that would make the ring buffers larger): 3 of the 4
+    sub-blocks are prefetched. On 3 ranks a prefetched ring's one exchange of its own sends the
+    message prefetched, with no room behind it for the hop deferred by the ring before: nothing is
+    prefetched. The gradients are exact either way (``train_and_compare``)."""
     rings = 6
     for counts in ranks.run(world, planned_backward_case, 4):
         first, _, *steady = counts
@@ -174,11 +176,11 @@ def changing_backward_order_case():
     dropped, and the rings stay exact."""
     rank, world = rank_and_world()
     torch.manual_seed(6)
-    model, reference = planned_llama(SometimesShallowLlama)
+    model, reference = planned_llama(SometimesShallowLlama, vocab=211)
     used = []
-    for step, skip in enumerate([False, False, False, True, False, False, True, True]):
+    for step, skip in enumerate([False, False, False, False, True, False, False, False, True, True, False]):
         model.skip_first = reference.skip_first = skip
-        tokens = torch.randint(0, 13, (world, 5), generator=torch.Generator().manual_seed(step))
+        tokens = torch.randint(0, 211, (world, 5), generator=torch.Generator().manual_seed(step))
         before = BACKWARD_RING_ORDER.used
         lm_loss(model(local_rows(tokens, rank, world)), local_rows(tokens, rank, world)).backward()
         used.append(BACKWARD_RING_ORDER.used - before)
@@ -191,10 +193,51 @@ def changing_backward_order_case():
 
 def test_a_changed_order_of_backward_rings_stays_exact(ranks):
     # Prefetched backward rings taken per step on 4 ranks. All blocks: the second block's attention and
-    # the first block's two sub-blocks (the head carries nothing here, see above), once the second
-    # step has learnt the order and the third the buffers' sizes. First block skipped: the second
-    # block's attention only. A guess made from the step before fails at the first ring that differs
-    # (its exchange is dropped) and none is made past it; the step after a change learns the ring
-    # buffers' sizes again (a prefetched ring carries nothing where they are too small).
+    # the first block's two sub-blocks (the head carries nothing, see above), once the first step has
+    # shown the order and the second the buffers' sizes (a prefetched ring carries nothing where they
+    # are too small). First block skipped: the second block's attention only. A guess made from the
+    # step before fails at the first ring that differs (its exchange is dropped) and none is made
+    # past it.
     for used in ranks.run(4, changing_backward_order_case):
-        assert used == [0, 2, 3, 1, 1, 2, 1, 1], used
+        assert used == [0, 2, 3, 3, 1, 1, 3, 3, 1, 1, 1], used
+
+
+def bf16_planned_case():
+    """A planned Llama under a bf16 policy, and FSDP2 with the same policy, four backwards on the same
+    parameters: a prefetched backward message holds fp32 partials and bf16 weights. Each gradient's
+    distance from the exact float64 one is at most FSDP2's (1.5x, plus 1% of its scale, at least
+    1e-3, as in ``test_autocast.py``: a gradient that is zero in exact arithmetic, a key bias's, is
+    noise for both). Returns the backward prefetches taken."""
+    rank, world = rank_and_world()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(7)
+    exact = LlamaLM(vocab=211, dim=10, heads=2 * world, kv_heads=world, head_dim=3, hidden=5 * world, layers=2)
+    models = {}
+    for name, shard in (("rsdp", rsdp_shard), ("fsdp", fully_shard)):
+        models[name] = model = copy.deepcopy(exact)
+        for layer in model.layers:
+            if name == "rsdp":
+                rsdp_shard(layer, mp_policy=policy, ring_plan=HF_PLAN)
+            else:
+                fully_shard(layer, mp_policy=policy)
+        shard(model, mp_policy=policy)
+    exact = exact.double()
+    used = BACKWARD_RING_ORDER.used
+    for step in range(4):
+        tokens = torch.randint(0, 211, (world * 2, 6), generator=torch.Generator().manual_seed(step))
+        lm_loss(exact(tokens), tokens).backward()
+        mine = local_rows(tokens, rank, world)
+        errors = {}
+        for name, model in models.items():
+            lm_loss(model(mine).float(), mine).backward()
+            errors[name] = {n: (full(p.grad).double() - dict(exact.named_parameters())[n].grad).abs().max().item() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+        for name, param in exact.named_parameters():
+            allowed = 1.5 * errors["fsdp"][name] + 1e-2 * max(param.grad.abs().max().item(), 1e-3)
+            assert errors["rsdp"][name] <= allowed, f"step {step}, {name}: rsdp {errors['rsdp'][name]:.3g} from exact, FSDP2 {errors['fsdp'][name]:.3g}"
+        exact.zero_grad(set_to_none=True)
+    return BACKWARD_RING_ORDER.used - used
+
+
+def test_prefetched_backward_messages_of_mixed_dtypes_match_fsdp2(ranks):
+    assert all(used >= 3 for used in ranks.run(4, bf16_planned_case))

@@ -75,9 +75,6 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
     FSDP2), which the next synchronised backward adds into the travelling partials.
     """
     state, ring = layer.state, layer.state.ring
-    # Its first message carries partials: not prefetchable, but its last exchange may carry the next
-    # ring's first message.
-    ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], None, [])
     grads = message.tail(weight_segments)
     weights = message_of(message.segments[:weight_segments])
     RING_BUFFERS.pair(message.nbytes, ring.device)
@@ -105,6 +102,9 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
         for shard in range(ring.size):
             contribute_into(shard, shard_of(accumulators, shard))
         has_grads, message = False, weights
+    # Its first message carries partials: not prefetchable, but its last exchange may carry the next
+    # ring's first message.
+    ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], message)
     if not has_grads:
         if weight_segments:
             ring.circulate(
@@ -421,7 +421,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
                 _, flag = message.views(buffer, ring.weight_shard_at(step))
                 flag.bitwise_or_(out_of_range)
 
-            ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], None, [])  # the flag: not prefetchable
+            ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], message)  # the flag: not prefetchable
             with layer.profiled(Phase.FORWARD):
                 final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
                                        carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))

@@ -10,7 +10,7 @@ So it can travel before its ring is called. The last exchange of a ring, which o
 second-to-last step's computation, carries it behind the ring's own message (a ``Passenger``), to the
 same neighbour: the next ring then starts with its first exchange done and costs one exchange fewer.
 A forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges instead of R(W-1); a backward
-saves one per planned sub-block after the first backward ring. A prefetched ring's own first exchange
+saves one per planned sub-block after a ring that can carry it (below). A prefetched ring's own first exchange
 sends the message prefetched, which lies behind the carrying ring's with nothing free behind it, so
 only its later exchanges can carry anything: on 2 ranks (no exchange of its own) and 3 (one) there is
 none, and every other forward ring is prefetched; a backward ring prefetches only on W >= 4, where the
@@ -32,10 +32,13 @@ as usual, its own first exchange and all; the next pass learns the new order.
 Pitfalls:
 - The ring buffers are a passenger's length longer during the carrying ring (each of the two holds
   its message and the next ring's first one), and the next ring starts in the part of them behind
-  the message, which the carrying ring no longer reads. A prefetched ring must not make them larger
+  the message, which the carrying ring no longer reads. In backward, where rsdp's memory peaks, a
+  ring whose message and passengers would need more than the pass's largest message (in the previous
+  pass) carries nothing, so that the ring buffers' peak is not raised: the head's backward ring, the
+  largest, carries no passenger. A prefetched ring must not make them larger
   (that would lose its own message): if they are too small it carries nothing, and the next pass
-  makes them large enough from its start (``RingBuffers.hold``). Until the message is taken the
-  backward's ring buffers are not trimmed (``RingBuffers.trim``).
+  makes them large enough from its start (``RingBuffers.hold``). When the backward's ring buffers
+  are trimmed (``RingBuffers.trim``) a prefetched message is moved to their start and kept.
 - An Embedding's forward first message carries the rank's "index out of range" flag, known only once
   it is called; a Linear group's backward first message carries partials: neither is prefetched.
 - Only on the carrying ring's own group and device: the passenger travels on its exchange.
@@ -45,6 +48,7 @@ Pitfalls:
 """
 
 import dataclasses
+import math
 
 import torch
 
@@ -78,10 +82,11 @@ def _where(tensors: list[torch.Tensor]) -> tuple:
 
 
 class _NextFirstMessage:
-    """The next ring's first message as a ``Passenger`` of this ring's last exchange."""
+    """The next ring's first message as a ``Passenger`` of this ring's last exchange. ``room``: the
+    most bytes the ring buffers may hold for the carrying ring's message and its passengers."""
 
-    def __init__(self, order: "RingOrder", tag: int, first: _FirstMessage):
-        self.order, self.tag, self.first = order, tag, first
+    def __init__(self, order: "RingOrder", tag: int, first: _FirstMessage, room: float):
+        self.order, self.tag, self.first, self.room = order, tag, first, room
         self.lead = first.lead
         self.nbytes = first.message.nbytes - self.lead
 
@@ -109,6 +114,7 @@ class RingOrder:
         self._this_pass: list[tuple] = []
         self._first_messages: dict[int, _FirstMessage | None] = {}  # None: not prefetchable
         self._prefetched: tuple[int, tuple, Prefetched] | None = None  # (tag, signature, exchange)
+        self._largest = self._largest_previous = 0  # the largest message of the pass, of the previous one
         self._forget = False
         self._pass_task = -1  # backward: the backward whose rings this pass records
         self.used = 0  # prefetched exchanges that their ring took (tests count them)
@@ -116,24 +122,25 @@ class RingOrder:
     def arrived(self, tag: int, signature: tuple, exchange: Prefetched) -> None:
         """The first exchange of the ring expected next is done (``_NextFirstMessage.alight``)."""
         self._prefetched = (tag, signature, exchange)
-        RING_BUFFERS.holds_prefetched = True
+        RING_BUFFERS.prefetched = exchange
 
     def _take(self) -> tuple | None:
         prefetched, self._prefetched = self._prefetched, None
-        RING_BUFFERS.holds_prefetched = False
+        RING_BUFFERS.prefetched = None
         return prefetched
 
-    def begin(self, ring: Ring, tag: int, message: Message | None, tensors: list[torch.Tensor], first: int = 0) -> Prefetched | None:
-        """A ring of this order's kind begins; ``message`` is None when its first message (segments
-        ``first:``, packed from ``tensors``) cannot be prefetched. Returns its first exchange if the
-        ring before did it, or None (then it makes its own)."""
+    def begin(self, ring: Ring, tag: int, message: Message, tensors: list[torch.Tensor] | None, first: int = 0) -> Prefetched | None:
+        """A ring of this order's kind begins, with ``message``; ``tensors`` are its segments ``first:``,
+        which its first exchange sends, or None when that cannot be prefetched. Returns its first
+        exchange if the ring before did it, or None (then it makes its own)."""
         if self.backward:
             self._end_with_backward()
         prefetched = self._take()
-        prefetchable = message is not None and ring.size > 1 and not in_selective_checkpoint()
+        prefetchable = tensors is not None and ring.size > 1 and not in_selective_checkpoint()
         first_message = _FirstMessage(ring, message, tensors, first) if prefetchable else None
         self._first_messages[tag] = first_message
-        self._this_pass.append((tag, None if message is None else (message.segments, first)))
+        self._this_pass.append((tag, (message.segments, first)))
+        self._largest = max(self._largest, message.nbytes)
         if prefetched is None:
             return None
         expected_tag, signature, exchange = prefetched
@@ -159,7 +166,10 @@ class RingOrder:
             return None
         if first.ring.group is not ring.group or first.ring.device != ring.device:
             return None
-        return _NextFirstMessage(self, tag, first)
+        # In backward, where rsdp's memory peaks (gradients pile up), no larger than the pass's largest
+        # message: its first ring, a head's, is often the largest, and carries nothing then.
+        room = self._largest_previous if self.backward else math.inf
+        return _NextFirstMessage(self, tag, first, room)
 
     def forget_this_pass(self) -> None:
         """The rings change after this pass (Linears start sharing one): do not predict from it."""
@@ -169,6 +179,7 @@ class RingOrder:
         """The pass ended: drop an exchange no ring took, remember the order."""
         self._take()
         self._previous_pass = [] if self._forget else self._this_pass
+        self._largest_previous, self._largest = self._largest, 0
         # Only this pass's rings can be prefetched next: the others' tensors (a model no longer
         # trained, perhaps) are not kept alive here.
         called = {tag for tag, _ in self._this_pass}
@@ -179,7 +190,7 @@ class RingOrder:
         """Drop what a pass that raised left (called as a forward starts): its end never came."""
         if self._this_pass or self._prefetched is not None:
             self._take()
-            self._this_pass, self._forget, self._pass_task = [], False, -1
+            self._this_pass, self._forget, self._pass_task, self._largest = [], False, -1, 0
 
     def _end_with_backward(self) -> None:
         """Queue the end of this backward pass at the end of the backward now running (once)."""
@@ -197,10 +208,10 @@ FORWARD_RING_ORDER = RingOrder(backward=False)
 BACKWARD_RING_ORDER = RingOrder(backward=True)
 
 
-def ring_begins(ring: Ring, phase: Phase, tag: int, message: Message | None, tensors: list[torch.Tensor], first: int = 0) -> Prefetched | None:
+def ring_begins(ring: Ring, phase: Phase, tag: int, message: Message, tensors: list[torch.Tensor] | None = None, first: int = 0) -> Prefetched | None:
     """A ring of ``phase`` begins (see ``RingOrder.begin``): it is one of the pass running, and a
     forward ring recomputed in backward (activation checkpointing) is one of the backward's, which
     takes no prefetch (it would overwrite one made for the ring after it)."""
     if not in_backward():
         return FORWARD_RING_ORDER.begin(ring, tag, message, tensors, first)
-    return BACKWARD_RING_ORDER.begin(ring, tag, message if phase is Phase.BACKWARD else None, tensors, first)
+    return BACKWARD_RING_ORDER.begin(ring, tag, message, tensors if phase is Phase.BACKWARD else None, first)

@@ -144,8 +144,8 @@ class RingBuffers:
         # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
         # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
         self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-        # Whether the next ring's first message, prefetched, lies in the message buffers (``_prefetch.py``).
-        self.holds_prefetched = False
+        # The next ring's first exchange, done ahead: its messages lie in the message buffers (``_prefetch.py``).
+        self.prefetched: "Prefetched | None" = None
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever buffers are replaced (to drop cached views of them)."""
@@ -211,17 +211,36 @@ class RingBuffers:
         backward ring once it has copied out its result. Gradients pile up as a backward goes on, so
         its end is where memory peaks: the buffers of its first, largest rings (a tied table's head:
         weights and partials) must not stay for its last ones (the Embedding's partials). The next
-        request makes a freed buffer again, at the size the rest of the backward needs."""
+        request makes a freed buffer again, at the size the rest of the backward needs. The next ring's
+        first messages, if they were prefetched (behind the message of the ring that carried them),
+        are moved to the start of their buffers first, which keep their length."""
         upcoming = self._sizes[True].upcoming() if in_backward() else None
-        if upcoming is None or self.holds_prefetched:
+        if upcoming is None:
             return
+        kept = self.prefetched
+        if kept is not None:
+            self._move_to_start(kept)
         freed = False
         for index, buffer in list(self._live()):
-            if 8 * buffer.untyped_storage().nbytes() > 9 * upcoming[index]:  # more than an eighth to spare
-                buffer.untyped_storage().resize_(0)
+            keeps = kept is not None and index < 2 and buffer.device == kept.sent.device
+            keep = kept.sent.numel() if keeps else 0
+            storage = buffer.untyped_storage()
+            if 8 * storage.nbytes() > 9 * max(upcoming[index], keep):  # more than an eighth to spare
+                storage.resize_(max(upcoming[index], keep) if keeps else 0)
                 freed = True
         if freed:
             self._reindex()
+
+    def _move_to_start(self, prefetched: "Prefetched") -> None:
+        """Move a prefetched exchange's messages (sent and received) to the start of their buffers."""
+        buffers = self._sets[prefetched.sent.device]
+        moved = []
+        for index, message in ((1 - prefetched.received_in, prefetched.sent), (prefetched.received_in, prefetched.received)):
+            start = buffers[index][: message.numel()]
+            if message.data_ptr() != start.data_ptr():
+                start.copy_(message.clone())  # the two may overlap
+            moved.append(start)
+        prefetched.sent, prefetched.received = moved
 
     def place_of(self, buffer: torch.Tensor) -> tuple[int, int] | None:
         """Where ``buffer`` starts in the ring buffers: (which of the three, byte offset), or None when
@@ -329,6 +348,13 @@ class Passenger(typing.Protocol):
     def alight(self, sent: torch.Tensor, received: torch.Tensor, received_in: int) -> None: ...
 
 
+class NextFirst(Passenger, typing.Protocol):
+    """The next ring's first message as a passenger (``_prefetch.py``); ``room`` is the most the ring
+    buffers may hold for it and what rides before it."""
+
+    room: int
+
+
 class Ring:
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group
@@ -356,7 +382,7 @@ class Ring:
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
         hops: int | None = None,
         region: Callable[[int], slice] | None = None,
-        carry_next: "Callable[[Ring], Passenger | None] | None" = None,
+        carry_next: "Callable[[Ring], NextFirst | None] | None" = None,
         rider: "Rider | None" = None,
     ) -> torch.Tensor:
         """Pass a message of ``nbytes`` bytes ``hops`` (default W-1) times down the ring; return the one
@@ -495,14 +521,18 @@ class _Boarding:
             self._add(step, hop)
             self._deferred = hop
 
-    def add_next_first(self, carry_next: "Callable[[Ring], Passenger | None]") -> None:
+    def add_next_first(self, carry_next: "Callable[[Ring], NextFirst | None]") -> None:
         step = self.hops - 1
         if not self._can_board(step):
             return
         passenger = carry_next(self.ring)
+        if passenger is None:
+            return
+        at = self._free_at(step)
         # Its lead lies over what the exchange carries before it: a longer one would be bytes sent for
-        # nothing (a short message carrying one whose partials are longer).
-        if passenger is not None and passenger.lead <= self._free_at(step):
+        # nothing (a short message carrying one whose partials are longer). And the buffers are not
+        # made larger than the pass needs them anyway (``room``).
+        if passenger.lead <= at and at + passenger.nbytes <= passenger.room:
             self._add(step, passenger)
 
     def fit(self) -> None:

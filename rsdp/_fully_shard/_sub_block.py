@@ -555,7 +555,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             # rank's contributions to every shard are kept locally until the next synchronised backward.
             weights_only = message_of(weight_segments)
             totals = [state.unsynced_gradient(key, segment) for key, segment in zip(keys, grad_segments)]
-            ring_begins(ring, Phase.BACKWARD, tag, None, [])
+            ring_begins(ring, Phase.BACKWARD, tag, weights_only)
 
             def during(hop: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(hop)
