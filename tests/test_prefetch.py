@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from models import TinyLM, assert_param_grads_match, full, local_rows, lm_loss, rank_and_world
+from models import TinyLM, assert_param_grads_match, full, local_rows, lm_loss, rank_and_world, twin
 from rsdp import MixedPrecisionPolicy, rsdp_shard
 from rsdp._compat import fully_shard
 from rsdp._fully_shard._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER
 from rsdp.memory import CommCounter
-from test_sub_block import HF_PLAN, LlamaLM, planned_llama
+from test_sub_block import HF_PLAN, Block, LlamaLM, planned_llama
 from test_training import rsdp_lm, train_and_compare
 
 
@@ -241,3 +241,30 @@ def bf16_planned_case():
 
 def test_prefetched_backward_messages_of_mixed_dtypes_match_fsdp2(ranks):
     assert all(used >= 3 for used in ranks.run(4, bf16_planned_case))
+
+
+class TaperedLlama(LlamaLM):
+    """A planned Llama whose second block is much wider than its first: after the second block's
+    attention ring, which carries the first block's MLP message, the rest of the backward needs far
+    smaller ring buffers, so they are trimmed while they hold that prefetched message."""
+
+    def __init__(self, world):
+        super().__init__(vocab=401, dim=6, heads=2 * world, kv_heads=world, head_dim=2, hidden=world, layers=2)
+        self.layers[1] = Block(6, 2 * world, world, 6, 30 * world)
+
+
+def tapered_case():
+    _, world = rank_and_world()
+    torch.manual_seed(8)
+    model = TaperedLlama(world).double()
+    reference = twin(model)
+    for layer in model.layers:
+        rsdp_shard(layer, ring_plan=HF_PLAN)
+    rsdp_shard(model)
+    used = BACKWARD_RING_ORDER.used
+    train_and_compare(model, reference, steps=4, rows=1, seq=5)
+    return BACKWARD_RING_ORDER.used - used
+
+
+def test_ring_buffers_trimmed_while_they_hold_a_prefetched_message_keep_it(ranks):
+    assert all(used >= 4 for used in ranks.run(4, tapered_case))

@@ -38,7 +38,7 @@ Pitfalls:
   largest, carries no passenger. A prefetched ring must not make them larger
   (that would lose its own message): if they are too small it carries nothing, and the next pass
   makes them large enough from its start (``RingBuffers.hold``). When the backward's ring buffers
-  are trimmed (``RingBuffers.trim``) a prefetched message is moved to their start and kept.
+  are trimmed (``RingBuffers.trim``) a prefetched message is kept.
 - An Embedding's forward first message carries the rank's "index out of range" flag, known only once
   it is called; a Linear group's backward first message carries partials: neither is prefetched.
 - Only on the carrying ring's own group and device: the passenger travels on its exchange.

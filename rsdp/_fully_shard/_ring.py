@@ -211,36 +211,27 @@ class RingBuffers:
         backward ring once it has copied out its result. Gradients pile up as a backward goes on, so
         its end is where memory peaks: the buffers of its first, largest rings (a tied table's head:
         weights and partials) must not stay for its last ones (the Embedding's partials). The next
-        request makes a freed buffer again, at the size the rest of the backward needs. The next ring's
-        first messages, if they were prefetched (behind the message of the ring that carried them),
-        are moved to the start of their buffers first, which keep their length."""
+        request makes a freed buffer again, at the size the rest of the backward needs. A buffer that
+        holds the next ring's first message, prefetched, keeps it (and what lies before it)."""
         upcoming = self._sizes[True].upcoming() if in_backward() else None
         if upcoming is None:
             return
-        kept = self.prefetched
-        if kept is not None:
-            self._move_to_start(kept)
         freed = False
         for index, buffer in list(self._live()):
-            keeps = kept is not None and index < 2 and buffer.device == kept.sent.device
-            keep = kept.sent.numel() if keeps else 0
+            kept = self._prefetched_end(index, buffer)
             storage = buffer.untyped_storage()
-            if 8 * storage.nbytes() > 9 * max(upcoming[index], keep):  # more than an eighth to spare
-                storage.resize_(max(upcoming[index], keep) if keeps else 0)
+            if 8 * storage.nbytes() > 9 * max(upcoming[index], kept):  # more than an eighth to spare
+                storage.resize_(max(upcoming[index], kept) if kept else 0)  # resize_ keeps the start
                 freed = True
         if freed:
             self._reindex()
 
-    def _move_to_start(self, prefetched: "Prefetched") -> None:
-        """Move a prefetched exchange's messages (sent and received) to the start of their buffers."""
-        buffers = self._sets[prefetched.sent.device]
-        moved = []
-        for index, message in ((1 - prefetched.received_in, prefetched.sent), (prefetched.received_in, prefetched.received)):
-            start = buffers[index][: message.numel()]
-            if message.data_ptr() != start.data_ptr():
-                start.copy_(message.clone())  # the two may overlap
-            moved.append(start)
-        prefetched.sent, prefetched.received = moved
+    def _prefetched_end(self, index: int, buffer: torch.Tensor) -> int:
+        """Where the prefetched message that ``buffer`` holds ends in it, or 0."""
+        if self.prefetched is None or index > 1 or buffer.device != self.prefetched.sent.device:
+            return 0
+        message = self.prefetched.received if index == self.prefetched.received_in else self.prefetched.sent
+        return message.data_ptr() - buffer.data_ptr() + message.numel()
 
     def place_of(self, buffer: torch.Tensor) -> tuple[int, int] | None:
         """Where ``buffer`` starts in the ring buffers: (which of the three, byte offset), or None when
