@@ -218,17 +218,18 @@ class RingBuffers:
             return
         freed = False
         for index, buffer in list(self._live()):
-            kept = self._prefetched_end(index, buffer)
+            kept = 0 if self.prefetched is None else self._prefetched_end(index, buffer)
+            need = upcoming[index] if kept <= upcoming[index] else kept
             storage = buffer.untyped_storage()
-            if 8 * storage.nbytes() > 9 * max(upcoming[index], kept):  # more than an eighth to spare
-                storage.resize_(max(upcoming[index], kept) if kept else 0)  # resize_ keeps the start
+            if 8 * storage.nbytes() > 9 * need:  # more than an eighth to spare
+                storage.resize_(need if kept else 0)  # resize_ keeps the start
                 freed = True
         if freed:
             self._reindex()
 
     def _prefetched_end(self, index: int, buffer: torch.Tensor) -> int:
         """Where the prefetched message that ``buffer`` holds ends in it, or 0."""
-        if self.prefetched is None or index > 1 or buffer.device != self.prefetched.sent.device:
+        if index > 1 or buffer.device != self.prefetched.sent.device:
             return 0
         message = self.prefetched.received if index == self.prefetched.received_in else self.prefetched.sent
         return message.data_ptr() - buffer.data_ptr() + message.numel()
@@ -416,6 +417,7 @@ class Ring:
         if isinstance(start, torch.Tensor) and (rider is not None or boarding):
             start = functools.partial(_copy_message, start)  # into a ring buffer, for what follows it
         buffers = RING_BUFFERS.pair(nbytes, self.device)
+        boarding_at = boarding.steps
         works = []
         held = None  # which of ``buffers`` holds ``current``, if one does
         # ``prefetched`` stays true for step 0 only: its exchange was done ahead, and its arrival is
@@ -437,7 +439,7 @@ class Ring:
                 part = None if region is None else region(step)
                 if part == slice(None):
                     part = None  # all of it, with no slice dispatched
-                if boarding.boards_at(step):
+                if step in boarding_at:
                     sent, received = wide[held], wide[arriving]
                     aboard = boarding.board(step, sent, received)
                     first = 0 if part is None else part.start
@@ -461,7 +463,7 @@ class Ring:
                     on_arrival(step + 1, current)
                 if rider is not None:
                     rider.arrived(step + 1, current[rider_at:])
-                if boarding.boards_at(step):
+                if step in boarding_at:
                     for passenger, sent_region, received_region in aboard:
                         passenger.alight(sent_region, received_region, arriving)
             prefetched = False
@@ -485,8 +487,10 @@ class _Boarding:
     def __bool__(self) -> bool:
         return bool(self._aboard)
 
-    def boards_at(self, step: int) -> bool:
-        return step in self._aboard
+    @property
+    def steps(self) -> dict:
+        """The steps at which passengers board (a dict: a step is looked up at every ring step)."""
+        return self._aboard
 
     def _can_board(self, step: int) -> bool:
         """Whether the exchange of ``step`` is this ring's own, sends its message to the end, and sends a
@@ -506,6 +510,8 @@ class _Boarding:
         self.nbytes = max(self.nbytes, self._ends[step])
 
     def add_deferred_hop(self) -> None:
+        if not DEFERRED_HOPS.pending:
+            return
         step = next((s for s in range(self.hops) if self._can_board(s)), None)
         hop = DEFERRED_HOPS.take(self.ring, step is not None)
         if hop is not None:
@@ -623,6 +629,10 @@ class _DeferredHops:
         elif task != self._flush_task:
             self._flush_task = task
             at_end_of_backward(self._end_of_backward)
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
 
     def take(self, ring: "Ring", can_carry: bool) -> DeferredHop | None:
         """The hop deferred, for an exchange of ``ring`` to carry, or None (sent alone if there is one
