@@ -129,7 +129,9 @@ class RingOrder:
         RING_BUFFERS.prefetched = None
         return prefetched
 
-    def begin(self, ring: Ring, tag: int, message: Message, tensors: list[torch.Tensor] | None, first: int = 0) -> Prefetched | None:
+    def begin(
+        self, ring: Ring, tag: int, message: Message, tensors: list[torch.Tensor] | None, first: int = 0
+    ) -> Prefetched | None:
         """A ring of this order's kind begins, with ``message``; ``tensors`` are its segments ``first:``,
         which its first exchange sends, or None when that cannot be prefetched. Returns its first
         exchange if the ring before did it, or None (then it makes its own)."""
@@ -208,7 +210,9 @@ FORWARD_RING_ORDER = RingOrder(backward=False)
 BACKWARD_RING_ORDER = RingOrder(backward=True)
 
 
-def ring_begins(ring: Ring, phase: Phase, tag: int, message: Message, tensors: list[torch.Tensor] | None = None, first: int = 0) -> Prefetched | None:
+def ring_begins(
+    ring: Ring, phase: Phase, tag: int, message: Message, tensors: list[torch.Tensor] | None = None, first: int = 0
+) -> Prefetched | None:
     """A ring of ``phase`` begins (see ``RingOrder.begin``): it is one of the pass running, and a
     forward ring recomputed in backward (activation checkpointing) is one of the backward's, which
     takes no prefetch (it would overwrite one made for the ring after it)."""

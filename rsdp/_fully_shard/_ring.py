@@ -495,7 +495,7 @@ class _Boarding:
     def _can_board(self, step: int) -> bool:
         """Whether the exchange of ``step`` is this ring's own, sends its message to the end, and sends a
         message at the start of a buffer."""
-        if step >= self.hops or step < (1 if self.prefetched else 0) or (self.prefetched and step == 1):
+        if step >= self.hops or (self.prefetched and step < 2):  # 0: done ahead; 1: sends it from behind
             return False
         part = None if self.region is None else self.region(step)
         return part is None or part.stop is None
@@ -587,8 +587,8 @@ class Rider(typing.Protocol):
 @dataclasses.dataclass
 class DeferredHop:
     """The last hop of a ring's message, deferred to travel behind a message of the next ring (a
-    ``Passenger``, see ``_Boarding``): a planned sub-block's backward partials end one hop from their owners
-    (``_sub_block.py``), and that hop alone would be one more synchronisation of every rank.
+    ``Passenger``, see ``_Boarding``): a planned sub-block's backward partials end one hop from their
+    owners (``_sub_block.py``), and that hop alone would be one more synchronisation of every rank.
     ``payload`` (bytes) goes down the ring of ``ring``; ``arrived`` is given the bytes that came from
     up, in a buffer it may change but not keep."""
 
@@ -613,8 +613,8 @@ class _DeferredHops:
     """The one hop deferred and not yet sent. The next ``Ring.circulate`` takes it into an exchange when
     it can (same group and device, an exchange of its own that sends its message to the end, from a
     buffer's start: ``_Boarding``); otherwise, and when the backward ends with none to take it, it is
-    sent alone. Every
-    rank runs the same rings in the same order, so all decide alike (the messages' sizes match)."""
+    sent alone. Every rank runs the same rings in the same order, so all decide alike (the messages'
+    sizes match)."""
 
     def __init__(self):
         self._pending: DeferredHop | None = None
