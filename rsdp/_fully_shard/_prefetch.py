@@ -10,12 +10,12 @@ So it can travel before its ring is called. The last exchange of a ring, which o
 second-to-last step's computation, carries it behind the ring's own message (a ``Passenger``), to the
 same neighbour: the next ring then starts with its first exchange done and costs one exchange fewer.
 A forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges instead of R(W-1); a backward
-saves one per planned sub-block after a ring that can carry it (below). A prefetched ring's own first exchange
-sends the message prefetched, which lies behind the carrying ring's with nothing free behind it, so
-only its later exchanges can carry anything: on 2 ranks (no exchange of its own) and 3 (one) there is
-none, and every other forward ring is prefetched; a backward ring prefetches only on W >= 4, where the
-hop deferred by the ring before it (``_ring.DeferredHop``), which would have ridden its first
-exchange, rides its third instead, beside the next ring's first message at W = 4.
+saves one per planned sub-block after a ring that can carry it (below). A prefetched ring's own first
+exchange sends the message prefetched, which lies behind the carrying ring's with nothing free behind
+it, so only its later exchanges can carry anything: on 2 ranks (no exchange of its own) and 3 (one)
+there is none, and every other forward ring is prefetched; a backward ring prefetches only on W >= 4,
+where the hop deferred by the ring before it (``_ring.DeferredHop``), which would have ridden its
+first exchange, rides its third instead, beside the next ring's first message at W = 4.
 
 A backward message puts its partials first: the weights the first exchange sends start ``lead`` bytes
 into it. Those bytes do not travel; the message prefetched starts that far before the weights, over
@@ -35,10 +35,10 @@ Pitfalls:
   the message, which the carrying ring no longer reads. In backward, where rsdp's memory peaks, a
   ring whose message and passengers would need more than the pass's largest message (in the previous
   pass) carries nothing, so that the ring buffers' peak is not raised: the head's backward ring, the
-  largest, carries no passenger. A prefetched ring must not make them larger
-  (that would lose its own message): if they are too small it carries nothing, and the next pass
-  makes them large enough from its start (``RingBuffers.hold``). When the backward's ring buffers
-  are trimmed (``RingBuffers.trim``) a prefetched message is kept.
+  largest, carries no passenger. A prefetched ring must not make them larger (that would lose its own
+  message): if they are too small it carries nothing, and the next pass makes them large enough from
+  its start (``RingBuffers.hold``). When the backward's ring buffers are trimmed
+  (``RingBuffers.trim``) a prefetched message is kept.
 - An Embedding's forward first message carries the rank's "index out of range" flag, known only once
   it is called; a Linear group's backward first message carries partials: neither is prefetched.
 - Only on the carrying ring's own group and device: the passenger travels on its exchange.
@@ -108,8 +108,8 @@ class RingOrder:
 
     def __init__(self, backward: bool):
         self.backward = backward
-        # (tag, message layout or None) of each ring, in call order: a ring's layout changes when
-        # Linears start sharing its ring, and then it is another ring to wait for.
+        # (tag, (message layout, first segment its first exchange sends)) of each ring, in call order:
+        # a ring's layout changes when Linears start sharing its ring, and then it is another ring.
         self._previous_pass: list[tuple] = []
         self._this_pass: list[tuple] = []
         self._first_messages: dict[int, _FirstMessage | None] = {}  # None: not prefetchable
