@@ -106,7 +106,7 @@ def rsdp_shard(
             replacement[id(param)] = _sharded(param, mesh, state.device, owner, name, dim)
 
     parents = {id(child): parent for parent in managed for child in parent.children()}
-    names = {id(submodule): name or type(module).__name__ for name, submodule in module.named_modules()}
+    names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
     rows = {id(block.row): block for block in sub_blocks}
     ring_slots = set()
     for owner in managed:
@@ -117,11 +117,11 @@ def rsdp_shard(
         ring_names = ("weight",) if id(owner) in rows or not isinstance(owner, nn.Linear) else ("weight", "bias")
         ring_slots.update((id(owner), name) for name in ring_names)
         _swap_class(owner, mixin, "Ring")
-        owner._rsdp_ring = RingLayer(state, new_layer_tags(), names.get(id(owner), type(owner).__name__))
+        owner._rsdp_ring = RingLayer(state, new_layer_tags(), names.get(id(owner), type(owner).__qualname__))
         owner._rsdp_row_of = rows.get(id(owner))
         state.ring_modules.append(owner)
     for block in sub_blocks:
-        block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__name__)
+        block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__)
         _swap_class(block.module, RingSubBlock, "RingSub")
         block.module._rsdp_sub_block = block
 
@@ -173,7 +173,7 @@ class RSDPModule:
         # FSDP2 refuses too ("FSDP does not support deepcopy"): a copy would share this module's ring
         # tags, process group and hooks' state while holding other parameters.
         raise TypeError(
-            f"rsdp: copy.deepcopy of an rsdp module ({type(self).__name__}) is not supported, as with FSDP2's "
+            f"rsdp: copy.deepcopy of an rsdp module ({type(self).__qualname__}) is not supported, as with FSDP2's "
             "fully_shard: its state (ring, process group, hooks) cannot be copied. Deep-copy the model before "
             "rsdp_shard (for a reference or EMA copy), or build and shard a second model the same way and load "
             "this one's weights: `other.load_state_dict(model.state_dict())`."
@@ -194,7 +194,7 @@ class RSDPModule:
     def _get_rsdp_state(self) -> RSDPState:
         state = get_module_state(self)
         if not isinstance(state, RSDPState):
-            raise AssertionError(f"No rsdp state on {type(self).__name__}")
+            raise AssertionError(f"No rsdp state on {type(self).__qualname__}")
         return state
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -232,12 +232,12 @@ def register_rsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """
     if not isinstance(module, RSDPModule):
         raise ValueError(
-            f"register_rsdp_forward_method: {type(module).__name__} is not an rsdp module; call it on the "
+            f"register_rsdp_forward_method: {type(module).__qualname__} is not an rsdp module; call it on the "
             "module you passed to rsdp_shard."
         )
     method = getattr(module, method_name, None)
     if not callable(method):
-        raise ValueError(f"register_rsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+        raise ValueError(f"register_rsdp_forward_method: {type(module).__qualname__} has no method {method_name!r}")
     state = module._get_rsdp_state()
 
     @functools.wraps(method)
@@ -278,17 +278,17 @@ def _validated_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
 def _check_not_managed(module: nn.Module) -> None:
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         raise ValueError(
-            f"rsdp_shard: {type(module).__name__} has no forward of its own; shard each of its "
+            f"rsdp_shard: {type(module).__qualname__} has no forward of its own; shard each of its "
             "modules instead, or the module that calls them."
         )
     state = get_module_state(module)
     if isinstance(state, RSDPState):
         raise ValueError(
-            f"rsdp_shard was already applied to this {type(module).__name__}; apply it once per module."
+            f"rsdp_shard was already applied to this {type(module).__qualname__}; apply it once per module."
         )
     if state is not None:
         raise ValueError(
-            f"rsdp_shard: this {type(module).__name__} is already managed by {type(state).__name__} "
+            f"rsdp_shard: this {type(module).__qualname__} is already managed by {type(state).__name__} "
             "(fully_shard or replicate); apply one strategy per module."
         )
 
@@ -312,7 +312,7 @@ def _managed_and_nested_modules(root: nn.Module) -> tuple[list[nn.Module], list[
 
 
 def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner: nn.Module, name: str, dim: int) -> nn.Parameter:
-    where = f"{type(owner).__name__}.{name}"
+    where = f"{type(owner).__qualname__}.{name}"
     if isinstance(param, DTensor):
         if param.device_mesh != mesh:
             raise ValueError(
@@ -356,13 +356,26 @@ def _check_one_dtype(params: list[nn.Parameter]) -> None:
 
 
 def _swap_class(module: nn.Module, mixin: type, prefix: str) -> None:
+    """Make ``module`` an instance of ``mixin`` + its class, named like its class.
+
+    The swapped class keeps the original ``__name__``: code outside rsdp reads a model's class name as
+    its identity (Hugging Face writes ``config.architectures`` from it, and only strips FSDP's prefix;
+    vLLM and TGI dispatch on that field; ``generate`` and peft look at it too). The prefix lives in
+    ``__qualname__``, which the module's repr and rsdp's own messages show.
+    """
     cls = type(module)
     key = (mixin, cls)
     swapped = _swapped_classes.get(key)
     if swapped is None:
-        swapped = type(f"{prefix}{cls.__name__}", (mixin, cls), {"_rsdp_orig_cls": cls})
+        namespace = {"_rsdp_orig_cls": cls, "__qualname__": f"{prefix}{cls.__qualname__}", "_get_name": _qualified_name}
+        swapped = type(cls.__name__, (mixin, cls), namespace)
         _swapped_classes[key] = swapped
     module.__class__ = swapped
+
+
+def _qualified_name(module: nn.Module) -> str:
+    """``nn.Module``'s name in its repr: the swapped class's prefixed name (``RSDPLlamaForCausalLM``)."""
+    return type(module).__qualname__
 
 
 _swapped_classes: dict[tuple[type, type], type] = {}

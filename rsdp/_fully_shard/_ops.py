@@ -489,7 +489,7 @@ def sharded(param: nn.Parameter | None, module: nn.Module, name: str) -> DTensor
     param = getattr(param, "sharded_param", param)
     if not isinstance(param, DTensor):
         raise RuntimeError(
-            f"rsdp: {type(module).__name__}.{name} is no longer the sharded DTensor parameter that "
+            f"rsdp: {type(module).__qualname__}.{name} is no longer the sharded DTensor parameter that "
             "rsdp_shard installed (was it reassigned?). Assign new values in place, e.g. "
             "`with torch.no_grad(): param.copy_(value)`, or load them with load_state_dict."
         )
@@ -519,7 +519,7 @@ def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Te
 def _check_device(input: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> None:
     if input.device != weight.device:
         raise ValueError(
-            f"rsdp {type(module).__name__}: input is on {input.device} but the parameters are on "
+            f"rsdp {type(module).__qualname__}: input is on {input.device} but the parameters are on "
             f"{weight.device}; move the input there first (e.g. `batch.to('{weight.device}')`)."
         )
 
@@ -535,17 +535,17 @@ class RingLinear:
         # with the shard held, installed on the instance (_sub_block.py).
         if self.__dict__.get("_rsdp_row_of") is not None:
             raise RuntimeError(
-                f"rsdp: {type(self).__name__} is the rowwise Linear of ring sub-block "
+                f"rsdp: {type(self).__qualname__} is the rowwise Linear of ring sub-block "
                 f"{self._rsdp_row_of.name!r}; its columns are sharded, so call the sub-block, not the Linear."
             )
         # Checked before the ring starts: a rank that failed half-way through a ring step would leave
         # its peers waiting for the process group's timeout.
         weight = sharded(self.weight, self, "weight")
         if not input.is_floating_point():
-            raise TypeError(f"rsdp {type(self).__name__}: input must be floating point, got {input.dtype}")
+            raise TypeError(f"rsdp {type(self).__qualname__}: input must be floating point, got {input.dtype}")
         if input.dim() == 0 or input.shape[-1] != self.in_features:
             raise ValueError(
-                f"rsdp {type(self).__name__}: input of shape {tuple(input.shape)} does not end in "
+                f"rsdp {type(self).__qualname__}: input of shape {tuple(input.shape)} does not end in "
                 f"in_features={self.in_features}"
             )
         _check_device(input, weight, self)
@@ -561,7 +561,7 @@ class RingEmbedding:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = local_shard(self.weight, self, "weight", self._rsdp_ring)
         if input.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"rsdp {type(self).__name__}: indices must be int32 or int64, got {input.dtype}")
+            raise TypeError(f"rsdp {type(self).__qualname__}: indices must be int32 or int64, got {input.dtype}")
         _check_device(input, weight, self)
         return _RingEmbeddingFunction.apply(input, weight, self._rsdp_ring, self.num_embeddings, self.padding_idx)
 

@@ -328,7 +328,7 @@ class RSDPState(FSDPState):
             if index in replaced:
                 if len(replaced[index]) > 1 or id(owner._parameters.get(name)) not in replaced[index]:
                     raise RuntimeError(
-                        f"rsdp: {type(owner).__name__}.{name} is shared by several modules but was replaced in "
+                        f"rsdp: {type(owner).__qualname__}.{name} is shared by several modules but was replaced in "
                         "only some of them; replace it everywhere, or assign new values in place."
                     )
                 self.gathered.params[index] = owner._parameters[name]
@@ -345,7 +345,7 @@ class RSDPState(FSDPState):
         ):
             return
         raise RuntimeError(
-            f"rsdp: {type(owner).__name__}.{name} is no longer the sharded DTensor parameter that rsdp_shard "
+            f"rsdp: {type(owner).__qualname__}.{name} is no longer the sharded DTensor parameter that rsdp_shard "
             f"installed, and its replacement ({_describe(current)}) is not a DTensor parameter sharded like it "
             f"({tuple(expected.placements)} on the same mesh, shape {tuple(expected.shape)}, {expected.dtype}). "
             "Assign new values in place, e.g. `with torch.no_grad(): param.copy_(value)`, or load them with "

@@ -140,7 +140,7 @@ def plan_sub_blocks(root: nn.Module, ring_plan: dict, world: int) -> list[SubBlo
             for column_name, (column_kind, module) in styles.items()
             if column_kind == "colwise" and column_name.rpartition(".")[0] == parent_name
         ]
-        where = f"ring_plan: sub-block {parent_name or type(root).__name__!r}"
+        where = f"ring_plan: sub-block {parent_name or type(root).__qualname__!r}"
         linears = [row, *columns]
         if not columns:
             raise ValueError(f"{where} has a rowwise Linear {name!r} but no colwise sibling to pair it with.")
