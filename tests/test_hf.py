@@ -143,3 +143,33 @@ def test_gpt2_transient_memory_is_under_a_third_of_fsdp2s_on_4_ranks(ranks):
     fsdp = max(ranks.run(4, gpt2_transient_case, "fsdp"))
     print(f"GPT-2 transient: rsdp {rsdp} B, FSDP2 {fsdp} B, ratio {rsdp / fsdp:.3f}")
     assert rsdp <= 0.3 * fsdp, (rsdp, fsdp)
+
+
+def saved_architectures_case(save_dir):
+    """``save_pretrained`` on the sharded model writes the model's own class in ``config.architectures``
+    (vLLM and TGI dispatch on it); rsdp's class names stay visible in the module's repr."""
+    import json
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, use_cache=False)  # fmt: skip
+    model = transformers.Qwen2ForCausalLM(config)
+    for layer in model.model.layers:
+        rsdp_shard(layer, ring_plan=config.base_model_tp_plan)
+    rsdp_shard(model)
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        model.save_pretrained(save_dir, state_dict=state_dict)
+    dist.barrier()
+    with open(f"{save_dir}/config.json") as file:
+        architectures = json.load(file)["architectures"]
+    return architectures, type(model).__name__, repr(model).split("(")[0], type(model.model.layers[0].self_attn).__qualname__
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_save_pretrained_names_the_models_own_class(ranks, tmp_path, world):
+    for architectures, name, shown, attention in ranks.run(world, saved_architectures_case, str(tmp_path)):
+        assert architectures == ["Qwen2ForCausalLM"] and name == "Qwen2ForCausalLM"
+        assert shown == "RSDPQwen2ForCausalLM" and attention == "RingSubQwen2Attention", (shown, attention)

@@ -1,0 +1,309 @@
+"""Hugging Face's ``Trainer`` and TRL's ``SFTTrainer`` on rsdp-sharded models, through
+``rsdp.integrations.transformers``, against the same script on FSDP2 (``fully_shard`` by hand, with the
+same mixin) and on DDP (the stock trainer on the unsharded model, as accelerate wraps it): per-step
+losses and gradient norms, the trained weights, ``evaluate()``, and the saved model reloaded in one
+process. Models are built from configs in float64; data are random token ids.
+
+Accelerate's own FSDP2 plugin cannot run here: it needs a GPU (``use_cpu=True`` makes accelerate's
+state MULTI_CPU, which wraps in DDP and ignores ``fsdp``; without it, the Trainer refuses FSDP as "not
+distributed"), hence ``fully_shard`` by hand for the FSDP2 side.
+
+Configs set ``use_cache=False``: a ring plan runs each planned sub-block once per shard, and HF's
+``DynamicCache`` would be appended to W times (a separate issue).
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from models import assert_close, full
+from rsdp import rsdp_shard
+from rsdp._compat import fully_shard
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+datasets = pytest.importorskip("datasets")
+peft = pytest.importorskip("peft")
+
+from rsdp.integrations.transformers import check_shardable_by_the_model, rsdp_trainer  # noqa: E402
+
+VOCAB = 37
+ROWS, SEQ = 16, 8
+# Llama's and Qwen2's RMSNorm compute in float32 even in a float64 model.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-7}
+
+
+def attention_for(name: str) -> str:
+    # A planned attention must return only its o_proj output: eager attention also returns its weights.
+    return "sdpa" if name.endswith("-ring") else "eager"
+
+
+def _config(name: str, dropout: float):
+    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=32, use_cache=False, attention_dropout=dropout, attn_implementation=attention_for(name))  # fmt: skip
+    if name.startswith("llama"):
+        # 4 KV heads with a ring plan on 4 ranks: planned heads must divide by the ranks.
+        return transformers.LlamaConfig(num_key_value_heads=4 if name == "llama-ring" else 2, **common)
+    return transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=name == "tied", **common)
+
+
+def build_model(name: str, lora: bool, dropout: float = 0.0):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(name, dropout), dtype=torch.float64)
+    if lora:
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+        model = peft.get_peft_model(model, config)
+        with torch.no_grad():  # peft starts B at zero: give the adapters a non-trivial start
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(std=0.1)
+    return model
+
+
+def shard(model, strategy: str, name: str):
+    """Each decoder layer, then the root; rsdp with the model's own tensor-parallel plan as ring plan
+    for the ``-ring`` models. DDP: nothing (accelerate wraps the model)."""
+    if strategy == "ddp":
+        return model
+    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    ring_plan = base.config.base_model_tp_plan if name.endswith("-ring") else None
+    for layer in base.model.layers:
+        if strategy == "rsdp":
+            rsdp_shard(layer, ring_plan=ring_plan)
+        else:
+            fully_shard(layer)
+    (rsdp_shard if strategy == "rsdp" else fully_shard)(model)
+    return model
+
+
+def token_dataset(seed: int = 1):
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(seed)).tolist()
+    return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def join_launched_ranks():
+    """What torchrun sets: accelerate reads it to make the Trainer one data-parallel job of these ranks."""
+    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),
+                      LOCAL_WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # fmt: skip
+
+
+def training_args(output_dir, trainer_kind: str = "trainer", **overrides):
+    settings = dict(output_dir=output_dir, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                    gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-2, max_grad_norm=0.05,
+                    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)  # fmt: skip
+    settings.update(overrides)
+    if trainer_kind == "sft":
+        import trl
+
+        return trl.SFTConfig(dataset_kwargs={"skip_prepare_dataset": True}, **settings)
+    return transformers.TrainingArguments(**settings)
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the ids' own vocabulary (``t0`` .. ``t36``), which SFTTrainer needs
+    for its padding id; no download."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", eos_token="t2", unk_token="t1")
+
+
+def causal_lm_loss(outputs, labels, num_items_in_batch=None):
+    """The loss on the model's logits (TRL's default fused LM-head loss reads ``lm_head.weight`` inside its
+    own autograd Function, a separate issue)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(outputs.logits, labels, VOCAB, num_items_in_batch=num_items_in_batch)
+
+
+class GradientsUnreducedBetweenSteps(transformers.TrainerCallback):
+    """On every micro-step but the last of a step, ``.grad`` must still be unset: a reduction there
+    would have written it (rsdp and FSDP2 keep the unreduced contributions aside)."""
+
+    def __init__(self):
+        self.checked = 0
+
+    def on_substep_end(self, args, state, control, model=None, **kwargs):
+        assert all(p.grad is None for p in model.parameters()), "gradients were reduced on a non-final micro-step"
+        self.checked += 1
+
+
+def make_trainer(strategy: str, name: str, trainer_kind: str, args, lora: bool, callbacks=(), dropout: float = 0.0):
+    model = shard(build_model(name, lora, dropout), strategy, name)
+    if trainer_kind == "sft":
+        import trl
+
+        trainer_class, extra = trl.SFTTrainer, {"processing_class": tiny_tokenizer(), "compute_loss_func": causal_lm_loss}
+    else:
+        trainer_class, extra = transformers.Trainer, {}
+    if strategy != "ddp":
+        trainer_class = rsdp_trainer(trainer_class)
+    dataset = token_dataset()
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, eval_dataset=dataset, callbacks=list(callbacks), **extra)
+    return trainer, model
+
+
+def full_weights(model) -> dict:
+    """Every parameter as a full tensor, by its name in the unwrapped model."""
+    return {name: full(param.detach()) for name, param in model.named_parameters()}
+
+
+def trainer_matches_fsdp2_and_ddp_case(name: str, trainer_kind: str, lora: bool, save_dir: str, checkpointing: bool = False):
+    join_launched_ranks()
+    rank = dist.get_rank()
+    runs = {}
+    for strategy in ("ddp", "fsdp", "rsdp"):
+        check = GradientsUnreducedBetweenSteps()
+        args = training_args(os.path.join(save_dir, strategy), trainer_kind, gradient_checkpointing=checkpointing)
+        trainer, model = make_trainer(strategy, name, trainer_kind, args, lora, [check] if strategy != "ddp" else [])
+        trainer.train()
+        assert strategy == "ddp" or check.checked == trainer.state.global_step  # one non-final micro-step per step
+        history = [entry for entry in trainer.state.log_history if "loss" in entry]
+        runs[strategy] = {
+            "losses": torch.tensor([entry["loss"] for entry in history], dtype=torch.float64),
+            "grad_norms": torch.tensor([entry["grad_norm"] for entry in history], dtype=torch.float64),
+            "eval_loss": torch.tensor(trainer.evaluate()["eval_loss"], dtype=torch.float64),
+            "weights": full_weights(model),
+        }
+        if strategy == "rsdp":
+            assert trainer.args.should_log == (rank == 0)  # the Trainer logs from rank 0 only
+            trainer.save_model(os.path.join(save_dir, "saved"))
+            runs["rsdp"]["model"] = model
+    assert len(runs["rsdp"]["losses"]) == 3
+    for strategy in ("fsdp", "ddp"):
+        for key in ("losses", "grad_norms", "eval_loss"):
+            assert_close(runs["rsdp"][key], runs[strategy][key], what=f"{key} against {strategy}", **TOLERANCE)
+        assert runs["rsdp"]["weights"].keys() == runs[strategy]["weights"].keys()
+        for param_name, weight in runs["rsdp"]["weights"].items():
+            assert_close(weight, runs[strategy]["weights"][param_name], what=f"{param_name} against {strategy}", **TOLERANCE)
+    # The gradient norms were clipped (max_grad_norm 0.05): the clipping, not only the norm, is compared.
+    assert bool((runs["rsdp"]["grad_norms"] > 0.05).all())
+    if rank == 0:
+        reloaded = reload_in_one_process(name, lora, os.path.join(save_dir, "saved"))
+        tokens = torch.tensor(token_dataset()["input_ids"][:4])
+        with torch.no_grad():
+            expected = reloaded_reference(runs, name, lora)(input_ids=tokens).logits
+            assert_close(reloaded(input_ids=tokens).logits, expected, what="reloaded logits", rtol=0, atol=0)
+    dist.barrier()
+    return True
+
+
+def reload_in_one_process(name: str, lora: bool, path: str):
+    if lora:
+        return peft.PeftModel.from_pretrained(build_model(name, lora=False), path)
+    # float64, as config.json says; the attention kernel is not part of the config.
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention_for(name))
+    assert model.config.architectures == [type(model).__name__], model.config.architectures
+    return model
+
+
+def reloaded_reference(runs, name: str, lora: bool):
+    """The unsharded model with the rsdp run's trained weights, built in this process."""
+    model = build_model(name, lora)
+    model.load_state_dict(runs["rsdp"]["weights"], strict=False)  # tied weights appear under one name
+    assert all(torch.equal(param, runs["rsdp"]["weights"][n]) for n, param in model.named_parameters())
+    return model
+
+
+@pytest.mark.parametrize(
+    "name, world, lora, checkpointing",
+    [("llama", 2, False, False), ("qwen2", 4, False, False), ("tied", 2, False, False), ("qwen2-ring", 2, False, False),
+     ("llama-ring", 4, False, False), ("llama", 4, True, True)],  # fmt: skip
+)
+def test_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora, checkpointing):
+    """Gradient accumulation without reduction on the first micro-step, clipping, evaluate(), and
+    save_model() that from_pretrained (or peft's) loads with identical logits; LoRA with the Trainer's
+    gradient checkpointing."""
+    assert all(ranks.run(world, trainer_matches_fsdp2_and_ddp_case, name, "trainer", lora, str(tmp_path), checkpointing))
+
+
+@pytest.mark.parametrize("name, world, lora", [("qwen2", 2, True), ("llama-ring", 4, False)])
+def test_sft_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora):
+    """SFTConfig turns gradient checkpointing on by default; it is off here because SFTTrainer's
+    metrics run a second, no_grad forward of the model between its forward and backward, which rsdp's
+    recomputation does not survive yet (a CheckpointError, a separate issue)."""
+    pytest.importorskip("trl")
+    assert all(ranks.run(world, trainer_matches_fsdp2_and_ddp_case, name, "sft", lora, str(tmp_path), False))
+
+
+class StopAfter(transformers.TrainerCallback):
+    """Ends training after ``step`` steps, as an interruption would, with the schedule of the whole run."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def resume_case(name: str, lora: bool, save_dir: str):
+    """Four steps straight, against two steps, a checkpoint, and a fresh trainer resuming from it for the
+    other two: the same losses and weights. Dropout makes the per-rank RNG states part of the trajectory."""
+    join_launched_ranks()
+    runs = {}
+    for run in ("straight", "interrupted"):
+        args = training_args(os.path.join(save_dir, run), max_steps=4, save_strategy="steps", save_steps=2, data_seed=3)
+        if run == "interrupted":
+            trainer, _ = make_trainer("rsdp", name, "trainer", args, lora, [StopAfter(2)], dropout=0.1)
+            trainer.train()
+            assert trainer.state.global_step == 2
+            # A fresh model and trainer, as a restarted job builds them.
+            trainer, model = make_trainer("rsdp", name, "trainer", args, lora, dropout=0.1)
+            trainer.train(resume_from_checkpoint=os.path.join(save_dir, run, "checkpoint-2"))
+        else:
+            trainer, model = make_trainer("rsdp", name, "trainer", args, lora, dropout=0.1)
+            trainer.train()
+        history = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        runs[run] = {"losses": torch.tensor(history[-2:], dtype=torch.float64), "weights": full_weights(model), "step": trainer.state.global_step}
+    assert runs["interrupted"]["step"] == runs["straight"]["step"] == 4
+    # Equal to float64's rounding: the optimizer's state makes a round trip through DCP.
+    assert_close(runs["interrupted"]["losses"], runs["straight"]["losses"], what="losses after resuming", rtol=1e-12, atol=0)
+    for param_name, weight in runs["straight"]["weights"].items():
+        assert_close(runs["interrupted"]["weights"][param_name], weight, what=param_name, rtol=1e-12, atol=1e-15)
+    return True
+
+
+@pytest.mark.parametrize("name, world, lora", [("qwen2", 2, False), ("llama", 4, True)])
+def test_resume_from_checkpoint_continues_the_same_trajectory(ranks, tmp_path, name, world, lora):
+    assert all(ranks.run(world, resume_case, name, lora, str(tmp_path)))
+
+
+def refusal_case(problem: str, save_dir: str):
+    join_launched_ranks()
+    model = build_model("qwen2", lora=False)
+    args = training_args(save_dir)
+    if problem == "unsharded_root":
+        for layer in model.model.layers:
+            rsdp_shard(layer)  # the root call forgotten: embeddings, final norm and head stay plain
+    else:
+        shard(model, "rsdp", "qwen2")
+    if problem == "not_data_parallel":
+        args = training_args(save_dir, use_cpu=False)  # on CPU, accelerate then runs each rank alone
+    try:
+        if problem == "fp16":  # the Trainer itself refuses fp16 on CPU: the check as it runs on GPUs
+            args.fp16 = True
+            check_shardable_by_the_model(model, args)
+        trainer = rsdp_trainer(transformers.Trainer)(model=model, args=args, train_dataset=token_dataset())
+        if problem == "checkpoint_without_dcp":  # e.g. saved with save_only_model=True
+            trainer.train(resume_from_checkpoint=save_dir)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("unsharded_root", "are not sharded: each rank would train its own copy"),
+        ("not_data_parallel", "pass TrainingArguments(use_cpu=True)"),
+        ("fp16", "Train in bf16"),
+        ("checkpoint_without_dcp", "has no rsdp_checkpoint/"),
+    ],
+)
+def test_refused_configurations_say_what_to_do(ranks, tmp_path, problem, message):
+    errors = ranks.run(2, refusal_case, problem, str(tmp_path))
+    assert all(error is not None and message in error for error in errors), errors
