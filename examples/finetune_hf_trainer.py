@@ -18,7 +18,7 @@ With several ``--strategy`` values the same script trains each in turn from the 
 prints their losses, gradient norms, weight differences and peak memory side by side; it raises if
 rsdp's losses or weights drift from the first strategy's.
 
-No downloads: without ``--model-path`` the model is a small Llama built from a config, the tokenizer a
+No downloads: without ``--model-path`` the model is a small Qwen2 built from a config, the tokenizer a
 word-level one over its ids, the data random tokens. Needs ``pip install -e '.[hf]'``.
 """
 
@@ -53,24 +53,30 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+# Without --model-path: a small Qwen2 (grouped KV heads) with random weights. No KV cache in training: a
+# ring plan runs each attention once per shard.
+SMALL_QWEN2 = dict(vocab_size=8000, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256, use_cache=False)  # fmt: skip
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 def build_model(args: argparse.Namespace):
     """The same model on every rank; LoRA adapters added before sharding."""
     import transformers
 
     torch.manual_seed(0)
+    # A ring plan needs an attention that returns only its o_proj output: sdpa, not eager.
+    load = dict(attn_implementation="sdpa")
     if args.model_path:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True, **load)
     else:
-        config = transformers.LlamaConfig(
-            vocab_size=8000, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256,
-            use_cache=False,  # a ring plan runs each attention once per shard: no KV cache in training
-        )  # fmt: skip
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**SMALL_QWEN2), **load)
     if args.lora:
         import peft
 
-        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
         model = peft.get_peft_model(model, lora)
     return model
 
@@ -84,6 +90,15 @@ def shard(model, strategy: str, ring_plan: dict | None):
         rsdp_shard(layer, ring_plan=ring_plan) if strategy == "rsdp" else fully_shard(layer)
     rsdp_shard(model) if strategy == "rsdp" else fully_shard(model)
     return model
+
+
+def ring_plan(args: argparse.Namespace, model) -> dict | None:
+    """The model's tensor-parallel plan, less the Linears that LoRA wraps: a planned module must be a plain
+    nn.Linear, so with adapters on the attention only the MLP rotates as one ring."""
+    if not args.ring_plan:
+        return None
+    plan = base_config(model).base_model_tp_plan
+    return {key: style for key, style in plan.items() if key.rpartition(".")[2] not in (LORA_TARGETS if args.lora else ())}
 
 
 def tokenizer_for(args: argparse.Namespace, vocab_size: int):
@@ -117,7 +132,7 @@ def causal_lm_loss(outputs, labels, num_items_in_batch=None):
 def train(args: argparse.Namespace, base, strategy: str, out: str) -> dict:
     import transformers
 
-    model = shard(copy.deepcopy(base), strategy, base_config(base).base_model_tp_plan if args.ring_plan else None)
+    model = shard(copy.deepcopy(base), strategy, ring_plan(args, base))
     vocab = base_config(base).vocab_size
     world = dist.get_world_size()
     dataset = token_dataset(args, vocab, rows=world * args.batch_size * args.accumulation * args.max_steps)
@@ -134,7 +149,10 @@ def train(args: argparse.Namespace, base, strategy: str, out: str) -> dict:
 
         trainer_class = trl.SFTTrainer
         extra = {"processing_class": tokenizer_for(args, vocab), "compute_loss_func": causal_lm_loss}
-        training_args = trl.SFTConfig(dataset_kwargs={"skip_prepare_dataset": True}, **settings)
+        # SFTConfig turns gradient checkpointing on; with compute_loss_func, SFTTrainer's metrics run a second,
+        # no_grad forward between the loss's forward and backward, which rsdp's recomputation does not survive
+        # yet (CheckpointError; docs/huggingface.md).
+        training_args = trl.SFTConfig(dataset_kwargs={"skip_prepare_dataset": True}, gradient_checkpointing=False, **settings)
     else:
         trainer_class, extra, training_args = transformers.Trainer, {}, transformers.TrainingArguments(**settings)
     if strategy != "ddp":

@@ -145,7 +145,11 @@ def plan_sub_blocks(root: nn.Module, ring_plan: dict, world: int) -> list[SubBlo
         if not columns:
             raise ValueError(f"{where} has a rowwise Linear {name!r} but no colwise sibling to pair it with.")
         if any(type(linear) is not nn.Linear for linear in linears):
-            raise ValueError(f"{where}: planned modules must be plain nn.Linear (found {[type(m).__name__ for m in linears]}).")
+            found = [f"{type(m).__module__}.{type(m).__qualname__}" for m in linears]
+            raise ValueError(
+                f"{where}: planned modules must be plain nn.Linear (found {found}); leave the others out of ring_plan "
+                "(Linears wrapped with LoRA adapters, for one)."
+            )
         uneven = [n for n in [row.in_features] + [c.out_features for c in columns] if n % world]
         if uneven:
             raise ValueError(
