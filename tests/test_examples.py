@@ -33,10 +33,10 @@ def test_hf_trainer_example_matches_fsdp2_and_reloads_its_model(tmp_path):
     FSDP2's, or if the saved model, reloaded in one process, computes other logits."""
     pytest.importorskip("trl")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(EXAMPLES / "finetune_hf_trainer.py"),
-               "--strategy", "fsdp", "rsdp", "--max-steps", "3", "--out", str(tmp_path)]  # fmt: skip
+               "--strategy", "fsdp", "rsdp", "--max-steps", "2", "--out", str(tmp_path)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == 3, result.stdout
+    assert len(rows) == 2, result.stdout
     assert "rsdp against fsdp: losses within" in result.stdout
     assert (tmp_path / "rsdp" / "final" / "model.safetensors").exists()
