@@ -28,7 +28,7 @@ pytest.importorskip("accelerate")
 datasets = pytest.importorskip("datasets")
 peft = pytest.importorskip("peft")
 
-from rsdp.integrations.transformers import check_shardable_by_the_model, rsdp_trainer  # noqa: E402
+from rsdp.integrations.transformers import check_training_setup, rsdp_trainer  # noqa: E402
 
 VOCAB = 37
 ROWS, SEQ = 16, 8
@@ -303,7 +303,7 @@ def refusal_case(problem: str, save_dir: str):
     try:
         if problem == "fp16":  # the Trainer itself refuses fp16 on CPU: the check as it runs on GPUs
             args.fp16 = True
-            check_shardable_by_the_model(model, args)
+            check_training_setup(model, args)
         trainer = rsdp_trainer(transformers.Trainer)(model=model, args=args, train_dataset=token_dataset())
         if problem == "checkpoint_without_dcp":  # e.g. saved with save_only_model=True
             trainer.train(resume_from_checkpoint=save_dir)

@@ -49,12 +49,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from transformers.trainer import SCHEDULER_NAME
+
 from .._compat import DTensor, FSDPModule
 from .._fully_shard import RSDPModule
 
 # The DCP directory in each checkpoint, beside the Trainer's own files.
 CHECKPOINT_DIR = "rsdp_checkpoint"
-SCHEDULER_NAME = "scheduler.pt"
 
 
 class RSDPTrainerMixin:
@@ -63,7 +64,7 @@ class RSDPTrainerMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        check_shardable_by_the_model(self.model, self.args)
+        check_training_setup(self.model, self.args)
 
     def _wrap_model(self, model, training=True, dataloader=None):
         # Autocast and compilation as accelerate applies them, without DDP; prepare_model marks the model
@@ -135,7 +136,7 @@ def _gradient_sync(model: torch.nn.Module, sync: bool):
             module.set_requires_gradient_sync(True, recurse=False)
 
 
-def check_shardable_by_the_model(model: torch.nn.Module, args) -> None:
+def check_training_setup(model: torch.nn.Module, args) -> None:
     """Raise if training ``model`` with ``args`` would be silently wrong (the module docstring's pitfalls)."""
     unmanaged = [name for name, param in model.named_parameters() if param.requires_grad and not isinstance(param, DTensor)]
     if unmanaged:
