@@ -34,11 +34,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rsdp import rsdp_shard
-from rsdp._compat import fully_shard
+from rsdp._compat import FakeStore, fully_shard
 from rsdp.memory import CommCounter
 
 

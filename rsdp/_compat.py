@@ -46,6 +46,11 @@ except ImportError:
     replicate = None
 
 from torch.distributed._composable_state import _get_module_state, _insert_module_state
+
+try:  # torch's fake process group (one rank, messages not moved), for the benchmarks
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+except ImportError:
+    FakeStore = None
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
