@@ -12,8 +12,9 @@ backend computes it) with ``enable_gqa``, SwiGLU ``w2(silu(w1 x) * w3 x)``. test
 shapes against torchtitan's model.
 
 Pitfalls:
-- RoPE is applied with real cos/sin tables (``rotate_half`` on interleaved pairs), which computes what
-  torchtitan's complex multiply computes; the tables are passed into the attention as arguments, so
+- RoPE is applied with real cos/sin tables (each interleaved pair rotated), which computes what
+  torchtitan's complex multiply computes, without Llama 3.1's frequency scaling (other angles, the same
+  work); the tables are passed into the attention as arguments, so
   the attention holds no tensors besides its Linears (a ring plan's sub-block may hold no others).
 - Head counts are read from the shapes (``unflatten(-1, (-1, head_dim))``), as tensor parallelism and
   a ring plan need: a sub-block step runs on 1/W of the heads.

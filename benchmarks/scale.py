@@ -14,8 +14,8 @@ messages and bytes one rank sends, by phase.
 The prediction adds, to each measured phase, the time its messages take on the wire under a linear
 model per op (latency plus bytes over bandwidth), with published NCCL figures for 8 H100 SXM GPUs on
 NVLink by default (docs/benchmarks.md names them): with no overlap (measured step plus wire time) and
-with perfect overlap (each phase the longer of its compute and its wire time). It is a bound on what a
-real W-GPU run measures, not a measurement.
+with perfect overlap (only the wire time that outlasts each phase's compute added). Two estimates, not a
+measurement: a real run also loses SMs and memory bandwidth to NCCL's kernels.
 
 A second table times the split GEMMs a ring runs: for each Linear of the model and each W, W GEMMs
 each on 1/W of the weight's rows (its output features; torchtitan's plan splits ``wo`` and ``w2`` by
@@ -159,14 +159,13 @@ def memory_now(device: torch.device) -> int:
     return torch.cuda.memory_allocated() if device.type == "cuda" else 0
 
 
-def measure_alone(strategy: str, args, world: int, device: torch.device) -> dict:
-    """Build ``strategy`` alone; per sequence length: a warm-up step, a step whose peak memory is
-    read, and a step whose messages are counted. Resident memory is what stays allocated between steps
-    (sharded parameters, Adam's states, persistent buffers)."""
+def measure_alone(strategy: str, args, world: int, device: torch.device, result: dict) -> None:
+    """Build ``strategy`` alone; per sequence length, into ``result``: a warm-up step, a step whose
+    peak memory is read, and a step whose messages are counted. Resident memory is what stays allocated
+    between steps (sharded parameters, Adam's states, persistent buffers)."""
     free_cached(device)
     before = memory_now(device)
     model, optimizer = build(strategy, args.config, world, device)
-    result = {}
     for seq in args.seq:
         tokens = tokens_for(args.config, args.batch, seq, device)
         step(model, optimizer, tokens)
@@ -191,16 +190,13 @@ def measure_alone(strategy: str, args, world: int, device: torch.device) -> dict
             figures["messages_error"] = f"{type(error).__name__}: {error}"
             log(f"  message count failed for {strategy}: {figures['messages_error']}")
         result[seq] = figures
-    del model, optimizer
-    return result
 
 
-def time_rounds(args, world: int, device: torch.device) -> dict:
-    """All strategies built side by side; per sequence length a warm-up step each, then ``--rounds``
-    rounds of ``--steps`` steps, the strategies alternating within each round."""
+def time_rounds(args, world: int, device: torch.device, result: dict) -> None:
+    """All strategies built side by side; per sequence length, into ``result``: a warm-up step each,
+    then ``--rounds`` rounds of ``--steps`` steps, the strategies alternating within each round."""
     free_cached(device)
     built = {strategy: build(strategy, args.config, world, device) for strategy in args.strategies}
-    result = {}
     for seq in args.seq:
         tokens = tokens_for(args.config, args.batch, seq, device)
         for model, optimizer in built.values():
@@ -224,8 +220,6 @@ def time_rounds(args, world: int, device: torch.device) -> dict:
             for strategy, r in rounds.items()
         }
         log(f"  W={world} seq={seq}: " + ", ".join(f"{s} {v['step_median_s'] * 1e3:.1f} ms" for s, v in result[seq].items()))
-    del built
-    return result
 
 
 def wire_seconds(calls: dict, bytes_by_op: dict, args) -> float:
@@ -240,8 +234,8 @@ def wire_seconds(calls: dict, bytes_by_op: dict, args) -> float:
 
 
 def predict(timing: dict, memory: dict, args) -> dict | None:
-    """No overlap: the measured step plus every phase's wire time. Perfect overlap: each phase the
-    longer of its measured time and its wire time."""
+    """No overlap: the measured step plus every phase's wire time. Perfect overlap: the measured step
+    plus, per phase, only the wire time that outlasts the phase's compute."""
     messages = memory.get("messages")
     if messages is None:
         return None
@@ -250,7 +244,7 @@ def predict(timing: dict, memory: dict, args) -> dict | None:
     return {
         "wire_s": wire,
         "no_overlap_s": timing["step_median_s"] + sum(wire.values()),
-        "overlap_s": sum(max(measured[phase], wire.get(phase, 0.0)) for phase in PHASES),
+        "overlap_s": timing["step_median_s"] + sum(max(0.0, wire[phase] - measured[phase]) for phase in wire),
     }
 
 
@@ -428,21 +422,30 @@ def main() -> None:
         per_world = results["runs"][world] = {}
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
-            per_world["memory"] = {}
+            per_world["memory"], per_world["timing"] = {}, {}
             for strategy in args.strategies:
                 log(f"W={world} {strategy}: memory and messages, built alone")
-                per_world["memory"][strategy] = measure_alone(strategy, args, world, device)
+                memory = per_world["memory"].setdefault(strategy, {})
+                try:
+                    measure_alone(strategy, args, world, device, memory)
+                except Exception as error:  # the other strategies and the timed rounds still run
+                    memory["error"] = f"{type(error).__name__}: {error}"
+                    log(f"W={world} {strategy}: memory failed: {memory['error']}")
             log(f"W={world}: timed rounds")
-            per_world["timing"] = time_rounds(args, world, device)
-            per_world["prediction"] = {
-                seq: {s: predict(per_world["timing"][seq][s], per_world["memory"][s][seq], args) for s in args.strategies}
-                for seq in args.seq
-            }
-        except Exception as error:  # one W failing must not cost the others
+            time_rounds(args, world, device, per_world["timing"])
+        except Exception as error:  # one W failing must not cost the others, nor what it measured
             per_world["error"] = f"{type(error).__name__}: {error}"
             log(f"W={world} failed: {per_world['error']}")
         finally:
             dist.destroy_process_group()
+        per_world["prediction"] = {
+            seq: {
+                s: predict(per_world["timing"][seq][s], per_world["memory"][s][seq], args)
+                for s in args.strategies
+                if s in per_world["timing"].get(seq, {}) and seq in per_world["memory"].get(s, {})
+            }
+            for seq in args.seq
+        }
         save(results, args)  # what is done so far survives a run cut short
     if not args.no_gemm:
         log("split GEMMs")
@@ -454,7 +457,8 @@ def main() -> None:
     results["loadavg"].append(open("/proc/loadavg").read().split()[:3])
     save(results, args)
     print_tables(results, args)
-    failed = [w for w, r in results["runs"].items() if "error" in r] + (["gemm"] if "gemm_error" in results else [])
+    failed = [w for w, r in results["runs"].items() if "error" in r or any("error" in m for m in r["memory"].values())]
+    failed += ["gemm"] if "gemm_error" in results else []
     if failed:
         sys.exit(f"failed: {failed}")
 

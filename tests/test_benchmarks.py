@@ -123,6 +123,7 @@ def test_scale_runs_every_strategy_on_cpu_and_reports_positive_figures(tmp_path)
         wire = prediction[strategy]["wire_s"]
         assert wire["forward"] > 0 and wire["backward"] > 0
         assert prediction[strategy]["no_overlap_s"] == pytest.approx(timing[strategy]["step_median_s"] + sum(wire.values()))
+        assert timing[strategy]["step_median_s"] <= prediction[strategy]["overlap_s"] <= prediction[strategy]["no_overlap_s"]
     # FSDP gathers and reduce-scatters; rsdp's weights travel by send/recv.
     assert "c10d::send" not in memory["fsdp"]["16"]["messages"]["forward"]["calls"]
     assert memory["rsdp"]["16"]["messages"]["forward"]["calls"]["c10d::send"] > 0
@@ -135,16 +136,25 @@ def test_scale_runs_every_strategy_on_cpu_and_reports_positive_figures(tmp_path)
     assert len(result["gemm"]) == len(linears) * 3
 
 
-def test_scale_model_has_torchtitans_llama3_parameters():
-    """benchmarks/llama3.py is torchtitan 0.3's Llama 3 with q/k/v beside wo instead of inside ``qkv_linear``."""
+def test_scale_model_is_torchtitans_llama3():
+    """benchmarks/llama3.py is torchtitan 0.3's Llama 3 with q/k/v beside wo instead of inside
+    ``qkv_linear``: the same parameters, and RoPE rotating as torchtitan's ``ComplexRoPE`` does."""
     from rsdp.torchtitan import _cpu
 
     _cpu.prepare_imports()  # torchtitan's model package imports triton kernels
     import torch
+    from torchtitan.models.common.rope import ComplexRoPE
     from torchtitan.models.llama3 import llama3_configs
 
     sys.path.insert(0, str(BENCHMARKS.parent))
-    from llama3 import Llama3, Llama3Config
+    from llama3 import Llama3, Llama3Config, apply_rope, rope_tables
+
+    config = Llama3Config(dim=128, n_heads=4, n_kv_heads=2)
+    rope = ComplexRoPE.Config(dim=config.head_dim, max_seq_len=32, theta=config.rope_theta).build()
+    q, k = torch.randn(2, 16, 4, config.head_dim), torch.randn(2, 16, 2, config.head_dim)
+    cos, sin = rope_tables(config, 16, "cpu")
+    for ours, theirs in zip((apply_rope(q, cos, sin), apply_rope(k, cos, sin)), rope(q, k)):
+        torch.testing.assert_close(ours, theirs)
 
     titan = llama3_configs["8B"](attn_backend="varlen")
     titan.layers = titan.layers[:2]
