@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama3 import RING_PLAN, Llama3, Llama3Config  # noqa: E402
 
 from rsdp import release_ring_buffers, rsdp_shard  # noqa: E402
-from rsdp._compat import FakeStore, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from rsdp._compat import MixedPrecisionPolicy, fake_store, fully_shard  # noqa: E402
 from rsdp.memory import CommCounter  # noqa: E402
 
 STRATEGIES = ("fsdp", "rsdp", "rsdp+plan")
@@ -399,7 +399,7 @@ def main() -> None:
     if bad and "rsdp+plan" in args.strategies:
         parser.error(f"--world {bad}: the ring plan needs the kv heads ({args.config.n_kv_heads}) and FFN hidden "
                      f"({args.config.ffn_hidden}) to divide by W, as tensor parallelism does")
-    if FakeStore is None:
+    if fake_store() is None:
         parser.error("this torch has no fake process group (torch.testing._internal.distributed.fake_pg)")
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -419,7 +419,7 @@ def main() -> None:
     log(f"device {results['device']}, torch {results['torch']}, config {args.config}, local batch {args.batch}")
     for world in args.world:
         per_world = results["runs"][world] = {}
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
         try:
             per_world["memory"], per_world["timing"] = {}, {}
             for strategy in args.strategies:
