@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 for wheel in "${WHEELS:-wheels}"/*.whl; do
-    [ -e "$wheel" ] && PYTHONPATH="$PYTHONPATH:$PWD/$wheel"
+    [ -e "$wheel" ] && PYTHONPATH="$PYTHONPATH:$(realpath "$wheel")"
 done
 
 stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
