@@ -403,6 +403,7 @@ def main() -> None:
         parser.error("this torch has no fake process group (torch.testing._internal.distributed.fake_pg)")
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

@@ -42,11 +42,11 @@ part() {  # part NAME SECONDS LOG COMMAND...: run one part on a time limit; log 
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-part scale 170 "$OUT/scale.log" "$PY" benchmarks/scale.py ${SCALE_ARGS:-} --json "$OUT/scale.json"
+part scale 120 "$OUT/scale.log" "$PY" benchmarks/scale.py ${SCALE_ARGS:-} --json "$OUT/scale.json"
 part gpu_tests 60 "$OUT/gpu_tests.log" "$PY" -m pytest -q -s --noconftest -p no:cacheprovider tests/gpu
-part compare_cuda 90 "$OUT/compare_cuda.log" \
+part compare_cuda 240 "$OUT/compare_cuda.log" \
     "$PY" benchmarks/rtp/compare.py --device cuda --strategies dp fsdp rtp --no-chart --json "$OUT/compare_cuda.json"
-part compare_cuda_small 90 "$OUT/compare_cuda_small.log" \
+part compare_cuda_small 240 "$OUT/compare_cuda_small.log" \
     "$PY" benchmarks/rtp/compare.py --device cuda --preset small --strategies dp fsdp rtp --no-chart --json "$OUT/compare_cuda_small.json"
 echo "loadavg $(cat /proc/loadavg)" >>"$OUT/env.txt"
 stamp "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
