@@ -34,11 +34,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rsdp import rsdp_shard
-from rsdp._compat import fully_shard
+from rsdp._compat import fake_store, fully_shard
 from rsdp.memory import CommCounter
 
 
@@ -170,7 +169,7 @@ def main() -> None:
         )
 
     torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
     x = torch.randn(1, args.tokens, args.dim, requires_grad=True)
     models = {strategy: build(strategy, args) for strategy in STRATEGIES + REFERENCES}
     counts = {}

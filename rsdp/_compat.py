@@ -281,3 +281,14 @@ __all__ = [
     "reduce_scatter_flat",
     "replicate",
 ]
+
+
+def fake_store():
+    """A store for torch's fake process group (``init_process_group("fake", store=...)``: one rank,
+    every message returns at once and moves nothing), for the benchmarks; ``None`` where this torch has
+    none. Imported here, not at rsdp's import: the module is torch's test code."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        return None
+    return FakeStore()

@@ -95,3 +95,70 @@ def test_collective_latency_tabulates_every_op():
     for name in ops:
         median, rounds, system = rows[name].split("|")[2:5]
         assert float(median) > 0 and len(rounds.split(",")) == 2 and float(system) >= 0, rows[name]
+
+
+def test_scale_runs_every_strategy_on_cpu_and_reports_positive_figures(tmp_path):
+    """benchmarks/scale.py is the GPU benchmark's code: here on CPU, at toy shapes, on the fake process group."""
+    out = tmp_path / "scale.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS.parent / "scale.py"), "--preset=tiny", "--device=cpu", "--world", "2",
+         "--seq", "16", "--steps=1", "--gemm-reps=1", f"--json={out}"],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert_succeeded(done)
+    assert "PREDICTION (not measured)" in done.stdout and "split GEMMs" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["args"]["config"]["n_layers"] == 2 and result["args"]["batch"] == 1
+    run = result["runs"]["2"]
+    assert "error" not in run
+    strategies = {"fsdp", "rsdp", "rsdp+plan"}
+    timing, memory, prediction = run["timing"]["16"], run["memory"], run["prediction"]["16"]
+    assert set(timing) == set(memory) == set(prediction) == strategies
+    for strategy in strategies:
+        phases = timing[strategy]["phase_median_s"]
+        assert list(phases) == ["forward", "backward", "optimizer"] and all(t > 0 for t in phases.values())
+        assert len(timing[strategy]["step_rounds_s"]) == 3 and timing[strategy]["host_issue_median_s"] > 0
+        messages = memory[strategy]["16"]["messages"]
+        assert messages["forward"]["bytes"] > 0 and messages["backward"]["bytes"] > 0, (strategy, messages)
+        wire = prediction[strategy]["wire_s"]
+        assert wire["forward"] > 0 and wire["backward"] > 0
+        assert prediction[strategy]["no_overlap_s"] == pytest.approx(timing[strategy]["step_median_s"] + sum(wire.values()))
+        assert timing[strategy]["step_median_s"] <= prediction[strategy]["overlap_s"] <= prediction[strategy]["no_overlap_s"]
+    # FSDP gathers and reduce-scatters; rsdp's weights travel by send/recv.
+    assert "c10d::send" not in memory["fsdp"]["16"]["messages"]["forward"]["calls"]
+    assert memory["rsdp"]["16"]["messages"]["forward"]["calls"]["c10d::send"] > 0
+    # The ring plan rotates each attention and MLP as one message: fewer sends than one ring per Linear.
+    plan_sends = memory["rsdp+plan"]["16"]["messages"]["forward"]["calls"]["c10d::send"]
+    assert 0 < plan_sends < memory["rsdp"]["16"]["messages"]["forward"]["calls"]["c10d::send"]
+    linears = {row["linear"] for row in result["gemm"]}
+    assert linears == {"wq", "wk/wv", "wo", "wo (plan: cols)", "w1/w3", "w2", "w2 (plan: cols)", "lm_head"}
+    assert all(row["full_tflops"] > 0 and row["split_tflops"] > 0 and row["world"] == 2 for row in result["gemm"])
+    assert len(result["gemm"]) == len(linears) * 3
+
+
+def test_scale_model_is_torchtitans_llama3():
+    """benchmarks/llama3.py is torchtitan 0.3's Llama 3 with q/k/v beside wo instead of inside
+    ``qkv_linear``: the same parameters, and RoPE rotating as torchtitan's ``ComplexRoPE`` does."""
+    from rsdp.torchtitan import _cpu
+
+    _cpu.prepare_imports()  # torchtitan's model package imports triton kernels
+    import torch
+    from torchtitan.models.common.rope import ComplexRoPE
+    from torchtitan.models.llama3 import llama3_configs
+
+    sys.path.insert(0, str(BENCHMARKS.parent))
+    from llama3 import Llama3, Llama3Config, apply_rope, rope_tables
+
+    config = Llama3Config(dim=128, n_heads=4, n_kv_heads=2)
+    rope = ComplexRoPE.Config(dim=config.head_dim, max_seq_len=32, theta=config.rope_theta).build()
+    q, k = torch.randn(2, 16, 4, config.head_dim), torch.randn(2, 16, 2, config.head_dim)
+    cos, sin = rope_tables(config, 16, "cpu")
+    for ours, theirs in zip((apply_rope(q, cos, sin), apply_rope(k, cos, sin)), rope(q, k)):
+        torch.testing.assert_close(ours, theirs)
+
+    titan = llama3_configs["8B"](attn_backend="varlen")
+    titan.layers = titan.layers[:2]
+    with torch.device("meta"):
+        theirs = {name.replace("qkv_linear.", ""): p.shape for name, p in titan.build().state_dict().items()}
+        ours = {name: p.shape for name, p in Llama3(Llama3Config(n_layers=2)).state_dict().items()}
+    assert ours == theirs

@@ -19,10 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 import common  # noqa: E402
 
@@ -97,6 +93,10 @@ def markdown_table(results: dict[str, dict]) -> str:
 
 
 def draw_chart(results: dict[str, dict], title: str, path: Path) -> None:
+    import matplotlib  # only here: a machine without it still runs the comparison with --no-chart
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     # Step times are not comparable when global batches differ (tp's is one rank's); throughput is.
     panels = [metric for metric in METRICS if metric[1] not in ("step_time_s", "cpu_per_step_s", "exchanges_per_step")]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), constrained_layout=True)
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--preset", choices=tuple(PRESETS), default="default", help="model shape; flags given override it")
     parser.add_argument("--repeats", type=int, default=3, help="rounds, the strategies alternating within each")
     parser.add_argument("--chart", type=Path, default=REPO / "img" / "compare.png", help="where to draw the chart")
+    parser.add_argument("--no-chart", action="store_true", help="draw no chart (matplotlib not needed)")
     preset = parser.parse_known_args()[0].preset
     parser.set_defaults(**PRESETS[preset])
     args = common.parse_args(parser)  # --json: all strategies' results, keyed by strategy
@@ -159,10 +160,11 @@ def main() -> None:
                 print(f"{label} × {BASELINE} per round, {name}: " + ", ".join(f"{x:.2f}" for x in ratios)
                       + f" (median {statistics.median(ratios):.2f})")
     print(f"/proc/loadavg before and after each round: {' | '.join(loads)}")
-    draw_chart(results, title, args.chart)
-    print(f"chart: {args.chart}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if not args.no_chart:
+        draw_chart(results, title, args.chart)
+        print(f"chart: {args.chart}")
 
 
 if __name__ == "__main__":
