@@ -186,6 +186,9 @@ class Fallbacks(nn.Module):
             y = x * self.table
         elif self.route == "function":
             y = Scaled.apply(x, self.table)
+        elif self.route == "function_under_autocast":  # (float64 is left alone: exact)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = Scaled.apply(x, self.table)
         elif self.route == "function_in_checkpoint":
             y = checkpoint(lambda x: Scaled.apply(x, self.table), x, use_reentrant=False)
         elif self.route in ("reentrant", "non_reentrant"):
@@ -195,7 +198,7 @@ class Fallbacks(nn.Module):
         return self.proj(y)
 
 
-FALLBACK_ROUTES = ["grad", "function", "function_in_checkpoint", "reentrant", "non_reentrant"]
+FALLBACK_ROUTES = ["grad", "function", "function_under_autocast", "function_in_checkpoint", "reentrant", "non_reentrant"]
 
 
 def fallback_route_case(route):

@@ -58,6 +58,7 @@ from .._compat import (
     in_backward,
     in_selective_checkpoint,
     local_of,
+    outside_inference_mode,
     preserve_version_counter,
     reduce_scatter_flat,
 )
@@ -161,15 +162,8 @@ class GatheredParams:
         """The full parameters from ``received`` (``[W, segment]``: every rank's segment)."""
         world = self.state.ring.size
         if self.full is None:
-            self._flat = torch.empty(world * self.segment_numel, dtype=received.dtype, device=self.state.device)
-            self.full = []
-            for param, offset in zip(self.params, self._offsets):
-                data = self._flat[world * offset : world * offset + param.numel()].view(param.shape)
-                self.full.append(nn.Parameter(data, requires_grad=param.requires_grad))
-            self._run_blocks = [
-                self._flat[world * self._offsets[first] : world * self._offsets[first + count]].view(count, world, width)
-                for first, count, width in self._runs
-            ]
+            with outside_inference_mode():
+                self._make_full(world, received.dtype)
         elif not self.is_gathered:
             self._flat.untyped_storage().resize_(self._flat.numel() * self._flat.element_size())
         for full, param in zip(self.full, self.params):
@@ -180,6 +174,17 @@ class GatheredParams:
                 offset = self._offsets[first]
                 block.copy_(received[:, offset : offset + count * width].unflatten(1, (count, width)).transpose(0, 1))
         self.is_gathered = True
+
+    def _make_full(self, world: int, dtype: torch.dtype) -> None:
+        self._flat = torch.empty(world * self.segment_numel, dtype=dtype, device=self.state.device)
+        self.full = []
+        for param, offset in zip(self.params, self._offsets):
+            data = self._flat[world * offset : world * offset + param.numel()].view(param.shape)
+            self.full.append(nn.Parameter(data, requires_grad=param.requires_grad))
+        self._run_blocks = [
+            self._flat[world * self._offsets[first] : world * self._offsets[first + count]].view(count, world, width)
+            for first, count, width in self._runs
+        ]
 
     def free(self) -> None:
         if self.is_gathered:

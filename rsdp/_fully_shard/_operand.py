@@ -78,9 +78,10 @@ class RingOperand(torch.Tensor):
             requires_grad=sharded_param.requires_grad,
         )
         operand.sharded_param, operand.layer, operand.transposed = sharded_param, layer, transposed
-        if operand.requires_grad and torch.is_grad_enabled():
+        if operand.requires_grad:
             # Code that hands the operand itself to autograd (its own autograd.Function, as fused
             # linear-cross-entropy losses do) makes it a leaf of that graph: its full gradient lands here.
+            # (Also when made under no_grad: a module's operand is made once and kept.)
             with torch._C.DisableTorchFunctionSubclass():
                 operand.register_post_accumulate_grad_hook(_reduce_to_shard)
         return operand

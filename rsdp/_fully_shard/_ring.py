@@ -61,7 +61,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import at_end_of_backward, current_graph_task_id, in_backward, in_selective_checkpoint, send_and_receive
+from .._compat import (
+    at_end_of_backward,
+    current_graph_task_id,
+    in_backward,
+    in_selective_checkpoint,
+    outside_inference_mode,
+    send_and_receive,
+)
 
 
 class Phase(enum.IntEnum):
@@ -189,7 +196,8 @@ class RingBuffers:
             if buffer is not None:  # free it first: old and new alive at once would be the step's peak
                 buffer.untyped_storage().resize_(0)
             # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
-            buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+            with outside_inference_mode():
+                buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
             self._reindex()
         elif short:  # freed at the end of the last pass, or by ``trim``
             # Storage only: the tensor and the views of it that messages cached stay (as FSDP2 frees
@@ -203,7 +211,8 @@ class RingBuffers:
         key = (device, index, nbytes)
         prefix = self._prefixes.get(key)
         if prefix is None:
-            prefix = self._prefixes[key] = buffer[:nbytes]
+            with outside_inference_mode():
+                prefix = self._prefixes[key] = buffer[:nbytes]
         return prefix
 
     def trim(self) -> None:
