@@ -340,7 +340,11 @@ class _PendingGathers:
     def end_pass(self) -> None:
         """The outermost forward ended (or raised): the next one leaves to a ring those not needed
         before a ring could carry them in this one."""
-        self._leave_to_ring = {id(module) for module in self._candidates if id(module) not in self._needed_early}
+        # Per module, so that the modules of another model whose passes alternate with this one's (a
+        # policy's and its reference's) keep what their own last pass decided.
+        decided = {id(module) for module in self._candidates}
+        riding = {id(module) for module in self._candidates if id(module) not in self._needed_early}
+        self._leave_to_ring = (self._leave_to_ring - decided) | riding
         self._pending, self._candidates = [], []
 
 
@@ -399,7 +403,9 @@ class _PendingReductions:
     def __init__(self):
         self._queued: dict[int, list] = {}  # graph task -> [(module, contributions, used flags)] not reduced yet
         self._order: dict[int, list[GatheredParams]] = {}  # graph task -> every module it queued, in order
-        self._previous_order: list[weakref.ref] = []  # of the last backward that queued any
+        # id of the first module queued -> every module the last backward that began so queued: two
+        # models trained in turn each predict from their own.
+        self._previous_orders: dict[int, list[weakref.ref]] = {}
 
     def add(self, module: GatheredParams, contributions: torch.Tensor, used_here: list[bool]) -> None:
         task = current_graph_task_id()
@@ -415,9 +421,10 @@ class _PendingReductions:
         and one dtype. Depends only on the order of rings and modules, which every rank shares."""
         task = current_graph_task_id()
         queued, order = self._queued.get(task), self._order.get(task, [])
-        if not queued or len(order) != len(self._previous_order):
+        previous = self._previous_orders.get(id(order[0]), []) if order else []
+        if not queued or len(order) != len(previous):
             return None
-        if any(module is not earlier() for module, earlier in zip(order, self._previous_order)):
+        if any(module is not earlier() for module, earlier in zip(order, previous)):
             return None
         if any(_batch_key(entry) != (ring.group, queued[0][1].dtype, ring.device) for entry in queued):
             return None
@@ -425,7 +432,9 @@ class _PendingReductions:
         return _RingReduceScatter(ring, queued)
 
     def _reduce(self, task: int) -> None:
-        self._previous_order = [weakref.ref(module) for module in self._order.pop(task, [])]
+        order = self._order.pop(task, [])
+        if order:
+            self._previous_orders[id(order[0])] = [weakref.ref(module) for module in order]
         batches: dict[tuple, list] = {}
         for entry in self._queued.pop(task, []):
             batches.setdefault(_batch_key(entry), []).append(entry)

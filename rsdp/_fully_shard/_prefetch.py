@@ -47,6 +47,7 @@ Pitfalls:
   the sequence of rings, which every rank runs alike, as the rings themselves require.
 """
 
+import collections
 import dataclasses
 import math
 
@@ -102,6 +103,11 @@ class _NextFirstMessage:
         self.order.arrived(self.tag, self.first.signature(), Prefetched(sent, received, received_in))
 
 
+# Predictions kept per order, one per ring that begins a pass: a few models whose passes interleave
+# (a policy, its frozen reference, a teacher); a model no longer run is forgotten after as many others.
+_KEPT_PREDICTIONS = 8
+
+
 class RingOrder:
     """The rings of the pass of one kind (forward or backward) now running, those of the previous pass
     of that kind, and the first exchange done ahead for the ring expected next."""
@@ -111,6 +117,9 @@ class RingOrder:
         # (tag, (message layout, first segment its first exchange sends)) of each ring, in call order:
         # a ring's layout changes when Linears start sharing its ring, and then it is another ring.
         self._previous_pass: list[tuple] = []
+        # The first ring's tag -> (the rings of the last pass that began with it, its largest message):
+        # two models whose passes alternate (DPO's policy and reference) each predict from their own.
+        self._predictions: collections.OrderedDict[int, tuple[list[tuple], int]] = collections.OrderedDict()
         self._this_pass: list[tuple] = []
         self._first_messages: dict[int, _FirstMessage | None] = {}  # None: not prefetchable
         self._prefetched: tuple[int, tuple, Prefetched] | None = None  # (tag, signature, exchange)
@@ -137,6 +146,9 @@ class RingOrder:
         exchange if the ring before did it, or None (then it makes its own)."""
         if self.backward:
             self._end_with_backward()
+        if not self._this_pass:
+            self._previous_pass, self._largest_previous = self._predictions.get(tag, ([], 0))
+            RING_BUFFERS.begin_pass(self.backward, tag)
         prefetched = self._take()
         prefetchable = tensors is not None and ring.size > 1 and not in_selective_checkpoint()
         first_message = _FirstMessage(ring, message, tensors, first) if prefetchable else None
@@ -180,12 +192,17 @@ class RingOrder:
     def end_pass(self) -> None:
         """The pass ended: drop an exchange no ring took, remember the order."""
         self._take()
-        self._previous_pass = [] if self._forget else self._this_pass
-        self._largest_previous, self._largest = self._largest, 0
-        # Only this pass's rings can be prefetched next: the others' tensors (a model no longer
+        if self._this_pass:
+            first_tag = self._this_pass[0][0]
+            self._predictions[first_tag] = ([] if self._forget else self._this_pass, self._largest)
+            self._predictions.move_to_end(first_tag)
+            while len(self._predictions) > _KEPT_PREDICTIONS:
+                self._predictions.popitem(last=False)
+        self._previous_pass, self._largest = [], 0
+        # Only the predicted rings can be prefetched next: the others' tensors (a model no longer
         # trained, perhaps) are not kept alive here.
-        called = {tag for tag, _ in self._this_pass}
-        self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in called}
+        predicted = {tag for rings, _ in self._predictions.values() for tag, _ in rings}
+        self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in predicted}
         self._this_pass, self._forget = [], False
 
     def abandon(self) -> None:

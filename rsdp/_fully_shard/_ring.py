@@ -147,12 +147,26 @@ class RingBuffers:
         self.generation = 0
         self._reset_callbacks: list[Callable[[], None]] = []
         self._release_task = -1  # the backward at whose end a release is queued
-        self._sizes = {False: _PassSizes(), True: _PassSizes()}  # by "in backward"
+        # (in backward, the tag of the pass's first ring) -> its sizes: each model's passes predict its own.
+        self._sizes: dict[tuple[bool, int | None], _PassSizes] = {}
+        self._pass_keys: dict[bool, int | None] = {False: None, True: None}
         # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
         # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
         self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
         # The next ring's first exchange, done ahead: its messages lie in the message buffers (``_prefetch.py``).
         self.prefetched: "Prefetched | None" = None
+
+    def begin_pass(self, backward: bool, first_tag: int) -> None:
+        """A pass of the kind begins with the ring tagged ``first_tag`` (``RingOrder.begin``): its
+        requests are predicted from the last pass that began with the same ring."""
+        self._pass_keys[backward] = first_tag
+
+    def _pass_sizes(self, backward: bool) -> "_PassSizes":
+        key = (backward, self._pass_keys[backward])
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            sizes = self._sizes[key] = _PassSizes()
+        return sizes
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever buffers are replaced (to drop cached views of them)."""
@@ -170,7 +184,7 @@ class RingBuffers:
         if all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers):
             return True
         for index in (0, 1):
-            self._sizes[in_backward()].ask(index, nbytes)
+            self._pass_sizes(in_backward()).ask(index, nbytes)
         return False
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -185,7 +199,7 @@ class RingBuffers:
         backward = in_backward()
         if backward:
             self._release_at_end_of_backward()
-        size = self._sizes[backward].ask(index, nbytes)
+        size = self._pass_sizes(backward).ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
         # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
@@ -222,7 +236,7 @@ class RingBuffers:
         weights and partials) must not stay for its last ones (the Embedding's partials). The next
         request makes a freed buffer again, at the size the rest of the backward needs. A buffer that
         holds the next ring's first message, prefetched, keeps it (and what lies before it)."""
-        upcoming = self._sizes[True].upcoming() if in_backward() else None
+        upcoming = self._pass_sizes(True).upcoming() if in_backward() else None
         if upcoming is None:
             return
         freed = False
@@ -301,7 +315,7 @@ class RingBuffers:
         sizes; without this a model sharded after a larger one got the larger one's buffers back.
         Nothing is resized: a holder of a buffer (there is none between passes) keeps its memory."""
         self._sets.clear()
-        self._sizes = {False: _PassSizes(), True: _PassSizes()}
+        self._sizes = {}
         self._reset()
         self._reindex()
         WAITED_WORKS.clear()  # they would keep the last message's buffer alive
