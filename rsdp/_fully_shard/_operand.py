@@ -23,13 +23,24 @@ activation checkpointing (which may run ``forward`` without the hooks) finds it 
 
 Any other op on an operand (``conv2d``, an elementwise use of a weight) runs on the full weight,
 gathered for that op and recomputed in backward (a checkpoint around the op), so no full weight outlives
-the op; rsdp warns once per parameter and op. Shape and dtype queries answer for the full weight.
+the op; rsdp warns once per parameter and op. Shape and dtype queries answer for the full weight, and
+so do ``torch.zeros_like`` / ``w.new_zeros`` and friends, which read nothing else (no gather).
+
+Code that hands the operand itself to autograd — its own ``torch.autograd.Function``, as fused
+linear-cross-entropy losses do with ``lm_head.weight`` (Liger's, TRL's default SFT loss) — bypasses
+``__torch_function__``: inside that Function's forward the ops on the operand still rotate or gather it,
+and the full gradient its backward returns is accumulated by autograd into the operand, a leaf. A
+post-accumulate-grad hook reduce-scatters it to the shards' owners and hands it to the parameter like a
+ring function's gradient. ``torch.autograd.grad`` (or ``backward(inputs=...)``) asked for the gradient
+of the operand itself has no answer under rsdp (the ring sends each rank's gradient to the shards'
+owners; no full gradient of one rank's batch exists) and raises, rather than return None.
 
 Pitfalls:
 - An operand is not an ``nn.Parameter``; code that needs the parameter object itself (an optimizer built
   during forward) must run outside the module's forward.
 - The ring runs inside the op: every rank must make the same sequence of ring ops, as with any
-  collective.
+  collective. So must a Function that takes the operand: its gradient's reduce-scatter runs when
+  autograd reaches the operand, on every rank (with a zero where the Function returned None).
 """
 
 import warnings

@@ -22,9 +22,11 @@ into it. Those bytes do not travel; the message prefetched starts that far befor
 the carrying ring's own message, which that ring has copied out before the next one writes its
 partials there.
 
-Which ring comes next is learned from the previous pass of the same kind (forward: the rings between
-the start of the outermost rsdp forward and its end; backward: the rings of one backward, forward
-rings recomputed by activation checkpointing included, which take no prefetch and make none), and a
+Which ring comes next is learned from the last pass of the same kind that began with the same ring
+(forward: the rings between the start of the outermost rsdp forward and its end; backward: the rings
+of one backward, forward rings recomputed by activation checkpointing included, which take no
+prefetch and make none; two models whose passes interleave, a policy and its reference, each learn
+from their own), and a
 ring is prefetched as its previous call made its first message: the same layout, packed from the same
 tensors. A prefetched ring that is not called next (control flow changed, or a different layout) runs
 as usual, its own first exchange and all; the next pass learns the new order.
@@ -109,8 +111,9 @@ _KEPT_PREDICTIONS = 8
 
 
 class RingOrder:
-    """The rings of the pass of one kind (forward or backward) now running, those of the previous pass
-    of that kind, and the first exchange done ahead for the ring expected next."""
+    """The rings of the pass of one kind (forward or backward) now running, those of the last pass of
+    that kind that began with each first ring, and the first exchange done ahead for the ring expected
+    next."""
 
     def __init__(self, backward: bool):
         self.backward = backward
