@@ -11,24 +11,15 @@ plan, on 2 and 4 ranks.
 import pytest
 import torch
 
-from models import TinyLM, assert_close, assert_param_grads_match, assert_params_match, lm_loss, local_rows, rank_and_world, twin
-from rsdp import rsdp_shard
+from models import assert_close, assert_param_grads_match, assert_params_match, lm_loss, local_rows, rank_and_world
 from test_sub_block import planned_llama
-
-
-def tiny_lm():
-    model = TinyLM().double()
-    reference = twin(model)
-    for layer in model.layers:
-        rsdp_shard(layer)
-    rsdp_shard(model)
-    return model, reference
+from test_training import rsdp_lm
 
 
 def eval_then_train_case(planned, order):
     rank, world = rank_and_world()
     torch.manual_seed(0)
-    model, reference = planned_llama(vocab=37) if planned else tiny_lm()
+    model, reference = planned_llama(vocab=37) if planned else rsdp_lm(0)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
 
     def evaluate(step):

@@ -17,22 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import TinyLM, assert_close, assert_param_grads_match, assert_params_match, lm_loss, local_rows, rank_and_world, twin
-from rsdp import rsdp_shard
+from models import assert_close, assert_param_grads_match, assert_params_match, lm_loss, local_rows, rank_and_world
 from rsdp.memory import CommCounter
 from test_sub_block import planned_llama
+from test_training import rsdp_lm
 
 
 def build(planned, seed):
     torch.manual_seed(seed)
-    if planned:
-        return planned_llama(vocab=37)
-    model = TinyLM().double()
-    reference = twin(model)
-    for layer in model.layers:
-        rsdp_shard(layer)
-    rsdp_shard(model)
-    return model, reference
+    return planned_llama(vocab=37) if planned else rsdp_lm(seed)
 
 
 def _pair_loss(policy_logits, other_logits, tokens):
@@ -124,6 +117,7 @@ CASES = [
     ("joint", 4, True, False),
     ("alternate", 2, True, False),
     ("alternate", 4, False, False),
+    ("alternate", 4, True, False),
     ("shard_between", 4, True, True),
     ("shard_between", 3, False, True),
 ]
