@@ -186,6 +186,8 @@ class Fallbacks(nn.Module):
             y = x * self.table
         elif self.route == "function":
             y = Scaled.apply(x, self.table)
+        elif self.route == "function_transposed":  # the operand's transpose is the Function's leaf
+            y = Scaled.apply(x.transpose(-1, -2), self.table.t()).transpose(-1, -2)
         elif self.route == "function_under_autocast":  # (float64 is left alone: exact)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 y = Scaled.apply(x, self.table)
@@ -198,7 +200,7 @@ class Fallbacks(nn.Module):
         return self.proj(y)
 
 
-FALLBACK_ROUTES = ["grad", "function", "function_under_autocast", "function_in_checkpoint", "reentrant", "non_reentrant"]
+FALLBACK_ROUTES = ["grad", "function", "function_transposed", "function_under_autocast", "function_in_checkpoint", "reentrant", "non_reentrant"]
 
 
 def fallback_route_case(route):

@@ -6,7 +6,8 @@ not read each other's predictions or overwrite each other's messages. Checked ag
 single-process fp64 reference on 2, 3 and 4 ranks, with and without a ring plan, with a frozen
 (``requires_grad=False``) reference and with two trained models:
 
-- ``dpo``: the reference's forward under ``no_grad`` between the policy's forward and backward;
+- ``dpo``: the reference's forward under ``no_grad`` (or ``inference_mode``) between the policy's
+  forward and backward;
 - ``alternate``: the two trained in turn, each its own forward, backward and step;
 - ``joint``: both forwards, then one backward through both;
 - ``nested``: the teacher's forward inside the student's forward (and so before its backward);
@@ -61,11 +62,11 @@ def two_models_case(pattern, planned, frozen, steps=3):
     for step in range(steps):
         tokens = torch.randint(1, 37, (world * 2, 6), generator=torch.Generator().manual_seed(step))
         mine = local_rows(tokens, rank, world)
-        if pattern in ("dpo", "shard_between"):
+        if pattern in ("dpo", "dpo_inference_mode", "shard_between"):
             logits = policy(mine)
             if pattern == "shard_between":
                 build(planned, 2 + step)
-            with torch.no_grad():
+            with torch.inference_mode() if pattern == "dpo_inference_mode" else torch.no_grad():
                 other_logits = other(mine)
             _pair_loss(logits, other_logits, mine).backward()
         elif pattern == "nested":
@@ -111,6 +112,7 @@ CASES = [
     ("dpo", 3, True, True),
     ("dpo", 4, True, True),
     ("dpo", 4, False, True),
+    ("dpo_inference_mode", 4, True, True),
     ("nested", 2, True, True),
     ("nested", 4, False, True),
     ("joint", 3, False, False),
