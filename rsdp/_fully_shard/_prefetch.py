@@ -106,7 +106,8 @@ class _NextFirstMessage:
 
 
 # Predictions kept per order, one per ring that begins a pass: a few models whose passes interleave
-# (a policy, its frozen reference, a teacher); a model no longer run is forgotten after as many others.
+# (a policy, its frozen reference, a teacher). A model no longer run is forgotten after as many others,
+# or when a model is sharded (``forget_predictions``).
 _KEPT_PREDICTIONS = 8
 
 
@@ -207,6 +208,15 @@ class RingOrder:
         predicted = {tag for rings, _ in self._predictions.values() for tag, _ in rings}
         self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in predicted}
         self._this_pass, self._forget = [], False
+
+    def forget_predictions(self) -> None:
+        """Drop what earlier passes predict (``rsdp_shard`` calls it, as a new model is made): the first
+        messages they keep hold the tensors of their models, which may be gone. The pass running keeps
+        its own rings' first messages; its next pass learns its order again."""
+        self._predictions.clear()
+        self._previous_pass = []
+        called = {tag for tag, _ in self._this_pass}
+        self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in called}
 
     def abandon(self) -> None:
         """Drop what a pass that raised left (called as a forward starts): its end never came."""
