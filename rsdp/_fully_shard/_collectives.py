@@ -303,14 +303,16 @@ class _PendingGathers:
         self._candidates: list[GatheredParams] = []  # the pass's modules gathered at its start
         self._carrier_started = False  # a ring that could carry them has started in this pass
         self._needed_early: set[int] = set()  # ids of modules whose forward started before that
-        self._leave_to_ring: set[int] = set()  # ids of modules the pass running leaves to a ring
+        # Modules whose last pass leaves them to a ring. Held weakly, not by id: a dead module's id,
+        # reused on some ranks only, would make the ranks decide differently (and wait on each other).
+        self._leave_to_ring: weakref.WeakSet[GatheredParams] = weakref.WeakSet()
 
     def begin_pass(self, forward_pass: int, candidates: list[GatheredParams]) -> list[GatheredParams]:
         """The outermost forward starts and would gather ``candidates``: returns those to gather now,
         and leaves the others (of one ``gather_key``: one ring carries them) pending for a ring."""
         self._forward_pass, self._candidates = forward_pass, candidates
         self._carrier_started, self._needed_early = False, set()
-        riding = [module for module in candidates if id(module) in self._leave_to_ring]
+        riding = [module for module in candidates if module in self._leave_to_ring]
         self._pending = [module for module in riding if module.gather_key == riding[0].gather_key]
         return [module for module in candidates if not any(module is pending for pending in self._pending)]
 
@@ -342,9 +344,11 @@ class _PendingGathers:
         before a ring could carry them in this one."""
         # Per module, so that the modules of another model whose passes alternate with this one's (a
         # policy's and its reference's) keep what their own last pass decided.
-        decided = {id(module) for module in self._candidates}
-        riding = {id(module) for module in self._candidates if id(module) not in self._needed_early}
-        self._leave_to_ring = (self._leave_to_ring - decided) | riding
+        for module in self._candidates:
+            if id(module) in self._needed_early:
+                self._leave_to_ring.discard(module)
+            else:
+                self._leave_to_ring.add(module)
         self._pending, self._candidates = [], []
 
 
@@ -403,9 +407,10 @@ class _PendingReductions:
     def __init__(self):
         self._queued: dict[int, list] = {}  # graph task -> [(module, contributions, used flags)] not reduced yet
         self._order: dict[int, list[GatheredParams]] = {}  # graph task -> every module it queued, in order
-        # id of the first module queued -> every module the last backward that began so queued: two
-        # models trained in turn each predict from their own.
-        self._previous_orders: dict[int, list[weakref.ref]] = {}
+        # The first module queued -> every module the last backward that began so queued: two models
+        # trained in turn each predict from their own. Weak keys: a dead module's id reused on some
+        # ranks only must not match.
+        self._previous_orders: weakref.WeakKeyDictionary[GatheredParams, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
     def add(self, module: GatheredParams, contributions: torch.Tensor, used_here: list[bool]) -> None:
         task = current_graph_task_id()
@@ -421,7 +426,7 @@ class _PendingReductions:
         and one dtype. Depends only on the order of rings and modules, which every rank shares."""
         task = current_graph_task_id()
         queued, order = self._queued.get(task), self._order.get(task, [])
-        previous = self._previous_orders.get(id(order[0]), []) if order else []
+        previous = self._previous_orders.get(order[0], []) if order else []
         if not queued or len(order) != len(previous):
             return None
         if any(module is not earlier() for module, earlier in zip(order, previous)):
@@ -434,7 +439,7 @@ class _PendingReductions:
     def _reduce(self, task: int) -> None:
         order = self._order.pop(task, [])
         if order:
-            self._previous_orders[id(order[0])] = [weakref.ref(module) for module in order]
+            self._previous_orders[order[0]] = [weakref.ref(module) for module in order]
         batches: dict[tuple, list] = {}
         for entry in self._queued.pop(task, []):
             batches.setdefault(_batch_key(entry), []).append(entry)
