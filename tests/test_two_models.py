@@ -111,17 +111,14 @@ CASES = [
     ("dpo", 2, False, True),
     ("dpo", 3, True, True),
     ("dpo", 4, True, True),
-    ("dpo", 4, False, True),
-    ("dpo_inference_mode", 4, True, True),
+    ("dpo_inference_mode", 4, False, True),
     ("nested", 2, True, True),
     ("nested", 4, False, True),
     ("joint", 3, False, False),
     ("joint", 4, True, False),
-    ("alternate", 2, True, False),
-    ("alternate", 4, False, False),
+    ("alternate", 2, False, False),
     ("alternate", 4, True, False),
-    ("shard_between", 4, True, True),
-    ("shard_between", 3, False, True),
+    ("shard_between", 3, True, True),
 ]
 
 
