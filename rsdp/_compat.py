@@ -6,6 +6,8 @@ already managed, and FSDP2's state class that its traversal stops at. Both live 
 upgrade breaks one file, not the engine.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -117,6 +119,14 @@ def unwrap_activation_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
 def current_graph_task_id() -> int:
     """The id of the backward autograd's engine is running on this thread, -1 outside backward."""
     return torch._C._current_graph_task_id()
+
+
+def outside_inference_mode():
+    """The context in which rsdp makes what later passes reuse (ring buffers and the views of them it
+    caches, gathered parameters, ring operands, gradient leaves): under ``torch.inference_mode()`` a new
+    tensor is an inference tensor, with no version counter, and a view is one that may not be modified
+    in place outside inference mode, so training after an evaluation under it would fail."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 def in_backward() -> bool:
@@ -269,6 +279,7 @@ __all__ = [
     "get_module_state",
     "in_backward",
     "in_selective_checkpoint",
+    "outside_inference_mode",
     "selective_checkpoint_region",
     "send_and_receive",
     "share_fsdp_contexts",

@@ -18,6 +18,7 @@ from .._compat import (
 )
 from ._ops import RingLayer, ring_mixin_for
 from ._param import placements_for, shard_parameter
+from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER
 from ._ring import RING_BUFFERS, new_layer_tags
 from ._state import RSDPState
 from ._sub_block import RingSubBlock, plan_sub_blocks
@@ -75,6 +76,8 @@ def rsdp_shard(
         return wrapper
     _check_not_managed(module)
     RING_BUFFERS.forget()  # sized from now on by this model's messages, not an earlier model's
+    for order in (FORWARD_RING_ORDER, BACKWARD_RING_ORDER):
+        order.forget_predictions()  # nor keep an earlier model's tensors alive for its prefetch
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
     managed, nested = _managed_and_nested_modules(module)
     sharded_by_nested_calls = {

@@ -58,6 +58,7 @@ from .._compat import (
     in_backward,
     in_selective_checkpoint,
     local_of,
+    outside_inference_mode,
     preserve_version_counter,
     reduce_scatter_flat,
 )
@@ -161,15 +162,8 @@ class GatheredParams:
         """The full parameters from ``received`` (``[W, segment]``: every rank's segment)."""
         world = self.state.ring.size
         if self.full is None:
-            self._flat = torch.empty(world * self.segment_numel, dtype=received.dtype, device=self.state.device)
-            self.full = []
-            for param, offset in zip(self.params, self._offsets):
-                data = self._flat[world * offset : world * offset + param.numel()].view(param.shape)
-                self.full.append(nn.Parameter(data, requires_grad=param.requires_grad))
-            self._run_blocks = [
-                self._flat[world * self._offsets[first] : world * self._offsets[first + count]].view(count, world, width)
-                for first, count, width in self._runs
-            ]
+            with outside_inference_mode():
+                self._make_full(world, received.dtype)
         elif not self.is_gathered:
             self._flat.untyped_storage().resize_(self._flat.numel() * self._flat.element_size())
         for full, param in zip(self.full, self.params):
@@ -180,6 +174,17 @@ class GatheredParams:
                 offset = self._offsets[first]
                 block.copy_(received[:, offset : offset + count * width].unflatten(1, (count, width)).transpose(0, 1))
         self.is_gathered = True
+
+    def _make_full(self, world: int, dtype: torch.dtype) -> None:
+        self._flat = torch.empty(world * self.segment_numel, dtype=dtype, device=self.state.device)
+        self.full = []
+        for param, offset in zip(self.params, self._offsets):
+            data = self._flat[world * offset : world * offset + param.numel()].view(param.shape)
+            self.full.append(nn.Parameter(data, requires_grad=param.requires_grad))
+        self._run_blocks = [
+            self._flat[world * self._offsets[first] : world * self._offsets[first + count]].view(count, world, width)
+            for first, count, width in self._runs
+        ]
 
     def free(self) -> None:
         if self.is_gathered:
@@ -298,14 +303,16 @@ class _PendingGathers:
         self._candidates: list[GatheredParams] = []  # the pass's modules gathered at its start
         self._carrier_started = False  # a ring that could carry them has started in this pass
         self._needed_early: set[int] = set()  # ids of modules whose forward started before that
-        self._leave_to_ring: set[int] = set()  # ids of modules the pass running leaves to a ring
+        # Modules whose last pass leaves them to a ring. Held weakly, not by id: a dead module's id,
+        # reused on some ranks only, would make the ranks decide differently (and wait on each other).
+        self._leave_to_ring: weakref.WeakSet[GatheredParams] = weakref.WeakSet()
 
     def begin_pass(self, forward_pass: int, candidates: list[GatheredParams]) -> list[GatheredParams]:
         """The outermost forward starts and would gather ``candidates``: returns those to gather now,
         and leaves the others (of one ``gather_key``: one ring carries them) pending for a ring."""
         self._forward_pass, self._candidates = forward_pass, candidates
         self._carrier_started, self._needed_early = False, set()
-        riding = [module for module in candidates if id(module) in self._leave_to_ring]
+        riding = [module for module in candidates if module in self._leave_to_ring]
         self._pending = [module for module in riding if module.gather_key == riding[0].gather_key]
         return [module for module in candidates if not any(module is pending for pending in self._pending)]
 
@@ -335,7 +342,13 @@ class _PendingGathers:
     def end_pass(self) -> None:
         """The outermost forward ended (or raised): the next one leaves to a ring those not needed
         before a ring could carry them in this one."""
-        self._leave_to_ring = {id(module) for module in self._candidates if id(module) not in self._needed_early}
+        # Per module, so that the modules of another model whose passes alternate with this one's (a
+        # policy's and its reference's) keep what their own last pass decided.
+        for module in self._candidates:
+            if id(module) in self._needed_early:
+                self._leave_to_ring.discard(module)
+            else:
+                self._leave_to_ring.add(module)
         self._pending, self._candidates = [], []
 
 
@@ -394,7 +407,10 @@ class _PendingReductions:
     def __init__(self):
         self._queued: dict[int, list] = {}  # graph task -> [(module, contributions, used flags)] not reduced yet
         self._order: dict[int, list[GatheredParams]] = {}  # graph task -> every module it queued, in order
-        self._previous_order: list[weakref.ref] = []  # of the last backward that queued any
+        # The first module queued -> every module the last backward that began so queued: two models
+        # trained in turn each predict from their own. Weak keys: a dead module's id reused on some
+        # ranks only must not match.
+        self._previous_orders: weakref.WeakKeyDictionary[GatheredParams, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
     def add(self, module: GatheredParams, contributions: torch.Tensor, used_here: list[bool]) -> None:
         task = current_graph_task_id()
@@ -410,9 +426,10 @@ class _PendingReductions:
         and one dtype. Depends only on the order of rings and modules, which every rank shares."""
         task = current_graph_task_id()
         queued, order = self._queued.get(task), self._order.get(task, [])
-        if not queued or len(order) != len(self._previous_order):
+        previous = self._previous_orders.get(order[0], []) if order else []
+        if not queued or len(order) != len(previous):
             return None
-        if any(module is not earlier() for module, earlier in zip(order, self._previous_order)):
+        if any(module is not earlier() for module, earlier in zip(order, previous)):
             return None
         if any(_batch_key(entry) != (ring.group, queued[0][1].dtype, ring.device) for entry in queued):
             return None
@@ -420,7 +437,9 @@ class _PendingReductions:
         return _RingReduceScatter(ring, queued)
 
     def _reduce(self, task: int) -> None:
-        self._previous_order = [weakref.ref(module) for module in self._order.pop(task, [])]
+        order = self._order.pop(task, [])
+        if order:
+            self._previous_orders[order[0]] = [weakref.ref(module) for module in order]
         batches: dict[tuple, list] = {}
         for entry in self._queued.pop(task, []):
             batches.setdefault(_batch_key(entry), []).append(entry)

@@ -34,7 +34,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import at_end_of_backward, current_graph_task_id, gradient_hooks, local_of, sharded_like
+from .._compat import (
+    at_end_of_backward,
+    current_graph_task_id,
+    gradient_hooks,
+    local_of,
+    outside_inference_mode,
+    sharded_like,
+)
 
 
 class _Leaf:
@@ -58,7 +65,8 @@ class RingGradients:
         local = local_of(param)
         entry = self._leaves.get(id(param))
         if entry is None or entry.local is not local or entry.tensor.requires_grad != param.requires_grad:
-            tensor = local.detach()
+            with outside_inference_mode():
+                tensor = local.detach()
             if param.requires_grad:
                 tensor.requires_grad_()
                 tensor.register_post_accumulate_grad_hook(functools.partial(self._received, param))

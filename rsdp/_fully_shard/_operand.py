@@ -23,13 +23,24 @@ activation checkpointing (which may run ``forward`` without the hooks) finds it 
 
 Any other op on an operand (``conv2d``, an elementwise use of a weight) runs on the full weight,
 gathered for that op and recomputed in backward (a checkpoint around the op), so no full weight outlives
-the op; rsdp warns once per parameter and op. Shape and dtype queries answer for the full weight.
+the op; rsdp warns once per parameter and op. Shape and dtype queries answer for the full weight, and
+so do ``torch.zeros_like`` / ``w.new_zeros`` and friends, which read nothing else (no gather).
+
+Code that hands the operand itself to autograd — its own ``torch.autograd.Function``, as fused
+linear-cross-entropy losses do with ``lm_head.weight`` (Liger's, TRL's default SFT loss) — bypasses
+``__torch_function__``: inside that Function's forward the ops on the operand still rotate or gather it,
+and the full gradient its backward returns is accumulated by autograd into the operand, a leaf. A
+post-accumulate-grad hook reduce-scatters it to the shards' owners and hands it to the parameter like a
+ring function's gradient. ``torch.autograd.grad`` (or ``backward(inputs=...)``) asked for the gradient
+of the operand itself has no answer under rsdp (the ring sends each rank's gradient to the shards'
+owners; no full gradient of one rank's batch exists) and raises, rather than return None.
 
 Pitfalls:
 - An operand is not an ``nn.Parameter``; code that needs the parameter object itself (an optimizer built
   during forward) must run outside the module's forward.
 - The ring runs inside the op: every rank must make the same sequence of ring ops, as with any
-  collective.
+  collective. So must a Function that takes the operand: its gradient's reduce-scatter runs when
+  autograd reaches the operand, on every rank (with a zero where the Function returned None).
 """
 
 import warnings
@@ -78,6 +89,12 @@ class RingOperand(torch.Tensor):
             requires_grad=sharded_param.requires_grad,
         )
         operand.sharded_param, operand.layer, operand.transposed = sharded_param, layer, transposed
+        if operand.requires_grad:
+            # Code that hands the operand itself to autograd (its own autograd.Function, as fused
+            # linear-cross-entropy losses do) makes it a leaf of that graph: its full gradient lands here.
+            # (Also when made under no_grad: a module's operand is made once and kept.)
+            with torch._C.DisableTorchFunctionSubclass():
+                operand.register_post_accumulate_grad_hook(_reduce_to_shard)
         return operand
 
     def __repr__(self):
@@ -119,6 +136,34 @@ _METADATA = {
 }
 # Property getters (shape, dtype, device, requires_grad, ndim, ...) arrive as their __get__ methods.
 _METADATA_NAMES = {"__get__"}
+
+
+def _reduce_to_shard(operand: RingOperand) -> None:
+    """The full gradient autograd accumulated into an operand (a leaf of someone else's autograd
+    Function), reduce-scattered to the shard's owners and handed to the parameter like a ring function's.
+    The hook runs on every rank even where the Function returned no gradient (a zero then takes part),
+    so no rank is left waiting in the collective."""
+    with torch._C.DisableTorchFunctionSubclass():
+        grad, operand.grad = operand.grad, None
+        shape = operand.shape
+    if grad is None:
+        grad = torch.zeros(shape, dtype=operand.dtype, device=operand.device)
+    if operand.transposed:
+        grad = grad.t()
+    param = operand.sharded_param
+    state = operand.layer.state
+    reduced = _reduce_full_gradient(state, shard_layout(param.shape[0], state.ring.size), grad, param.dtype)
+    state.gradients.receive(param, reduced)
+
+
+def _reduce_full_gradient(state, layout, grad: torch.Tensor, local_dtype: torch.dtype) -> torch.Tensor:
+    """This rank's rows of the reduced (summed, then divided) full-weight gradient ``grad``."""
+    padded = grad.new_zeros(state.ring.size * layout.chunk, *grad.shape[1:], dtype=state.reduce_dtype(local_dtype))
+    padded[: layout.rows].copy_(grad)
+    reduced = padded.new_empty(layout.chunk, *grad.shape[1:])
+    reduce_scatter_flat(reduced, padded, group=state.ring.group)
+    state.divide_gradient(reduced)
+    return reduced[: layout.rows_of(state.ring.rank)].to(local_dtype)
 
 
 def _full_weight(operand: RingOperand) -> torch.Tensor:
@@ -167,13 +212,7 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        state, layout = ctx.state, ctx.layout
-        padded = grad.new_zeros(state.ring.size * layout.chunk, *grad.shape[1:], dtype=state.reduce_dtype(ctx.local_dtype))
-        padded[: layout.rows].copy_(grad)
-        reduced = padded.new_empty(layout.chunk, *grad.shape[1:])
-        reduce_scatter_flat(reduced, padded, group=state.ring.group)
-        state.divide_gradient(reduced)
-        return reduced[: layout.rows_of(state.ring.rank)].to(ctx.local_dtype), None, None
+        return _reduce_full_gradient(ctx.state, ctx.layout, grad, ctx.local_dtype), None, None
 
 
 class _RingInputSplitFunction(torch.autograd.Function):
@@ -263,12 +302,19 @@ def _times(x, operand) -> torch.Tensor | type(NotImplemented):
     """``x @ operand`` by the ring that fits how the weight is stored."""
     if not isinstance(operand, RingOperand) or isinstance(x, RingOperand) or operand.dim() != 2:
         return NotImplemented
-    if operand.transposed:  # stored [out, in]: a Linear's weight
-        _check_input(x, operand, operand.shape[0])
-        member = LinearMember(operand.sharded_param.shape[0], id(operand.layer))
+    return _product(x, operand, operand.transposed)
+
+
+def _product(x, operand: RingOperand, transposed: bool) -> torch.Tensor:
+    """``x @ operand`` (``x @ operand.T`` if ``transposed`` differs from ``operand.transposed``; no
+    transposed operand is made for it, as one made under grad mode registers a hook)."""
+    stored = operand.sharded_param.shape
+    _check_input(x, operand, stored[1] if transposed else stored[0])
+    if transposed:  # stored [out, in]: a Linear's weight
+        member = LinearMember(stored[0], id(operand.layer))
         return _RingLinearFunction.apply(x, operand.layer, (member,), operand.local(), None)[0]
-    _check_input(x, operand, operand.shape[0])  # stored [in, out]: Conv1D
-    return _RingInputSplitFunction.apply(x, operand.layer, tuple(operand.shape), operand.local())
+    # stored [in, out]: Conv1D
+    return _RingInputSplitFunction.apply(x, operand.layer, tuple(stored), operand.local())
 
 
 def _plain(tensor):
@@ -283,7 +329,9 @@ def _linear(input, weight, bias=None):
         _check_input(input, weight, weight.shape[1])
         member = LinearMember(weight.shape[0], id(weight.layer))
         return _RingLinearFunction.apply(input, weight.layer, (member,), weight.local(), bias.local())[0]
-    out = _times(input, _transposed(weight))
+    if isinstance(input, RingOperand):
+        return NotImplemented
+    out = _product(input, weight, not weight.transposed)
     return out if bias is None else out + autocast_like(_plain(bias), out)
 
 
@@ -317,6 +365,50 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
     return _RingEmbeddingFunction.apply(input, weight.local(), weight.layer, weight.shape[0], padding_idx)
 
 
+def _like(factory):
+    """``torch.zeros_like(w)`` and friends need the weight's shape, not its values: no gather."""
+
+    def handler(operand, *args, **kwargs):
+        if not isinstance(operand, RingOperand):
+            return NotImplemented
+        return factory(torch.empty(operand.shape, dtype=operand.dtype, device=operand.device), *args, **kwargs)
+
+    return handler
+
+
+def _new(factory):
+    """``w.new_zeros(shape)`` and friends take the weight's dtype and device only: no gather."""
+
+    def handler(operand, *args, **kwargs):
+        if not isinstance(operand, RingOperand):
+            return NotImplemented
+        return factory(torch.empty(0, dtype=operand.dtype, device=operand.device), *args, **kwargs)
+
+    return handler
+
+
+def _gradient_of_operand(name: str):
+    def handler(*args, **kwargs):
+        operands = {a.layer.name for a in _flattened((args, kwargs)) if isinstance(a, RingOperand)}
+        raise RuntimeError(
+            f"rsdp: torch.autograd.{name} was asked for the gradient of {', '.join(sorted(operands))}, a weight rsdp "
+            "manages (each rank holds a shard; its products run on the ring and send their gradients to the "
+            "shards' owners, so no full gradient of this rank's alone exists to return). Compute that gradient "
+            "by hand, as fused losses do (e.g. grad_output.t() @ hidden), or differentiate with respect to the "
+            "other inputs only and let rsdp handle the weight's."
+        )
+
+    return handler
+
+
+def _flattened(value):
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _flattened(item)]
+    if isinstance(value, dict):
+        return _flattened(list(value.values()))
+    return [value]
+
+
 def _on_sharded_param(method):
     """Hooks go to the sharded parameter: it is the leaf whose ``.grad`` receives the gradient."""
 
@@ -329,6 +421,18 @@ def _on_sharded_param(method):
 _HANDLERS = {
     torch.Tensor.register_hook: _on_sharded_param(torch.Tensor.register_hook),
     torch.Tensor.register_post_accumulate_grad_hook: _on_sharded_param(torch.Tensor.register_post_accumulate_grad_hook),
+    torch.autograd.grad: _gradient_of_operand("grad"),
+    torch.autograd.backward: _gradient_of_operand("backward"),
+    torch.zeros_like: _like(torch.zeros_like),
+    torch.ones_like: _like(torch.ones_like),
+    torch.empty_like: _like(torch.empty_like),
+    torch.full_like: _like(torch.full_like),
+    torch.rand_like: _like(torch.rand_like),
+    torch.randn_like: _like(torch.randn_like),
+    torch.Tensor.new_zeros: _new(torch.Tensor.new_zeros),
+    torch.Tensor.new_ones: _new(torch.Tensor.new_ones),
+    torch.Tensor.new_empty: _new(torch.Tensor.new_empty),
+    torch.Tensor.new_full: _new(torch.Tensor.new_full),
     F.linear: _linear,
     F.embedding: _embedding,
     torch.addmm: _addmm,

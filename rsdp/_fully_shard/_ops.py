@@ -77,6 +77,12 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
     state, ring = layer.state, layer.state.ring
     grads = message.tail(weight_segments)
     weights = message_of(message.segments[:weight_segments])
+    has_grads = len(grad_keys) > 0
+    unsynced = has_grads and not state.requires_gradient_sync
+    # Its first message carries partials: not prefetchable, but its last exchange may carry the next
+    # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
+    # prediction of their sizes the pass follows (``RingBuffers.begin_pass``).
+    ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], weights if unsynced else message)
     RING_BUFFERS.pair(message.nbytes, ring.device)
     scratch = None if adds else RING_BUFFERS.scratch(grads.nbytes, ring.device)
 
@@ -96,15 +102,11 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
         for view, part in zip(views, mine):
             view.add_(part)
 
-    has_grads = len(grad_keys) > 0
-    if has_grads and not state.requires_gradient_sync:
+    if unsynced:
         accumulators = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
         for shard in range(ring.size):
             contribute_into(shard, shard_of(accumulators, shard))
         has_grads, message = False, weights
-    # Its first message carries partials: not prefetchable, but its last exchange may carry the next
-    # ring's first message.
-    ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], message)
     if not has_grads:
         if weight_segments:
             ring.circulate(

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._compat import DTensor, Replicate, Shard
+from .._compat import DTensor, Replicate, Shard, outside_inference_mode
 from ._ring import RING_BUFFERS
 
 
@@ -145,7 +145,8 @@ class Message:
         key = (place, shard, first, transposed)
         views = self._ring_views.get(key)
         if views is None:
-            views = self._ring_views[key] = self._make_views(buffer, shard, first, transposed)
+            with outside_inference_mode():
+                views = self._ring_views[key] = self._make_views(buffer, shard, first, transposed)
         return views
 
     def _make_views(self, buffer: torch.Tensor, shard: int, first: int, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:

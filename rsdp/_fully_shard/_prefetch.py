@@ -22,9 +22,11 @@ into it. Those bytes do not travel; the message prefetched starts that far befor
 the carrying ring's own message, which that ring has copied out before the next one writes its
 partials there.
 
-Which ring comes next is learned from the previous pass of the same kind (forward: the rings between
-the start of the outermost rsdp forward and its end; backward: the rings of one backward, forward
-rings recomputed by activation checkpointing included, which take no prefetch and make none), and a
+Which ring comes next is learned from the last pass of the same kind that began with the same ring
+(forward: the rings between the start of the outermost rsdp forward and its end; backward: the rings
+of one backward, forward rings recomputed by activation checkpointing included, which take no
+prefetch and make none; two models whose passes interleave, a policy and its reference, each learn
+from their own), and a
 ring is prefetched as its previous call made its first message: the same layout, packed from the same
 tensors. A prefetched ring that is not called next (control flow changed, or a different layout) runs
 as usual, its own first exchange and all; the next pass learns the new order.
@@ -47,6 +49,7 @@ Pitfalls:
   the sequence of rings, which every rank runs alike, as the rings themselves require.
 """
 
+import collections
 import dataclasses
 import math
 
@@ -102,15 +105,25 @@ class _NextFirstMessage:
         self.order.arrived(self.tag, self.first.signature(), Prefetched(sent, received, received_in))
 
 
+# Predictions kept per order, one per ring that begins a pass: a few models whose passes interleave
+# (a policy, its frozen reference, a teacher). A model no longer run is forgotten after as many others,
+# or when a model is sharded (``forget_predictions``).
+_KEPT_PREDICTIONS = 8
+
+
 class RingOrder:
-    """The rings of the pass of one kind (forward or backward) now running, those of the previous pass
-    of that kind, and the first exchange done ahead for the ring expected next."""
+    """The rings of the pass of one kind (forward or backward) now running, those of the last pass of
+    that kind that began with each first ring, and the first exchange done ahead for the ring expected
+    next."""
 
     def __init__(self, backward: bool):
         self.backward = backward
         # (tag, (message layout, first segment its first exchange sends)) of each ring, in call order:
         # a ring's layout changes when Linears start sharing its ring, and then it is another ring.
         self._previous_pass: list[tuple] = []
+        # The first ring's tag -> (the rings of the last pass that began with it, its largest message):
+        # two models whose passes alternate (DPO's policy and reference) each predict from their own.
+        self._predictions: collections.OrderedDict[int, tuple[list[tuple], int]] = collections.OrderedDict()
         self._this_pass: list[tuple] = []
         self._first_messages: dict[int, _FirstMessage | None] = {}  # None: not prefetchable
         self._prefetched: tuple[int, tuple, Prefetched] | None = None  # (tag, signature, exchange)
@@ -137,6 +150,9 @@ class RingOrder:
         exchange if the ring before did it, or None (then it makes its own)."""
         if self.backward:
             self._end_with_backward()
+        if not self._this_pass:
+            self._previous_pass, self._largest_previous = self._predictions.get(tag, ([], 0))
+            RING_BUFFERS.begin_pass(self.backward, tag)
         prefetched = self._take()
         prefetchable = tensors is not None and ring.size > 1 and not in_selective_checkpoint()
         first_message = _FirstMessage(ring, message, tensors, first) if prefetchable else None
@@ -180,13 +196,27 @@ class RingOrder:
     def end_pass(self) -> None:
         """The pass ended: drop an exchange no ring took, remember the order."""
         self._take()
-        self._previous_pass = [] if self._forget else self._this_pass
-        self._largest_previous, self._largest = self._largest, 0
-        # Only this pass's rings can be prefetched next: the others' tensors (a model no longer
+        if self._this_pass:
+            first_tag = self._this_pass[0][0]
+            self._predictions[first_tag] = ([] if self._forget else self._this_pass, self._largest)
+            self._predictions.move_to_end(first_tag)
+            while len(self._predictions) > _KEPT_PREDICTIONS:
+                self._predictions.popitem(last=False)
+        self._previous_pass, self._largest = [], 0
+        # Only the predicted rings can be prefetched next: the others' tensors (a model no longer
         # trained, perhaps) are not kept alive here.
+        predicted = {tag for rings, _ in self._predictions.values() for tag, _ in rings}
+        self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in predicted}
+        self._this_pass, self._forget = [], False
+
+    def forget_predictions(self) -> None:
+        """Drop what earlier passes predict (``rsdp_shard`` calls it, as a new model is made): the first
+        messages they keep hold the tensors of their models, which may be gone. The pass running keeps
+        its own rings' first messages; its next pass learns its order again."""
+        self._predictions.clear()
+        self._previous_pass = []
         called = {tag for tag, _ in self._this_pass}
         self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in called}
-        self._this_pass, self._forget = [], False
 
     def abandon(self) -> None:
         """Drop what a pass that raised left (called as a forward starts): its end never came."""

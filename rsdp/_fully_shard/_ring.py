@@ -61,7 +61,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import at_end_of_backward, current_graph_task_id, in_backward, in_selective_checkpoint, send_and_receive
+from .._compat import (
+    at_end_of_backward,
+    current_graph_task_id,
+    in_backward,
+    in_selective_checkpoint,
+    outside_inference_mode,
+    send_and_receive,
+)
 
 
 class Phase(enum.IntEnum):
@@ -140,12 +147,26 @@ class RingBuffers:
         self.generation = 0
         self._reset_callbacks: list[Callable[[], None]] = []
         self._release_task = -1  # the backward at whose end a release is queued
-        self._sizes = {False: _PassSizes(), True: _PassSizes()}  # by "in backward"
+        # (in backward, the tag of the pass's first ring) -> its sizes: each model's passes predict its own.
+        self._sizes: dict[tuple[bool, int | None], _PassSizes] = {}
+        self._pass_keys: dict[bool, int | None] = {False: None, True: None}
         # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
         # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
         self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
         # The next ring's first exchange, done ahead: its messages lie in the message buffers (``_prefetch.py``).
         self.prefetched: "Prefetched | None" = None
+
+    def begin_pass(self, backward: bool, first_tag: int) -> None:
+        """A pass of the kind begins with the ring tagged ``first_tag`` (``RingOrder.begin``): its
+        requests are predicted from the last pass that began with the same ring."""
+        self._pass_keys[backward] = first_tag
+
+    def _pass_sizes(self, backward: bool) -> "_PassSizes":
+        key = (backward, self._pass_keys[backward])
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            sizes = self._sizes[key] = _PassSizes()
+        return sizes
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever buffers are replaced (to drop cached views of them)."""
@@ -163,7 +184,7 @@ class RingBuffers:
         if all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers):
             return True
         for index in (0, 1):
-            self._sizes[in_backward()].ask(index, nbytes)
+            self._pass_sizes(in_backward()).ask(index, nbytes)
         return False
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -178,7 +199,7 @@ class RingBuffers:
         backward = in_backward()
         if backward:
             self._release_at_end_of_backward()
-        size = self._sizes[backward].ask(index, nbytes)
+        size = self._pass_sizes(backward).ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
         # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
@@ -189,7 +210,8 @@ class RingBuffers:
             if buffer is not None:  # free it first: old and new alive at once would be the step's peak
                 buffer.untyped_storage().resize_(0)
             # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
-            buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+            with outside_inference_mode():
+                buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
             self._reindex()
         elif short:  # freed at the end of the last pass, or by ``trim``
             # Storage only: the tensor and the views of it that messages cached stay (as FSDP2 frees
@@ -203,7 +225,8 @@ class RingBuffers:
         key = (device, index, nbytes)
         prefix = self._prefixes.get(key)
         if prefix is None:
-            prefix = self._prefixes[key] = buffer[:nbytes]
+            with outside_inference_mode():
+                prefix = self._prefixes[key] = buffer[:nbytes]
         return prefix
 
     def trim(self) -> None:
@@ -213,7 +236,7 @@ class RingBuffers:
         weights and partials) must not stay for its last ones (the Embedding's partials). The next
         request makes a freed buffer again, at the size the rest of the backward needs. A buffer that
         holds the next ring's first message, prefetched, keeps it (and what lies before it)."""
-        upcoming = self._sizes[True].upcoming() if in_backward() else None
+        upcoming = self._pass_sizes(True).upcoming() if in_backward() else None
         if upcoming is None:
             return
         freed = False
@@ -292,7 +315,7 @@ class RingBuffers:
         sizes; without this a model sharded after a larger one got the larger one's buffers back.
         Nothing is resized: a holder of a buffer (there is none between passes) keeps its memory."""
         self._sets.clear()
-        self._sizes = {False: _PassSizes(), True: _PassSizes()}
+        self._sizes = {}
         self._reset()
         self._reindex()
         WAITED_WORKS.clear()  # they would keep the last message's buffer alive

@@ -39,6 +39,7 @@ from .._compat import (
     current_graph_task_id,
     get_module_state,
     in_backward,
+    outside_inference_mode,
 )
 from ._collectives import PENDING_GATHERS, PENDING_REDUCTIONS, GatheredParams, gather_together
 from ._fusion import SharedInputFusion
@@ -279,7 +280,8 @@ class RSDPState(FSDPState):
                 sharded(current, owner, name)  # raises if it is no longer a sharded parameter
                 operand, requires_grad = self._operands.get(slot, (None, None))
                 if operand is None or operand.sharded_param is not current or requires_grad != current.requires_grad:
-                    operand = RingOperand(current, layer)
+                    with outside_inference_mode():
+                        operand = RingOperand(current, layer)
                     self._operands[slot] = (operand, current.requires_grad)
                 owner._parameters[name] = operand
 
