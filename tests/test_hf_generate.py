@@ -1,0 +1,165 @@
+"""Hugging Face models with a ring plan (``base_model_tp_plan``) and their KV cache, against the
+unsharded fp64 model: a cached forward (prefill, then decode steps), ``generate()`` (greedy, sampled with
+a fixed seed, a static cache, ranks whose sequences end at different lengths) and training with the
+model's default ``use_cache=True``.
+
+Each rank generates from its own rows, and its reference is the unsharded model on those rows (with
+the same seed when sampling): a sampler draws per batch, so one global reference batch would draw
+other numbers. The models have grouped KV heads (a shard's k/v hold fewer heads than its q), and the
+Qwen2 model ties its head to its embedding and has a sliding-window layer, whose cache keeps only the
+window (the sequences outgrow it).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from models import assert_close, assert_param_grads_match, assert_params_match, local_rows, rank_and_world
+from rsdp import rsdp_shard
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 37
+PROMPT = 5
+NEW_TOKENS = 4
+# Llama's RMSNorm computes in float32 even in a float64 model, so results agree to float32's precision.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-7}
+
+
+def _config(model_name: str, world: int):
+    """Heads and kv heads over the ranks (a plan splits heads, as tensor parallelism does)."""
+    shape = dict(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=8 * world, num_hidden_layers=2, head_dim=4,
+        num_attention_heads=2 * world, num_key_value_heads=world, max_position_embeddings=32, initializer_range=0.3,
+        bos_token_id=0, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    if model_name == "llama":
+        return transformers.LlamaConfig(**shape)
+    # The second layer attends over a window of 4: the cache keeps the last 3 tokens.
+    return transformers.Qwen2Config(**shape, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+
+
+def planned_model(model_name: str):
+    """An fp64 model sharded with its own ``base_model_tp_plan``, and its unsharded twin."""
+    world = rank_and_world()[1]
+    torch.manual_seed(0)
+    config = _config(model_name, world)
+    model_class = transformers.LlamaForCausalLM if model_name == "llama" else transformers.Qwen2ForCausalLM
+    model = model_class(config).double()
+    reference = copy.deepcopy(model)
+    for layer in model.model.layers:
+        rsdp_shard(layer, ring_plan=config.base_model_tp_plan)
+    rsdp_shard(model)
+    return model, reference
+
+
+def _prompts(world: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (2 * world, PROMPT), generator=generator)
+
+
+def assert_caches_match(cache, reference_cache, what: str):
+    for index, (layer, expected) in enumerate(zip(cache.layers, reference_cache.layers, strict=True)):
+        assert_close(layer.keys, expected.keys, what=f"{what}: keys of layer {index}", **TOLERANCE)
+        assert_close(layer.values, expected.values, what=f"{what}: values of layer {index}", **TOLERANCE)
+
+
+def cached_forward_case(model_name: str):
+    """A prefill, then decode steps one token at a time, each step's logits and the cache's contents."""
+    rank, world = rank_and_world()
+    model, reference = planned_model(model_name)
+    model.eval(), reference.eval()
+    tokens = local_rows(torch.randint(1, VOCAB, (2 * world, PROMPT + 3)), rank, world)
+    cache, reference_cache = transformers.DynamicCache(config=model.config), transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        for start, end in [(0, PROMPT), (PROMPT, PROMPT + 1), (PROMPT + 1, PROMPT + 2), (PROMPT + 2, PROMPT + 3)]:
+            chunk = tokens[:, start:end]
+            logits = model(input_ids=chunk, cache=cache, use_cache=True).logits
+            expected = reference(input_ids=chunk, cache=reference_cache, use_cache=True).logits
+            assert_close(logits, expected, what=f"logits of tokens {start}:{end}", **TOLERANCE)
+            assert_caches_match(cache, reference_cache, f"cache after tokens {start}:{end}")
+    return True
+
+
+def generate_case(model_name: str):
+    """Greedy, sampled (fixed seed) and static-cache ``generate()`` match the unsharded model's, token
+    for token; so does a run where this rank's sequences stop at an EOS another rank's never reach."""
+    rank, world = rank_and_world()
+    model, reference = planned_model(model_name)
+    model.eval(), reference.eval()
+    prompts = _prompts(world, seed=1)
+    mine = local_rows(prompts, rank, world)
+    runs = {
+        "greedy": dict(do_sample=False),
+        "sampled": dict(do_sample=True, top_k=0, temperature=1.5),
+        "static cache": dict(do_sample=False, cache_implementation="static"),
+    }
+    for what, options in runs.items():
+        torch.manual_seed(7 + rank)
+        generated = model.generate(mine, max_new_tokens=NEW_TOKENS, **options)
+        torch.manual_seed(7 + rank)
+        expected = reference.generate(mine, max_new_tokens=NEW_TOKENS, **options)
+        assert torch.equal(generated, expected), f"{what}: {generated.tolist()} != {expected.tolist()}"
+    # One row per rank, and an EOS that rank 0's row produces and no other rank's: rank 0 stops early and
+    # the others go on, which runs forwards on some ranks only unless generate keeps them in step.
+    rows = prompts[:world]
+    with torch.no_grad():
+        continuations = reference.generate(rows, max_new_tokens=NEW_TOKENS, do_sample=False)[:, PROMPT:].tolist()
+    others = {token for continuation in continuations[1:] for token in continuation}
+    first = continuations[0]
+    ends = [token for at, token in enumerate(first[:-1]) if token not in others and token not in first[:at]]
+    assert ends, f"no token ends rank 0's row only ({continuations}); change the seed"
+    options = dict(do_sample=False, eos_token_id=ends[0], pad_token_id=0)
+    generated = model.generate(rows[rank : rank + 1], max_new_tokens=NEW_TOKENS, **options)
+    expected = reference.generate(rows[rank : rank + 1], max_new_tokens=NEW_TOKENS, **options)
+    assert torch.equal(generated, expected), f"early EOS: {generated.tolist()} != {expected.tolist()}"
+    lengths = [None] * world
+    dist.all_gather_object(lengths, generated.shape[1])
+    assert lengths[0] < min(lengths[1:]), f"rank 0 did not stop first: {lengths}"
+    return True
+
+
+def training_case(model_name: str, steps: int = 2):
+    """AdamW steps with the model's default config (``use_cache=True``: each forward fills a cache)."""
+    rank, world = rank_and_world()
+    model, reference = planned_model(model_name)
+    model.train(), reference.train()
+    assert model.config.use_cache
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(steps):
+        tokens = torch.randint(1, VOCAB, (2 * world, PROMPT + 2))
+        mine = local_rows(tokens, rank, world)
+        output = model(input_ids=mine, labels=mine)
+        assert output.cache is not None
+        output.loss.backward()
+        reference_loss = reference(input_ids=tokens, labels=tokens).loss
+        reference_loss.backward()
+        total = output.loss.detach().clone()
+        dist.all_reduce(total)
+        assert_close(total / world, reference_loss.detach(), what=f"loss at step {step}", **TOLERANCE)
+        assert_param_grads_match(model, reference, 1.0, **TOLERANCE)
+        optimizer.step(), reference_optimizer.step()
+        optimizer.zero_grad(), reference_optimizer.zero_grad()
+    assert_params_match(model, reference, **TOLERANCE)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_cached_forward_matches_the_unsharded_model(ranks, world, model_name):
+    assert all(ranks.run(world, cached_forward_case, model_name))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_generate_matches_the_unsharded_model(ranks, world, model_name):
+    assert all(ranks.run(world, generate_case, model_name))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_training_with_the_default_cache_matches_the_unsharded_model(ranks, world, model_name):
+    assert all(ranks.run(world, training_case, model_name))
