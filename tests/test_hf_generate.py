@@ -10,6 +10,7 @@ Qwen2 model ties its head to its embedding and has a sliding-window layer, whose
 window (the sequences outgrow it).
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -121,21 +122,30 @@ def generate_case(model_name: str):
     return True
 
 
-def training_case(model_name: str, steps: int = 2):
-    """AdamW steps with the model's default config (``use_cache=True``: each forward fills a cache)."""
+def training_case(model_name: str):
+    """AdamW steps with the model's default config (``use_cache=True``: each forward fills a cache),
+    then one on a continuation of a prefix cached under ``no_grad`` whose backward recomputes the
+    attention (saved-tensor hooks keep no graphs), so it asks the cache after its update."""
     rank, world = rank_and_world()
     model, reference = planned_model(model_name)
     model.train(), reference.train()
     assert model.config.use_cache
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(steps):
-        tokens = torch.randint(1, VOCAB, (2 * world, PROMPT + 2))
+    for step, prefix in enumerate([0, 0, PROMPT]):
+        tokens = torch.randint(1, VOCAB, (2 * world, PROMPT + 3))
         mine = local_rows(tokens, rank, world)
-        output = model(input_ids=mine, labels=mine)
+        cache, reference_cache = None, None
+        if prefix:
+            cache, reference_cache = transformers.DynamicCache(config=model.config), transformers.DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(input_ids=mine[:, :prefix], cache=cache)
+                reference(input_ids=tokens[:, :prefix], cache=reference_cache)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if prefix else contextlib.nullcontext():
+            output = model(input_ids=mine[:, prefix:], labels=mine[:, prefix:], cache=cache)
         assert output.cache is not None
         output.loss.backward()
-        reference_loss = reference(input_ids=tokens, labels=tokens).loss
+        reference_loss = reference(input_ids=tokens[:, prefix:], labels=tokens[:, prefix:], cache=reference_cache).loss
         reference_loss.backward()
         total = output.loss.detach().clone()
         dist.all_reduce(total)

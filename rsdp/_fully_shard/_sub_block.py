@@ -177,11 +177,14 @@ class RingSubBlock:
     def forward(self, *args, **kwargs):
         block = self._rsdp_sub_block
         leaves, spec = _flatten_arguments(args, kwargs)
+        params = [local_shard(getattr(linear, name), linear, name, block.ring) for linear, name in block.param_slots]
         cache = None
         if spec is not None:  # objects besides tensors: a cache is handed over per shard, others refused
-            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.state.ring.size)
+            differentiable = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (*leaves, *params) if isinstance(t, torch.Tensor)
+            )
+            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.state.ring.size, differentiable)
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        params = [local_shard(getattr(linear, name), linear, name, block.ring) for linear, name in block.param_slots]
         call = _Call(block, leaves, spec, tensor_at, cache)
         # Decided here: inside the autograd Function's forward, grad mode is off.
         call.keeps_graphs = torch.is_grad_enabled() and not saved_tensors_hooks_active()

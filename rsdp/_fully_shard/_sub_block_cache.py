@@ -27,10 +27,11 @@ Pitfalls:
   the commit: ``update`` then answers from the copy of the layer taken before the call (kept only when
   the call may be backpropagated) and records nothing.
 - The committed keys and values carry no graph (it would hold the ring's shard graphs alive with the
-  cache); where they required grad, a gradient reaching them through a later forward raises, since the
-  unsharded model would pass it on to this forward.
+  cache); where the call was differentiable, a gradient reaching them through a later forward raises,
+  since the unsharded model would pass it on to this forward.
 """
 
+import contextlib
 import copy
 import enum
 import sys
@@ -55,9 +56,13 @@ def _supported_cache_types():
     return (cache_utils.DynamicCache, cache_utils.StaticCache), layers
 
 
-def shard_cache_arguments(block_name: str, leaves: list, world: int) -> tuple[list, "SubBlockCache | None"]:
+def shard_cache_arguments(
+    block_name: str, leaves: list, world: int, differentiable: bool
+) -> tuple[list, "SubBlockCache | None"]:
     """A sub-block call's argument leaves with its cache (if any) replaced by a ``ShardCacheView``, and
-    the cache's ``SubBlockCache``; raises for any other leaf that is not a tensor or a plain value."""
+    the cache's ``SubBlockCache``; raises for any other leaf that is not a tensor or a plain value.
+    ``differentiable``: whether the call's output may be backpropagated (grad mode on and some input or
+    parameter requiring grad)."""
     cache_types, layer_types = _supported_cache_types()
     cache = None
     leaves = list(leaves)
@@ -86,7 +91,7 @@ def shard_cache_arguments(block_name: str, leaves: list, world: int) -> tuple[li
                 "does for dynamic and static full or sliding-window layers, not offloaded, one cache per call. Use "
                 "such a cache, use_cache=False, or leave the sub-block out of ring_plan."
             )
-        cache = SubBlockCache(block_name, leaf, world)
+        cache = SubBlockCache(block_name, leaf, world, differentiable)
         leaves[index] = cache.view
     return leaves, cache
 
@@ -111,7 +116,7 @@ class ShardCacheView:
 class SubBlockCache:
     """One sub-block call's use of a cache: the per-shard ``update``s, then one ``commit``."""
 
-    def __init__(self, block_name: str, cache, world: int):
+    def __init__(self, block_name: str, cache, world: int, differentiable: bool):
         self.block_name, self.cache, self.world = block_name, cache, world
         self.view = ShardCacheView(self)
         self.shard: int | None = None  # whose run is on: set by the ring step before it runs
@@ -119,6 +124,9 @@ class SubBlockCache:
         self._past = None  # the layer as it was before this call
         self._new: dict[int, tuple] = {}  # shard -> (keys, values, update's other arguments)
         self._committed = False
+        # Decided by the sub-block's call: its ring steps run inside an autograd Function's forward,
+        # where grad mode is off.
+        self._differentiable = differentiable
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, args: tuple, kwargs: dict):
         """What the real cache's ``update`` returns for this shard's heads; records its new keys and values."""
@@ -155,7 +163,7 @@ class SubBlockCache:
         come); a copy when a recomputation may ask after the commit."""
         layers = self.cache.layers
         layer = layers[layer_idx] if layer_idx < len(layers) else self.cache.layer_class_to_replicate()
-        if not torch.is_grad_enabled():  # no backward, so nothing asks after the commit
+        if not self._differentiable:  # no backward, so nothing asks after the commit
             return layer
         kept = copy.copy(layer)
         for name, value in vars(layer).items():
@@ -173,18 +181,14 @@ class SubBlockCache:
                 f"{sorted(self._new)} of {self.world}; every run must update it once."
             )
         runs = [self._new[shard] for shard in range(self.world)]
-        keys = _without_graph(torch.cat([run[0] for run in runs], dim=1))
-        values = _without_graph(torch.cat([run[1] for run in runs], dim=1))
+        keys, values = (torch.cat([run[i] for run in runs], dim=1) for i in (0, 1))
         args, kwargs = runs[-1][2], runs[-1][3]
         self._new.clear()
         self._committed = True
-        self.cache.update(keys, values, self.layer_idx, *args, **kwargs)
-
-
-def _without_graph(states: torch.Tensor) -> torch.Tensor:
-    if not states.requires_grad:
-        return states
-    return _NoGradientThroughCache.apply(states.detach().requires_grad_())
+        with torch.enable_grad() if self._differentiable else contextlib.nullcontext():
+            if self._differentiable:
+                keys, values = _NoGradientThroughCache.apply(keys), _NoGradientThroughCache.apply(values)
+            self.cache.update(keys, values, self.layer_idx, *args, **kwargs)
 
 
 class _NoGradientThroughCache(torch.autograd.Function):
@@ -193,6 +197,11 @@ class _NoGradientThroughCache(torch.autograd.Function):
     @staticmethod
     def forward(ctx, states):
         return states.view_as(states)
+
+    @classmethod
+    def apply(cls, states: torch.Tensor) -> torch.Tensor:
+        """``states`` without their graph, requiring grad so that a gradient reaching them raises."""
+        return super().apply(states.detach().requires_grad_())
 
     @staticmethod
     def backward(ctx, grad):
