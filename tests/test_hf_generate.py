@@ -157,6 +157,47 @@ def training_case(model_name: str):
     return True
 
 
+class AttentionReadingItsCache(torch.nn.Module):
+    """A sub-block that asks its cache for more than ``update``."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(4))
+
+    def forward(self, x, cache):
+        cache.get_seq_length()
+        return self.o(self.q(x) * self.k(x) + self.v(x))
+
+
+def refusals_case():
+    """What a planned sub-block cannot make exact raises at its first call, on every rank, and leaves
+    the model usable."""
+    torch.manual_seed(0)
+    model, reference = planned_model("llama")
+    tokens = torch.randint(1, VOCAB, (1, PROMPT))
+    encoder_decoder = transformers.EncoderDecoderCache(transformers.DynamicCache(), transformers.DynamicCache())
+    with pytest.raises(TypeError, match="called with a EncoderDecoderCache.*DynamicCache and StaticCache"):
+        model(input_ids=tokens, cache=encoder_decoder)
+    with pytest.raises(TypeError, match="called with a object"):
+        model(input_ids=tokens, use_cache=False, counter=object())
+    # Training's default fills a cache with states that require grad; reading it in a differentiable
+    # forward would drop their gradient.
+    filled = model(input_ids=tokens).cache
+    with pytest.raises(RuntimeError, match="keys or values require grad"):
+        model(input_ids=tokens, cache=filled)
+    with torch.no_grad():
+        assert_close(model(input_ids=tokens).logits, reference(input_ids=tokens).logits, what="logits after the refusals", **TOLERANCE)
+    block = AttentionReadingItsCache()
+    rsdp_shard(block, ring_plan={"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"})
+    with pytest.raises(RuntimeError, match="read cache.get_seq_length"):
+        block(torch.ones(1, 2, 4, dtype=torch.float64), cache=transformers.DynamicCache())
+    return True
+
+
+def test_what_cannot_be_made_exact_is_refused_on_every_rank(ranks):
+    assert all(ranks.run(2, refusals_case))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("model_name", ["llama", "qwen2"])
 def test_cached_forward_matches_the_unsharded_model(ranks, world, model_name):

@@ -26,9 +26,12 @@ Pitfalls:
 - A recomputation in backward (activation checkpointing, a second backward) runs a shard again after
   the commit: ``update`` then answers from the copy of the layer taken before the call (kept only when
   the call may be backpropagated) and records nothing.
-- The committed keys and values carry no graph (it would hold the ring's shard graphs alive with the
-  cache); where the call was differentiable, a gradient reaching them through a later forward raises,
-  since the unsharded model would pass it on to this forward.
+- Inside the ring a shard's run reads the cache's past keys and values, but they are no input of the
+  ring's autograd Function, so no gradient would reach them: a differentiable call refuses a layer
+  whose states require grad, at its first shard's run (on every rank) (the unsharded model would backpropagate through them into the forward
+  that filled them). The committed keys and values carry no graph (it would hold the ring's shard
+  graphs alive with the cache); where the call was differentiable they require grad, so that a later
+  differentiable call refuses them, and a gradient reaching them elsewhere raises.
 """
 
 import contextlib
@@ -163,6 +166,14 @@ class SubBlockCache:
         come); a copy when a recomputation may ask after the commit."""
         layers = self.cache.layers
         layer = layers[layer_idx] if layer_idx < len(layers) else self.cache.layer_class_to_replicate()
+        if self._differentiable and any(isinstance(states, torch.Tensor) and states.requires_grad for states in (layer.keys, layer.values)):
+            raise RuntimeError(
+                f"rsdp ring_plan: sub-block {self.block_name!r} was called with a cache whose keys or values require "
+                "grad (filled by a differentiable forward); a planned sub-block reads them inside its ring, where no "
+                "gradient reaches them, while the unsharded model would backpropagate through them into that "
+                "forward. Fill the cache under torch.no_grad() (or detach it), or run this forward under "
+                "torch.no_grad()."
+            )
         if not self._differentiable:  # no backward, so nothing asks after the commit
             return layer
         kept = copy.copy(layer)
