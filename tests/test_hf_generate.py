@@ -185,6 +185,10 @@ def refusals_case():
     filled = model(input_ids=tokens).cache
     with pytest.raises(RuntimeError, match="keys or values require grad"):
         model(input_ids=tokens, cache=filled)
+    model.config._attn_implementation = "eager"  # returns its attention weights with its output
+    with pytest.raises(ValueError, match="must return its rowwise Linear's output"):
+        model(input_ids=tokens, use_cache=False)
+    model.config._attn_implementation = "sdpa"
     with torch.no_grad():
         assert_close(model(input_ids=tokens).logits, reference(input_ids=tokens).logits, what="logits after the refusals", **TOLERANCE)
     block = AttentionReadingItsCache()
