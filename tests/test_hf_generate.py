@@ -39,7 +39,9 @@ def _config(model_name: str, world: int):
     if model_name == "llama":
         return transformers.LlamaConfig(**shape)
     # The second layer attends over a window of 4: the cache keeps the last 3 tokens.
-    return transformers.Qwen2Config(**shape, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    return transformers.Qwen2Config(
+        **shape, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1
+    )
 
 
 def planned_model(model_name: str):
@@ -73,7 +75,7 @@ def cached_forward_case(model_name: str):
     model, reference = planned_model(model_name)
     model.eval(), reference.eval()
     tokens = local_rows(torch.randint(1, VOCAB, (2 * world, PROMPT + 3)), rank, world)
-    cache, reference_cache = transformers.DynamicCache(config=model.config), transformers.DynamicCache(config=model.config)
+    cache, reference_cache = (transformers.DynamicCache(config=model.config) for _ in range(2))
     with torch.no_grad():
         for start, end in [(0, PROMPT), (PROMPT, PROMPT + 1), (PROMPT + 1, PROMPT + 2), (PROMPT + 2, PROMPT + 3)]:
             chunk = tokens[:, start:end]
@@ -137,7 +139,7 @@ def training_case(model_name: str):
         mine = local_rows(tokens, rank, world)
         cache, reference_cache = None, None
         if prefix:
-            cache, reference_cache = transformers.DynamicCache(config=model.config), transformers.DynamicCache(config=model.config)
+            cache, reference_cache = (transformers.DynamicCache(config=model.config) for _ in range(2))
             with torch.no_grad():
                 model(input_ids=mine[:, :prefix], cache=cache)
                 reference(input_ids=tokens[:, :prefix], cache=reference_cache)
@@ -190,7 +192,8 @@ def refusals_case():
         model(input_ids=tokens, use_cache=False)
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():
-        assert_close(model(input_ids=tokens).logits, reference(input_ids=tokens).logits, what="logits after the refusals", **TOLERANCE)
+        logits, expected = model(input_ids=tokens).logits, reference(input_ids=tokens).logits
+        assert_close(logits, expected, what="logits after the refusals", **TOLERANCE)
     block = AttentionReadingItsCache()
     rsdp_shard(block, ring_plan={"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"})
     with pytest.raises(RuntimeError, match="read cache.get_seq_length"):

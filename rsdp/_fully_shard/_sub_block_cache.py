@@ -27,11 +27,12 @@ Pitfalls:
   the commit: ``update`` then answers from the copy of the layer taken before the call (kept only when
   the call may be backpropagated) and records nothing.
 - Inside the ring a shard's run reads the cache's past keys and values, but they are no input of the
-  ring's autograd Function, so no gradient would reach them: a differentiable call refuses a layer
-  whose states require grad, at its first shard's run (on every rank) (the unsharded model would backpropagate through them into the forward
-  that filled them). The committed keys and values carry no graph (it would hold the ring's shard
-  graphs alive with the cache); where the call was differentiable they require grad, so that a later
-  differentiable call refuses them, and a gradient reaching them elsewhere raises.
+  ring's autograd Function, so no gradient would reach them, where the unsharded model would
+  backpropagate through them into the forward that filled them: a differentiable call refuses a layer
+  whose states require grad, at its first shard's run (on every rank). The committed keys and values
+  carry no graph (it would hold the ring's shard graphs alive with the cache); where the call was
+  differentiable they require grad, so that a later differentiable call refuses them, and a gradient
+  reaching them elsewhere raises.
 """
 
 import contextlib
@@ -55,7 +56,10 @@ def _supported_cache_types():
     cache_utils = sys.modules.get("transformers.cache_utils")
     if cache_utils is None:
         return (), ()
-    layers = (cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer, cache_utils.StaticLayer, cache_utils.StaticSlidingWindowLayer)
+    layers = (
+        cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer, cache_utils.StaticLayer,
+        cache_utils.StaticSlidingWindowLayer,
+    )  # fmt: skip
     return (cache_utils.DynamicCache, cache_utils.StaticCache), layers
 
 
@@ -135,7 +139,7 @@ class SubBlockCache:
         """What the real cache's ``update`` returns for this shard's heads; records its new keys and values."""
         if self.layer_idx is None:
             self.layer_idx = layer_idx
-            self._past = self._layer_before(layer_idx, keys)
+            self._past = self._layer_before(layer_idx)
         elif layer_idx != self.layer_idx:
             raise RuntimeError(
                 f"rsdp ring_plan: sub-block {self.block_name!r} updated cache layers {self.layer_idx} and {layer_idx} "
@@ -146,27 +150,22 @@ class SubBlockCache:
                 raise RuntimeError(f"rsdp ring_plan: sub-block {self.block_name!r} updated its cache twice in one call.")
             self._new[self.shard] = (keys, values, args, kwargs)
         heads = keys.shape[1]
-        view = copy.copy(self._past)
-        for name, value in vars(self._past).items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if name in ("keys", "values") and value.dim() == 4:
-                if value.shape[1] != heads * self.world:
-                    raise RuntimeError(
-                        f"rsdp ring_plan: sub-block {self.block_name!r}: the cache holds {value.shape[1]} heads, but each "
-                        f"of the {self.world} shards computes {heads}; was the cache filled by another model?"
-                    )
-                value = value[:, self.shard * heads : (self.shard + 1) * heads]
-            # A copy, so that layers updating in place (static ones) leave the real layer alone.
-            setattr(view, name, value.clone())
+        for states in (self._past.keys, self._past.values):
+            if isinstance(states, torch.Tensor) and states.dim() == 4 and states.shape[1] != heads * self.world:
+                raise RuntimeError(
+                    f"rsdp ring_plan: sub-block {self.block_name!r}: the cache holds {states.shape[1]} heads, but each "
+                    f"of the {self.world} shards computes {heads}; was the cache filled by another model?"
+                )
+        view = _copy_of(self._past, slice(self.shard * heads, (self.shard + 1) * heads))
         return view.update(keys, values, *args, **kwargs)
 
-    def _layer_before(self, layer_idx: int, keys: torch.Tensor):
+    def _layer_before(self, layer_idx: int):
         """The real layer as it is before this call (a fresh one where the cache adds layers as they
         come); a copy when a recomputation may ask after the commit."""
         layers = self.cache.layers
         layer = layers[layer_idx] if layer_idx < len(layers) else self.cache.layer_class_to_replicate()
-        if self._differentiable and any(isinstance(states, torch.Tensor) and states.requires_grad for states in (layer.keys, layer.values)):
+        states = [t for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)]
+        if self._differentiable and any(t.requires_grad for t in states):
             raise RuntimeError(
                 f"rsdp ring_plan: sub-block {self.block_name!r} was called with a cache whose keys or values require "
                 "grad (filled by a differentiable forward); a planned sub-block reads them inside its ring, where no "
@@ -176,11 +175,7 @@ class SubBlockCache:
             )
         if not self._differentiable:  # no backward, so nothing asks after the commit
             return layer
-        kept = copy.copy(layer)
-        for name, value in vars(layer).items():
-            if isinstance(value, torch.Tensor):
-                setattr(kept, name, value.clone())
-        return kept
+        return _copy_of(layer)
 
     def commit(self) -> None:
         """Update the real cache once, with every shard's new keys and values, heads in shard order."""
@@ -200,6 +195,18 @@ class SubBlockCache:
             if self._differentiable:
                 keys, values = _NoGradientThroughCache.apply(keys), _NoGradientThroughCache.apply(values)
             self.cache.update(keys, values, self.layer_idx, *args, **kwargs)
+
+
+def _copy_of(layer, heads: slice = slice(None)):
+    """A cache layer whose tensors are copies of ``layer``'s (its keys and values cut to ``heads``), so
+    that its ``update``, which may write in place (static layers), leaves ``layer`` alone."""
+    copied = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, torch.Tensor):
+            if name in ("keys", "values") and value.dim() == 4:  # [batch, heads, positions, head_dim]
+                value = value[:, heads]
+            setattr(copied, name, value.clone())
+    return copied
 
 
 class _NoGradientThroughCache(torch.autograd.Function):
