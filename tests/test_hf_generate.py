@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.attention.flex_attention import BlockMask
 
 from models import assert_close, assert_param_grads_match, assert_params_match, local_rows, rank_and_world
 from rsdp import rsdp_shard
@@ -159,15 +160,17 @@ def training_case(model_name: str):
     return True
 
 
-class AttentionReadingItsCache(torch.nn.Module):
-    """A sub-block that asks its cache for more than ``update``."""
+class AttentionWithAMaskAndACache(torch.nn.Module):
+    """A sub-block that takes a mask object (which it does not need) and asks its cache, if it gets one,
+    for more than ``update``."""
 
     def __init__(self):
         super().__init__()
         self.q, self.k, self.v, self.o = (torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(4))
 
-    def forward(self, x, cache):
-        cache.get_seq_length()
+    def forward(self, x, mask=None, cache=None):
+        if cache is not None:
+            cache.get_seq_length()
         return self.o(self.q(x) * self.k(x) + self.v(x))
 
 
@@ -194,10 +197,15 @@ def refusals_case():
     with torch.no_grad():
         logits, expected = model(input_ids=tokens).logits, reference(input_ids=tokens).logits
         assert_close(logits, expected, what="logits after the refusals", **TOLERANCE)
-    block = AttentionReadingItsCache()
+    block = AttentionWithAMaskAndACache()
+    unsharded = copy.deepcopy(block)
     rsdp_shard(block, ring_plan={"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"})
+    x = torch.randn(1, 2, 4, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="read cache.get_seq_length"):
-        block(torch.ones(1, 2, 4, dtype=torch.float64), cache=transformers.DynamicCache())
+        block(x, cache=transformers.DynamicCache())
+    # Flex attention's mask is an object the runs cannot change: taken.
+    mask = BlockMask.from_kv_blocks(torch.ones(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32))
+    assert_close(block(x, mask=mask), unsharded(x), what="a sub-block given a BlockMask", **TOLERANCE)
     return True
 
 

@@ -42,7 +42,8 @@ Pitfalls:
 - Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
 - The sub-block may hold no parameters besides its plan's Linears, and no other Linears.
-- Its arguments are tensors and plain values, and at most one key/value cache: Hugging Face's attention
+- Its arguments are tensors, plain values (functions, flex attention's BlockMask), and at most one
+  key/value cache: Hugging Face's attention
   updates its cache inside, so each shard's run gets a view of that shard's heads and the cache is
   updated once per call (``_sub_block_cache.py``); any other object is refused, as W runs would see it.
 - A kept graph needs its step's partial output only for its shape, so once added to the total its

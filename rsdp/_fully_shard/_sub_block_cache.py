@@ -43,11 +43,20 @@ import types
 
 import torch
 
-# Leaves of a sub-block's arguments that cannot change between its W runs.
+# Leaves of a sub-block's arguments that its W runs cannot change.
 _PLAIN_VALUES = (
     type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device, torch.layout,
     torch.memory_format, types.FunctionType, types.BuiltinFunctionType,
 )  # fmt: skip
+
+
+def _unchanging(leaf) -> bool:
+    """A tensor, a plain value, a function, or flex attention's block mask (Hugging Face's and
+    torchtitan's attention mask under flex attention; one can only exist once its module is loaded)."""
+    if isinstance(leaf, (torch.Tensor, *_PLAIN_VALUES)):
+        return True
+    flex_attention = sys.modules.get("torch.nn.attention.flex_attention")
+    return flex_attention is not None and isinstance(leaf, flex_attention.BlockMask)
 
 
 def _supported_cache_types():
@@ -74,15 +83,16 @@ def shard_cache_arguments(
     cache = None
     leaves = list(leaves)
     for index, leaf in enumerate(leaves):
-        if isinstance(leaf, (torch.Tensor, *_PLAIN_VALUES)):
+        if _unchanging(leaf):
             continue
         where = f"rsdp ring_plan: sub-block {block_name!r} was called with a {type(leaf).__name__}"
         if type(leaf) not in cache_types:
             raise TypeError(
                 f"{where}; its forward runs once per weight shard, so an object it may change (a cache, a "
-                "counter) would be changed once per shard. rsdp makes Hugging Face's DynamicCache and StaticCache "
-                "exact and refuses other objects: pass use_cache=False (or one of those caches), or leave the "
-                "sub-block out of ring_plan."
+                "counter) would be changed once per shard, and rsdp cannot tell which objects stay unchanged: "
+                "it takes tensors, plain values, functions and flex attention's BlockMask, makes Hugging Face's "
+                "DynamicCache and StaticCache exact, and refuses other objects. Pass use_cache=False (or one of "
+                "those caches), or leave the sub-block out of ring_plan."
             )
         unsupported = [type(layer).__name__ for layer in leaf.layers if type(layer) not in layer_types]
         replicated = leaf.layer_class_to_replicate
