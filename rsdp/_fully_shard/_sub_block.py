@@ -43,9 +43,9 @@ Pitfalls:
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
 - The sub-block may hold no parameters besides its plan's Linears, and no other Linears.
 - Its arguments are tensors, plain values (functions, flex attention's BlockMask), and at most one
-  key/value cache: Hugging Face's attention
-  updates its cache inside, so each shard's run gets a view of that shard's heads and the cache is
-  updated once per call (``_sub_block_cache.py``); any other object is refused, as W runs would see it.
+  key/value cache: Hugging Face's attention updates its cache inside, so each shard's run gets a view
+  of that shard's heads and the cache is updated once per call (``_sub_block_cache.py``); any other
+  object is refused, as W runs would see it.
 - A kept graph needs its step's partial output only for its shape, so once added to the total its
   memory is freed: a forward hook on the rowwise Linear that keeps its output keeps a tensor without
   data.
