@@ -208,14 +208,16 @@ class SubBlockCache:
 
 
 def _copy_of(layer, heads: slice = slice(None)):
-    """A cache layer whose tensors are copies of ``layer``'s (its keys and values cut to ``heads``), so
-    that its ``update``, which may write in place (static layers), leaves ``layer`` alone."""
+    """``layer`` with its keys and values cut to ``heads``, whose ``update`` leaves ``layer`` alone: a
+    static layer's tensors are copied (it writes them in place); a dynamic layer's ``update`` only
+    reassigns its attributes."""
     copied = copy.copy(layer)
+    in_place = isinstance(layer, sys.modules["transformers.cache_utils"].StaticLayer)
     for name, value in vars(layer).items():
         if isinstance(value, torch.Tensor):
             if name in ("keys", "values") and value.dim() == 4:  # [batch, heads, positions, head_dim]
                 value = value[:, heads]
-            setattr(copied, name, value.clone())
+            setattr(copied, name, value.clone() if in_place else value)
     return copied
 
 
