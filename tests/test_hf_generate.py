@@ -100,12 +100,14 @@ def generate_case(model_name: str):
         "sampled": dict(do_sample=True, top_k=0, temperature=1.5),
         "static cache": dict(do_sample=False, cache_implementation="static"),
     }
+    outputs = {}
     for what, options in runs.items():
         torch.manual_seed(7 + rank)
-        generated = model.generate(mine, max_new_tokens=NEW_TOKENS, **options)
+        outputs[what] = model.generate(mine, max_new_tokens=NEW_TOKENS, **options)
         torch.manual_seed(7 + rank)
         expected = reference.generate(mine, max_new_tokens=NEW_TOKENS, **options)
-        assert torch.equal(generated, expected), f"{what}: {generated.tolist()} != {expected.tolist()}"
+        assert torch.equal(outputs[what], expected), f"{what}: {outputs[what].tolist()} != {expected.tolist()}"
+    assert not torch.equal(outputs["sampled"], outputs["greedy"]), "sampling drew the greedy tokens"
     # One row per rank, and an EOS that rank 0's row produces and no other rank's: rank 0 stops early and
     # the others go on, which runs forwards on some ranks only unless generate keeps them in step.
     rows = prompts[:world]
