@@ -164,6 +164,11 @@ def rsdp_shard(
 class RSDPModule:
     """Mixed into every module passed to :func:`rsdp_shard` (a class swap, like FSDP2's FSDPModule)."""
 
+    # Read by transformers (``is_fsdp_managed_module``, which transformers' own FSDP2 setup marks the same
+    # way): ``generate()`` on several ranks then keeps every rank running forwards until all ranks'
+    # sequences are done (``synced_gpus``), since every forward is a collective.
+    _is_fsdp_managed_module = True
+
     def __new__(cls, *args, **kwargs):
         # Containers such as nn.Sequential build new instances of their own class when sliced; those
         # must be plain modules, not rsdp ones without rsdp state.

@@ -42,6 +42,10 @@ Pitfalls:
 - Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
 - The sub-block may hold no parameters besides its plan's Linears, and no other Linears.
+- Its arguments are tensors, plain values (functions, flex attention's BlockMask), and at most one
+  key/value cache: Hugging Face's attention updates its cache inside, so each shard's run gets a view
+  of that shard's heads and the cache is updated once per call (``_sub_block_cache.py``); any other
+  object is refused, as W runs would see it.
 - A kept graph needs its step's partial output only for its shape, so once added to the total its
   memory is freed: a forward hook on the rowwise Linear that keeps its output keeps a tensor without
   data.
@@ -65,6 +69,7 @@ from ._ops import RingLayer, autocast_like, finished_gradients, first_message, l
 from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER, ring_begins
 from ._param import Segment, message_of, shard_layout
 from ._ring import DEFERRED_HOPS, RING_BUFFERS, DeferredHop, Phase
+from ._sub_block_cache import SubBlockCache, shard_cache_arguments
 
 _COLWISE = ("colwise", "local_colwise")
 _ROWWISE = ("rowwise", "local_rowwise")
@@ -180,9 +185,15 @@ class RingSubBlock:
     def forward(self, *args, **kwargs):
         block = self._rsdp_sub_block
         leaves, spec = _flatten_arguments(args, kwargs)
-        tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         params = [local_shard(getattr(linear, name), linear, name, block.ring) for linear, name in block.param_slots]
-        call = _Call(block, leaves, spec, tensor_at)
+        cache = None
+        if spec is not None:  # objects besides tensors: a cache is handed over per shard, others refused
+            differentiable = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (*leaves, *params) if isinstance(t, torch.Tensor)
+            )
+            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.state.ring.size, differentiable)
+        tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        call = _Call(block, leaves, spec, tensor_at, cache)
         # Decided here: inside the autograd Function's forward, grad mode is off.
         call.keeps_graphs = torch.is_grad_enabled() and not saved_tensors_hooks_active()
         total = _RingSubBlockFunction.apply(call, *(leaves[i] for i in tensor_at), *params)
@@ -194,8 +205,9 @@ class RingSubBlock:
 class _Call:
     """One call of a sub-block: how to rebuild its arguments, and the shape of its output."""
 
-    def __init__(self, block: SubBlock, leaves: list, spec, tensor_at: list[int]):
+    def __init__(self, block: SubBlock, leaves: list, spec, tensor_at: list[int], cache: SubBlockCache | None):
         self.block, self.leaves, self.spec, self.tensor_at = block, leaves, spec, tensor_at
+        self.cache = cache  # the KV cache the call was given, handed to each shard's run as a view
         self.output_spec, self.output_position = None, None
         self.keeps_graphs = False
 
@@ -208,11 +220,13 @@ class _Call:
         args, kwargs = (tuple(leaves), {}) if self.spec is None else tree_unflatten(leaves, self.spec)
         return _Arguments(args, kwargs, tensors)
 
-    def run(self, arguments: "_Arguments", shard_params) -> torch.Tensor:
-        """The sub-block's forward on ``arguments`` (as ``arguments()`` makes them) with one shard's
+    def run(self, arguments: "_Arguments", shard: int, shard_params) -> torch.Tensor:
+        """The sub-block's forward on ``arguments`` (as ``arguments()`` makes them) with shard ``shard``'s
         parameters installed; returns the rowwise Linear's output (the partial output)."""
         args, kwargs = arguments.args, arguments.kwargs
         block = self.block
+        if self.cache is not None:
+            self.cache.shard = shard
         linears = block.columns + [block.row]
         # Each Linear's forward becomes its product with the shard's parameters, as an instance
         # attribute, which ``nn.Module.__call__`` finds before the class's (hooks still run around it).
@@ -341,7 +355,7 @@ class _ShardGraphs:
         whose memory the caller frees once it has added it (``release_output``)."""
         leaves = _weight_leaves(operands, self.needs_params)
         with torch.enable_grad():
-            partial = self.call.run(self.arguments, _shard_params(self.call.block, leaves))
+            partial = self.call.run(self.arguments, shard, _shard_params(self.call.block, leaves))
         self._graphs[shard] = (partial, leaves)
         return partial
 
@@ -397,7 +411,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                     return
                 operands = message.views(buffer, shard, transposed=block.transposed)
                 if graphs is None:
-                    partial = call.run(arguments, _shard_params(block, operands))
+                    partial = call.run(arguments, shard, _shard_params(block, operands))
                 else:
                     partial = graphs.forward(shard, operands)
                 total = partial.clone() if total is None else total.add_(partial)
@@ -408,6 +422,8 @@ class _RingSubBlockFunction(torch.autograd.Function):
             with layer.profiled(Phase.FORWARD):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, packed), during,
                                carry_next=FORWARD_RING_ORDER.next_first)
+            if call.cache is not None:  # every shard has run: the cache takes their keys and values once
+                call.cache.commit()
             return total, call.output_spec, call.output_position
 
         # A recomputation that takes the kept output learns the output's structure from the forward.
@@ -468,7 +484,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
                 ]
                 autocast = torch.autocast(ring.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
                 with torch.enable_grad(), autocast:
-                    partial = call.run(call.arguments(inputs), _shard_params(block, leaves))
+                    partial = call.run(call.arguments(inputs), shard, _shard_params(block, leaves))
                     wanted = [x for x, need in zip(inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_index]
                     got = gradients_of(partial, wanted, dy.to(partial.dtype))
             got = iter(got)
