@@ -1,6 +1,6 @@
-"""Hugging Face models with a ring plan (``base_model_tp_plan``) and their KV cache, against the
-unsharded fp64 model: a cached forward (prefill, then decode steps), ``generate()`` (greedy, sampled with
-a fixed seed, a static cache, beam search, ranks whose sequences end at different lengths) and training with the
+"""Hugging Face models with a ring plan (``base_model_tp_plan``) and their KV cache, against the unsharded
+fp64 model: a cached forward (prefill, then decode steps), ``generate()`` (greedy, sampled with a fixed
+seed, a static cache, beam search, ranks whose sequences end at different lengths) and training with the
 model's default ``use_cache=True``.
 
 Each rank generates from its own rows, and its reference is the unsharded model on those rows (with
