@@ -1,6 +1,6 @@
-"""Hugging Face models with a ring plan (``base_model_tp_plan``) and their KV cache, against the
-unsharded fp64 model: a cached forward (prefill, then decode steps), ``generate()`` (greedy, sampled with
-a fixed seed, a static cache, ranks whose sequences end at different lengths) and training with the
+"""Hugging Face models with a ring plan (``base_model_tp_plan``) and their KV cache, against the unsharded
+fp64 model: a cached forward (prefill, then decode steps), ``generate()`` (greedy, sampled with a fixed
+seed, a static cache, beam search, ranks whose sequences end at different lengths) and training with the
 model's default ``use_cache=True``.
 
 Each rank generates from its own rows, and its reference is the unsharded model on those rows (with
@@ -88,7 +88,7 @@ def cached_forward_case(model_name: str):
 
 
 def generate_case(model_name: str):
-    """Greedy, sampled (fixed seed) and static-cache ``generate()`` match the unsharded model's, token
+    """Greedy, sampled (fixed seed), static-cache and beam-search ``generate()`` match the unsharded model's, token
     for token; so does a run where this rank's sequences stop at an EOS another rank's never reach."""
     rank, world = rank_and_world()
     model, reference = planned_model(model_name)
@@ -99,6 +99,7 @@ def generate_case(model_name: str):
         "greedy": dict(do_sample=False),
         "sampled": dict(do_sample=True, top_k=0, temperature=1.5),
         "static cache": dict(do_sample=False, cache_implementation="static"),
+        "beam search": dict(do_sample=False, num_beams=2),
     }
     outputs = {}
     for what, options in runs.items():
