@@ -12,9 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import MixedPrecisionPolicy
 from ..policy import Strategy, _default_mesh
-from ._cost_model import CostModel, count, estimate_root, estimate_units
+from ._cost_model import CostModel, Counts, count, estimate_root, estimate_units
 from ._profile import RootCost, UnitCost, find_units, profile
-from ._search import FrontierTooLarge, Partial, pareto_plans, predicted_peak
+from ._search import EMPTY, FrontierTooLarge, Partial, pareto_plans, predicted_peak
 
 MiB = 2**20
 # How many of the fastest plans are run to check them (each run is one training step).
@@ -183,17 +183,17 @@ def plan(
         batch = _resize_batch(sample_input, batch_size)
         return profile(model, assignment, batch, loss_fn, optimizer_fn, mesh, mp_policy, sample_input.device)
 
-    counted = {}  # batch size -> meta-device counts, for the cost model
+    if cost_model is not None:
+        counted = {
+            size: count(model, units, _resize_batch(sample_input, size), loss_fn, cost_model.param_dtype)
+            for size in batch_sizes
+        }
+        return plan_from_counts(counted, units, memory_budget=memory_budget, cost_model=cost_model, strategies=strategies)
+
     measured_uniform: list[Plan] = []  # every uniform run, as a plan
 
     def costs(batch_size: int, root_strategy: Strategy) -> tuple[dict[Strategy, dict[str, UnitCost]], RootCost]:
         """Every unit's cost under every strategy, and the root's, with the root under ``root_strategy``."""
-        if cost_model is not None:
-            if batch_size not in counted:
-                counted[batch_size] = count(model, units, _resize_batch(sample_input, batch_size), loss_fn)
-            counts = counted[batch_size]
-            units_ = {s: estimate_units(counts, s, root_strategy, cost_model) for s in strategies}
-            return units_, estimate_root(counts, root_strategy, cost_model)
         runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
         unit_costs_, root_, peak = runs[root_strategy]  # measured outright: a plan whose numbers are facts
         seconds = sum(c.seconds for c in unit_costs_.values()) + root_.seconds
@@ -203,28 +203,7 @@ def plan(
         )
         return {s: runs[s][0] for s in strategies}, runs[root_strategy][1]
 
-    candidates = []  # (seconds per sample, predicted peak, Plan), the best plan per (batch, root) for each peak
-    for batch_size in batch_sizes:
-        for root_strategy in strategies:
-            by_strategy, root = costs(batch_size, root_strategy)
-            unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
-            for partial in _search(unit_costs):
-                peak = predicted_peak(partial, root)
-                seconds = partial.seconds + root.seconds
-                candidates.append(
-                    (seconds / (batch_size * world), peak, _Candidate(units, unit_costs, partial, root_strategy, root, batch_size))
-                )
-    candidates = [
-        (per_sample, peak, candidate.build(world, peak, per_sample * candidate.batch_size * world, memory_budget))
-        for per_sample, peak, candidate in _useful(candidates)
-    ]
-
-    if cost_model is not None:
-        fitting = [c for c in candidates if c[1] <= memory_budget]
-        if fitting:
-            return min(fitting, key=lambda c: (c[0], c[1]))[2]
-        smallest = min(candidates, key=lambda c: c[1])[2]
-        _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
+    candidates = _candidates(units, batch_sizes, strategies, costs, world, memory_budget)
 
     measured: dict[tuple, tuple[int, float]] = {}
 
@@ -263,6 +242,57 @@ def plan(
         return min(fits, key=lambda c: c.verified_step_seconds / c.batch_size)
     needed = min(smallest, key=lambda c: max(c.predicted_peak_bytes, c.verified_peak_bytes))
     _raise_infeasible(memory_budget, needed, max(needed.predicted_peak_bytes, needed.verified_peak_bytes))
+
+
+
+def _estimated_costs(counts: Counts, strategies: Sequence[Strategy], root_strategy: Strategy, cost_model: CostModel):
+    return {s: estimate_units(counts, s, root_strategy, cost_model) for s in strategies}, estimate_root(counts, root_strategy, cost_model)
+
+
+def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, world: int, memory_budget: int) -> list[tuple]:
+    """(seconds per sample, predicted peak, Plan) of the plans worth considering: the search's best plan
+    per (batch size, root strategy) for each peak, then only those faster than every smaller one."""
+    candidates = []
+    for batch_size in batch_sizes:
+        for root_strategy in strategies:
+            by_strategy, root = costs(batch_size, root_strategy)
+            unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
+            for partial in _search(unit_costs):
+                peak = predicted_peak(partial, root)
+                seconds = partial.seconds + root.seconds
+                candidates.append(
+                    (seconds / (batch_size * world), peak, _Candidate(units, unit_costs, partial, root_strategy, root, batch_size))
+                )
+    return [
+        (per_sample, peak, candidate.build(world, peak, per_sample * candidate.batch_size * world, memory_budget))
+        for per_sample, peak, candidate in _useful(candidates)
+    ]
+
+
+def plan_from_counts(
+    counted: dict[int, Counts], units: list[str], *, memory_budget: int, cost_model: CostModel,
+    strategies: Sequence[Strategy] = tuple(Strategy),
+) -> Plan:
+    """:func:`plan` with a cost model, from meta-device counts already made (batch size -> counts)."""
+    candidates = _candidates(
+        units, list(counted), strategies,
+        lambda size, root: _estimated_costs(counted[size], strategies, root, cost_model),
+        cost_model.world_size, memory_budget,
+    )
+    fitting = [c for c in candidates if c[1] <= memory_budget]
+    if fitting:
+        return min(fitting, key=lambda c: (c[0], c[1]))[2]
+    smallest = min(candidates, key=lambda c: c[1])[2]
+    _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
+
+
+def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel) -> tuple[float, float]:
+    """Predicted peak bytes per device and step seconds of ``strategy`` everywhere, root included."""
+    by_strategy, root = _estimated_costs(counts, (strategy,), strategy, cost_model)
+    partial = EMPTY
+    for name in reversed(units):
+        partial = partial.extend(strategy, by_strategy[strategy][name])
+    return predicted_peak(partial, root), partial.seconds + root.seconds
 
 
 def _confirmed(candidate: Plan) -> bool:

@@ -66,7 +66,8 @@ class Partial:
     choices: tuple[Strategy, ...]  # for the units walked so far, in forward order
 
     def key(self) -> tuple[float, ...]:
-        return dataclasses.astuple(self)[:-1]
+        # Field by field: ``dataclasses.astuple`` copies ``choices`` deeply, which dominated the search.
+        return tuple(getattr(self, name) for name in _KEY_FIELDS)
 
     def extend(self, strategy: Strategy, cost: UnitCost) -> "Partial":
         """Add the unit just before the ones walked so far (forward order), which is the unit just after
@@ -107,6 +108,7 @@ class Partial:
         )
 
 
+_KEY_FIELDS = tuple(field.name for field in dataclasses.fields(Partial) if field.name != "choices")
 EMPTY = Partial(-math.inf, -math.inf, 0.0, -math.inf, 0.0, -math.inf, 0.0, 0.0, -math.inf, -math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0, ())
 
 
