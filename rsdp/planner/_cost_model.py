@@ -26,8 +26,14 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
   reduce-scatter at the end of the backward.
 
-Everything is counted in the parameters' and the model's own dtype: lower-precision compute (a bf16
-``param_dtype``) allocates less. Time: compute at ``flops_per_s`` (backward twice forward), overlapped
+Mixed precision (``CostModel.param_dtype``, ``reduce_dtype``): the step is counted with the parameters
+cast to ``param_dtype`` (activations in it, as FSDP2's and rsdp's compute makes them); sharded
+parameters, their gradients and the optimizer state are in the model's own dtype, gathered copies,
+unsharded gradients and ring weight messages in ``param_dtype``, reduce-scatter inputs and ring
+partials in ``reduce_dtype`` (FSDP2 casts while it copies the gradients into the reduce-scatter input).
+Activation checkpointing applied to the model is counted as it runs (what regions save, their
+recomputation in backward). The caching allocator's fragmentation is not counted: the estimate is of
+allocated bytes, not reserved ones. Time: compute at ``flops_per_s`` (backward twice forward), overlapped
 with communication at ``bandwidth_bytes_per_s`` plus ``latency_s`` per message. FSDP all-gathers
 (W-1)/W of a unit per phase and reduce-scatters as much; RSDP runs W ring steps per layer and phase,
 each the longer of its share of compute and one message (a shard forward; a shard and a partial
@@ -212,9 +218,13 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
 
     # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``).
     shared_input: dict[tuple[int, int], int] = collections.defaultdict(int)  # (part, input) -> bytes
+    # The inputs, kept alive so that their identities are not reused (a checkpointed region frees
+    # its intermediates at once, and a new tensor may then get a freed one's id).
+    inputs: list[torch.Tensor] = []
 
     def note_linear(module: nn.Linear, args) -> None:
         part = current["section"]
+        inputs.append(args[0])
         shared_input[id(part), id(args[0])] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         part.largest_layer_bytes = max(part.largest_layer_bytes, shared_input[id(part), id(args[0])])
 
@@ -255,8 +265,6 @@ class _Parallelism:
         self.reduce_ratio = cost.reduce_dtype.itemsize / stored if cost.reduce_dtype else self.compute_ratio
         self.compute = int(self.params * self.compute_ratio)  # a gathered copy, its gradient
         self.reduced = int(self.params * self.reduce_ratio)  # the gradient as it is reduced
-        # A separate cast of the gathered gradient to reduce_dtype before it is copied into the reduce's input.
-        self.cast = self.reduced if self.reduce_ratio != self.compute_ratio else 0
         # Two messages of a weight shard and a gradient partial of its largest layer, and the scratch of
         # the next contribution.
         shard = math.ceil(counts.largest_layer_bytes / world)
@@ -288,19 +296,19 @@ class _Parallelism:
         """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
         holds the ring's buffers through its forward (an rsdp root) or not."""
         counts, params, local, vectors = self.counts, self.params, self.local, self.vectors
-        compute, reduced, cast = self.compute, self.reduced, self.cast
+        compute, reduced = self.compute, self.reduced
         if self.strategy is Strategy.FSDP:
             # Unsharded parameters and the all-gather output they were copied from while computing (the
             # output outlives the forward: carried); in backward the unsharded parameters and gradients
-            # (param_dtype), the gradients cast to reduce_dtype where it differs, and at the reduce the
-            # reduce-scatter input (which outlives it: carried) and the reduced shard.
-            forward_bytes, backward_bytes = (0, 2 * compute), (local, 2 * compute + cast + local)
+            # (param_dtype), and at the reduce the reduce-scatter input (reduce_dtype: the copy into it
+            # casts; it outlives the phase: carried) and the reduced shard.
+            forward_bytes, backward_bytes = (0, 2 * compute), (local, 2 * compute + local)
             carried = Carried(gather=compute, reduce=reduced, ringed=below_ring_root)
         elif self.strategy is Strategy.REPLICATE:
             # The copy lives from forward to backward; in backward, the gradients, then beside them the
             # reduce-scatter input, its divided copy and the reduced gradient, the copy freed (the
             # gradient, in the parameters' dtype, replaces it).
-            forward_bytes, backward_bytes = (compute, compute), (params - compute, compute + cast + 2 * reduced)
+            forward_bytes, backward_bytes = (compute, compute), (params - compute, compute + 2 * reduced)
             carried = Carried(reduce=reduced, ringed=below_ring_root)
         else:
             # Vectors: gathered with a send and a receive buffer, kept; their gradients and the
@@ -339,7 +347,7 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         itemsize=max(counts.before.itemsize, counts.after.itemsize),
     )
     root = _Parallelism(whole, strategy, cost)
-    local, vectors, cast = root.local, root.vectors, root.cast
+    local, vectors = root.local, root.vectors
     params, head_params, reduced = root.compute, head.compute, root.reduced  # gathered copies, in param_dtype
     before, middle, after = counts.activations.before, counts.activations.middle, counts.activations.after
     if strategy is Strategy.RSDP:
@@ -357,7 +365,7 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         gathering = params if strategy is Strategy.FSDP else 0  # the all-gather output, beside the copy-out
         before_bytes = (params, params + gathering)
         middle_bytes = (head_params, head_params)
-        reducing = params + cast + local if strategy is Strategy.FSDP else params + cast + 2 * reduced
+        reducing = params + local if strategy is Strategy.FSDP else params + 2 * reduced
         after_bytes = (local - params - head_params, reducing)
         carried = Carried(gather=gathering)
     # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts').
