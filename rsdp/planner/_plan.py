@@ -22,7 +22,7 @@ MAX_VERIFICATIONS = 8
 SMALLEST_VERIFIED = 3  # plans of least predicted peak run before a budget is declared too small
 # A plan whose measured peak is within this fraction of its prediction is preferred.
 PREDICTION_TOLERANCE = 0.1
-# The search rounds byte figures up to 1 / SEARCH_GRID_STEPS of the largest plan's bytes (see _search).
+# The search rounds byte figures up to 1 / SEARCH_GRID_STEPS of the smallest plan's bytes (see _search).
 SEARCH_GRID_STEPS = 4096
 
 
@@ -315,15 +315,16 @@ def _raise_infeasible(budget: int, smallest: Plan, needed: int) -> None:
 def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> list[Partial]:
     """The non-dominated plans, on the finest grid whose frontier stays within bounds.
 
-    The grid is a fraction of what the largest choice of every unit holds, not of the budget: the plans
+    The grid is a fraction of what the smallest choice of every unit holds, not of the budget (nor of the
+    largest choice: replicating a 70B model would make the grid coarser than a whole plan that fits): the plans
     found and their predicted peaks are then the same whatever the budget, so a budget that an
     infeasible call names is one a second call finds that plan for.
     """
-    largest = sum(
-        max(cost.static_bytes + max(cost.forward.peak, cost.forward.delta + cost.backward.peak, 0) for cost in options.values())
+    smallest = sum(
+        min(cost.static_bytes + max(cost.forward.peak, cost.forward.delta + cost.backward.peak, 0) for cost in options.values())
         for options in unit_costs
     )
-    grid = max(1, largest // SEARCH_GRID_STEPS)
+    grid = max(1, smallest // SEARCH_GRID_STEPS)
     while True:
         try:
             return pareto_plans(unit_costs, grid)

@@ -32,7 +32,7 @@ cost model's; measured phases contain them already and carry nothing), where the
 A partial plan no better than another in all of them can be dropped without losing the optimum
 (dominance pruning), which makes this a multiple-choice knapsack solved exactly over the memory
 timeline. Byte figures are first rounded up to a grid (``grid_bytes``, the planner uses 1/4096 of what
-the largest choice of every unit holds): the search is exact for the rounded figures, which overstate a
+the smallest choice of every unit holds): the search is exact for the rounded figures, which overstate a
 plan's peak by at most one grid step per unit, and the rounding keeps the number of distinct partial
 plans small for models with many layers.
 """
