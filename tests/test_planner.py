@@ -240,12 +240,57 @@ def cli_case():
     with pytest.raises(SystemExit, match="smallest budget that fits"):
         main(["plan", "--budget", "1KiB", "--vocab_size", "2048", "--ninp", "128", "--nhid", "256", "--nhead", "4",
               "--num_decoder_layers", "2", "--seq_len", "32"])
+    for argv, message in (
+        (["--model", "llama"], "expected torchtitan:<family>:<flavor>"),
+        (["--model", "torchtitan:llama3:9B"], "torchtitan's llama3 has no flavor '9B'"),
+        (["--model", "hf:/nonexistent"], "no config.json there"),
+        (["--hardware", "tpu"], "neither a preset"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            main(["plan", "--budget", "1GiB", *argv])
+    from rsdp.planner._models import apply_activation_checkpointing
+
+    with pytest.raises(ValueError, match="Sequential has no 'layers' ModuleList or ModuleDict"):
+        apply_activation_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)), "full")
     return out.getvalue()
 
 
 def test_rsdp_plan_command(ranks):
     printed = ranks.run(1, cli_case)[0]
     assert "plan for 64 devices (cost model)" in printed and "| layers.1 |" in printed, printed
+
+
+def installed_models_case(config_dir: str) -> list[dict]:
+    """``rsdp plan`` on torchtitan's llama3 debug model and on a Hugging Face Llama config, with the
+    JSON report: every strategy and the plan, their peaks within the budget or beyond it as stated."""
+    import json
+
+    from rsdp.planner.cli import main
+
+    reports = []
+    for model, flags in (
+        ("torchtitan:llama3:debugmodel", ["--activation-checkpoint", "selective", "--mixed-precision", "bf16"]),
+        (f"hf:{config_dir}/config.json", ["--activation-checkpoint", "full"]),
+    ):
+        out = f"{config_dir}/plan.json"
+        main(["plan", "--model", model, "--budget", "64MiB", "--world-size", "8", "--seq-len", "128",
+              "--local-batch-size", "1", "2", "--hardware", "a100-sxm-nvlink", "--json", out, *flags])
+        with open(out) as report:
+            reports.append(json.load(report))
+    return reports
+
+
+def test_rsdp_plan_installed_models_json(ranks, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2).to_json_file(tmp_path / "config.json")
+    for report in ranks.run(1, installed_models_case, str(tmp_path))[0]:
+        assert set(report["strategies"]) == {"fsdp", "rsdp", "replicate"}
+        for entry in (*report["strategies"].values(), report["plan"]):
+            assert entry["peak_bytes"] > 0 and entry["step_s"] > 0 and entry["local_batch_size"] in (1, 2)
+            assert entry["tokens_per_s_per_device"] == pytest.approx(entry["local_batch_size"] * 128 / entry["step_s"])
+        assert report["plan"]["peak_bytes"] <= report["budget_bytes"]
+        assert any(name.startswith(("layers.", "model.layers.")) for name in report["plan"]["modules"]), report
 
 
 # Activation checkpointing (torchtitan 0.3's policies) and mixed precision (bf16 parameters, fp32

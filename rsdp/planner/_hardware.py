@@ -21,27 +21,22 @@ class Hardware:
     source: str = ""
 
 
-_H100 = "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: BF16 Tensor Core 989 TFLOP/s dense, 1,979 with sparsity)"
-_A100 = "NVIDIA A100 Tensor Core GPU datasheet (A100 SXM: BF16 Tensor Core 312 TFLOP/s dense)"
+_CHIPS = {  # dense BF16 peak FLOP/s and its source
+    "h100-sxm": (989e12, "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: BF16 Tensor Core 989 TFLOP/s dense, 1,979 with sparsity)"),
+    "a100-sxm": (312e12, "NVIDIA A100 Tensor Core GPU datasheet (A100 SXM: BF16 Tensor Core 312 TFLOP/s dense)"),
+}
+_LINKS = {  # bytes/s per GPU each way and its source
+    ("h100-sxm", "nvlink"): (450e9, "NVLink 4: 900 GB/s per GPU, both directions together (450 GB/s each way)"),
+    ("h100-sxm", "infiniband"): (50e9, "one 400 Gb/s NDR InfiniBand link (ConnectX-7) per GPU = 50 GB/s"),
+    ("a100-sxm", "nvlink"): (300e9, "NVLink 3: 600 GB/s per GPU, both directions together (300 GB/s each way)"),
+    ("a100-sxm", "infiniband"): (25e9, "one 200 Gb/s HDR InfiniBand link (ConnectX-6) per GPU = 25 GB/s"),
+}
+_LATENCY_S = 5e-6
 _LATENCY = "latency 5 us: assumed (NCCL small-message order of magnitude), not from a datasheet"
 
 PRESETS = {
-    "h100-sxm-nvlink": Hardware(
-        989e12, 450e9, 5e-6,
-        f"{_H100}; NVLink 4: 900 GB/s per GPU, both directions together (450 GB/s each way); {_LATENCY}",
-    ),
-    "h100-sxm-infiniband": Hardware(
-        989e12, 50e9, 5e-6,
-        f"{_H100}; one 400 Gb/s NDR InfiniBand link (ConnectX-7) per GPU = 50 GB/s; {_LATENCY}",
-    ),
-    "a100-sxm-nvlink": Hardware(
-        312e12, 300e9, 5e-6,
-        f"{_A100}; NVLink 3: 600 GB/s per GPU, both directions together (300 GB/s each way); {_LATENCY}",
-    ),
-    "a100-sxm-infiniband": Hardware(
-        312e12, 25e9, 5e-6,
-        f"{_A100}; one 200 Gb/s HDR InfiniBand link (ConnectX-6) per GPU = 25 GB/s; {_LATENCY}",
-    ),
+    f"{chip}-{link}": Hardware(_CHIPS[chip][0], rate, _LATENCY_S, f"{_CHIPS[chip][1]}; {link_source}; {_LATENCY}")
+    for (chip, link), (rate, link_source) in _LINKS.items()
 }
 
 
