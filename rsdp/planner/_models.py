@@ -128,8 +128,8 @@ def _hf_model(path: str) -> nn.Module:
         raise ValueError(f"rsdp plan: --model hf:{path}: no config.json there.")
     values = json.loads(file.read_text())
     config = transformers.AutoConfig.for_model(**values)
-    AttentionInterface.register("rsdp_flash_count", _hf_flash_count)
-    config._attn_implementation = "rsdp_flash_count"
+    AttentionInterface.register("rsdp_counted_attention", _hf_flash_count)
+    config._attn_implementation = "rsdp_counted_attention"
     config.use_cache = False
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config)
