@@ -19,7 +19,7 @@ import common
 from rsdp import Strategy, parallelize, plan
 from rsdp.planner import measure_peak
 from rsdp.planner._profile import find_units
-from rsdp.planner.cli import sequence_first_loss
+from rsdp.planner._models import sequence_first_loss
 from transformer_lm import TransformerLM
 
 MiB = 2**20

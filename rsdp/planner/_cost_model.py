@@ -26,8 +26,14 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
   reduce-scatter at the end of the backward.
 
-Everything is counted in the parameters' and the model's own dtype: lower-precision compute (a bf16
-``param_dtype``) allocates less. Time: compute at ``flops_per_s`` (backward twice forward), overlapped
+Mixed precision (``CostModel.param_dtype``, ``reduce_dtype``): the step is counted with the parameters
+cast to ``param_dtype`` (activations in it, as FSDP2's and rsdp's compute makes them); sharded
+parameters, their gradients and the optimizer state are in the model's own dtype, gathered copies,
+unsharded gradients and ring weight messages in ``param_dtype``, reduce-scatter inputs and ring
+partials in ``reduce_dtype`` (FSDP2 casts while it copies the gradients into the reduce-scatter input).
+Activation checkpointing applied to the model is counted as it runs (what regions save, their
+recomputation in backward). The caching allocator's fragmentation is not counted: the estimate is of
+allocated bytes, not reserved ones. Time: compute at ``flops_per_s`` (backward twice forward), overlapped
 with communication at ``bandwidth_bytes_per_s`` plus ``latency_s`` per message. FSDP all-gathers
 (W-1)/W of a unit per phase and reduce-scatters as much; RSDP runs W ring steps per layer and phase,
 each the longer of its share of compute and one message (a shard forward; a shard and a partial
@@ -72,6 +78,12 @@ class CostModel:
     # byte of the largest), its fused one nothing. Both are counted.
     optimizer_step_bytes_per_param_byte: float = 1.0
     optimizer_step_bytes_per_largest_param_byte: float = 2.0
+    # The mixed-precision policy (``MixedPrecisionPolicy``): the dtype parameters are gathered and computed
+    # in, and the one gradients are reduced in (None: the parameters' own; the reduce dtype defaults to
+    # the parameter dtype, as FSDP2's does). Sharded parameters, their gradients and the optimizer state
+    # stay in the parameters' own dtype.
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass
@@ -85,6 +97,7 @@ class PartCounts:
     largest_layer_bytes: int = 0
     layers: int = 0
     forward_flops: int = 0
+    itemsize: int = 0  # of its parameters as the model stores them (before a mixed-precision cast)
 
     def add_layer(self, module: nn.Module, seen: set[int]) -> None:
         """Count ``module``'s own parameters, each parameter once however often it is tied (``seen``
@@ -92,8 +105,9 @@ class PartCounts:
         originals = getattr(module, "_rsdp_original_params", {})
         layer_bytes = 0
         for name, param in module.named_parameters(recurse=False):
-            identity = originals.get(name, id(param))
-            nbytes = param.numel() * param.element_size()
+            identity, itemsize = originals.get(name, (id(param), param.element_size()))
+            nbytes = param.numel() * itemsize
+            self.itemsize = max(self.itemsize, itemsize)
             layer_bytes += nbytes
             if identity not in seen:
                 seen.add(identity)
@@ -171,12 +185,22 @@ def _activation_phases(meta: nn.Module, units: list[str], batch: torch.Tensor, l
             handle.remove()
 
 
-def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> Counts:
+def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, param_dtype: torch.dtype | None = None) -> Counts:
     """Counts for every unit, for the root's work before the first unit and after the last, and the
-    activation phases of one training step (``loss_fn(model, batch).backward()``)."""
+    activation phases of one training step (``loss_fn(model, batch).backward()``) computed in
+    ``param_dtype`` (a mixed-precision policy's: the floating parameters are cast to it, so the
+    activations are in it as FSDP2's and rsdp's compute makes them; parameter bytes are still counted
+    in the model's own dtype). Activation checkpointing applied to ``model`` is counted as it runs:
+    what its regions save, and their recomputation in backward."""
     meta = copy.deepcopy(model).to("meta")
     for original, moved in zip(model.modules(), meta.modules()):
-        moved._rsdp_original_params = {name: id(p) for name, p in original.named_parameters(recurse=False)}
+        moved._rsdp_original_params = {
+            name: (id(p), p.element_size()) for name, p in original.named_parameters(recurse=False)
+        }
+    if param_dtype is not None:
+        for param in meta.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(param_dtype)
     per_unit = {name: PartCounts() for name in units}
     before, after = PartCounts(), PartCounts()
     seen: set[int] = set()
@@ -194,9 +218,13 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> C
 
     # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``).
     shared_input: dict[tuple[int, int], int] = collections.defaultdict(int)  # (part, input) -> bytes
+    # The inputs, kept alive so that their identities are not reused (a checkpointed region frees
+    # its intermediates at once, and a new tensor may then get a freed one's id).
+    inputs: list[torch.Tensor] = []
 
     def note_linear(module: nn.Linear, args) -> None:
         part = current["section"]
+        inputs.append(args[0])
         shared_input[id(part), id(args[0])] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         part.largest_layer_bytes = max(part.largest_layer_bytes, shared_input[id(part), id(args[0])])
 
@@ -230,10 +258,19 @@ class _Parallelism:
         self.local = self.params if whole else math.ceil(self.params / world)
         self.static = int(self.local * (1 + cost.optimizer_state_bytes_per_param_byte))
         self.optimizer_step = int(self.local * cost.optimizer_step_bytes_per_param_byte)
+        # Bytes per stored parameter byte of the gathered copies (param_dtype) and of the gradients
+        # that are reduced (reduce_dtype).
+        stored = counts.itemsize or 1
+        self.compute_ratio = cost.param_dtype.itemsize / stored if cost.param_dtype else 1.0
+        self.reduce_ratio = cost.reduce_dtype.itemsize / stored if cost.reduce_dtype else self.compute_ratio
+        self.compute = int(self.params * self.compute_ratio)  # a gathered copy, its gradient
+        self.reduced = int(self.params * self.reduce_ratio)  # the gradient as it is reduced
         # Two messages of a weight shard and a gradient partial of its largest layer, and the scratch of
         # the next contribution.
-        self.ring = 5 * math.ceil(counts.largest_layer_bytes / world) if strategy is Strategy.RSDP else 0
-        self.vectors = counts.vector_bytes
+        shard = math.ceil(counts.largest_layer_bytes / world)
+        ring = shard * (2 * self.compute_ratio + 3 * self.reduce_ratio)
+        self.ring = int(ring) if strategy is Strategy.RSDP else 0
+        self.vectors = int(counts.vector_bytes * self.compute_ratio)
 
     def seconds(self, flops: float, streams: int) -> float:
         """Compute of ``flops`` overlapped with ``streams`` concurrent transfers of this part's weights
@@ -259,19 +296,20 @@ class _Parallelism:
         """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
         holds the ring's buffers through its forward (an rsdp root) or not."""
         counts, params, local, vectors = self.counts, self.params, self.local, self.vectors
+        compute, reduced = self.compute, self.reduced
         if self.strategy is Strategy.FSDP:
             # Unsharded parameters and the all-gather output they were copied from while computing (the
-            # output outlives the forward: carried); in backward the unsharded parameters and gradients,
-            # and at the reduce the gradients, the reduce-scatter input (which outlives it: carried) and
-            # the reduced shard.
-            forward_bytes, backward_bytes = (0, 2 * params), (local, 2 * params + local)
-            carried = Carried(gather=params, reduce=params, ringed=below_ring_root)
+            # output outlives the forward: carried); in backward the unsharded parameters and gradients
+            # (param_dtype), and at the reduce the reduce-scatter input (reduce_dtype: the copy into it
+            # casts; it outlives the phase: carried) and the reduced shard.
+            forward_bytes, backward_bytes = (0, 2 * compute), (local, 2 * compute + local)
+            carried = Carried(gather=compute, reduce=reduced, ringed=below_ring_root)
         elif self.strategy is Strategy.REPLICATE:
             # The copy lives from forward to backward; in backward, the gradients, then beside them the
             # reduce-scatter input, its divided copy and the reduced gradient, the copy freed (the
-            # gradient replaces it).
-            forward_bytes, backward_bytes = (params, params), (0, 3 * params)
-            carried = Carried(reduce=params, ringed=below_ring_root)
+            # gradient, in the parameters' dtype, replaces it).
+            forward_bytes, backward_bytes = (compute, compute), (params - compute, compute + 2 * reduced)
+            carried = Carried(reduce=reduced, ringed=below_ring_root)
         else:
             # Vectors: gathered with a send and a receive buffer, kept; their gradients and the
             # contributions, which wait for the backward's one reduce-scatter at its end (counted twice:
@@ -306,9 +344,11 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         largest_param_bytes=max(counts.before.largest_param_bytes, counts.after.largest_param_bytes),
         vector_bytes=counts.before.vector_bytes + counts.after.vector_bytes,
         largest_layer_bytes=max(counts.before.largest_layer_bytes, counts.after.largest_layer_bytes),
+        itemsize=max(counts.before.itemsize, counts.after.itemsize),
     )
     root = _Parallelism(whole, strategy, cost)
-    params, local, head_params, vectors = root.params, root.local, counts.after.param_bytes, root.vectors
+    local, vectors = root.local, root.vectors
+    params, head_params, reduced = root.compute, head.compute, root.reduced  # gathered copies, in param_dtype
     before, middle, after = counts.activations.before, counts.activations.middle, counts.activations.after
     if strategy is Strategy.RSDP:
         # Vectors as in units, the head's gradient shards from its backward on; the ring's buffers carried.
@@ -325,7 +365,8 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         gathering = params if strategy is Strategy.FSDP else 0  # the all-gather output, beside the copy-out
         before_bytes = (params, params + gathering)
         middle_bytes = (head_params, head_params)
-        after_bytes = (local - params - head_params, params + local if strategy is Strategy.FSDP else 3 * params)
+        reducing = params + local if strategy is Strategy.FSDP else params + 2 * reduced
+        after_bytes = (local - params - head_params, reducing)
         carried = Carried(gather=gathering)
     # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts').
     largest_param = max(part.largest_param_bytes for part in (*counts.units.values(), counts.before, counts.after))

@@ -12,9 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import MixedPrecisionPolicy
 from ..policy import Strategy, _default_mesh
-from ._cost_model import CostModel, count, estimate_root, estimate_units
+from ._cost_model import CostModel, Counts, count, estimate_root, estimate_units
 from ._profile import RootCost, UnitCost, find_units, profile
-from ._search import FrontierTooLarge, Partial, pareto_plans, predicted_peak
+from ._search import EMPTY, FrontierTooLarge, Partial, pareto_plans, predicted_peak
 
 MiB = 2**20
 # How many of the fastest plans are run to check them (each run is one training step).
@@ -22,7 +22,7 @@ MAX_VERIFICATIONS = 8
 SMALLEST_VERIFIED = 3  # plans of least predicted peak run before a budget is declared too small
 # A plan whose measured peak is within this fraction of its prediction is preferred.
 PREDICTION_TOLERANCE = 0.1
-# The search rounds byte figures up to 1 / SEARCH_GRID_STEPS of the largest plan's bytes (see _search).
+# The search rounds byte figures up to 1 / SEARCH_GRID_STEPS of the smallest plan's bytes (see _search).
 SEARCH_GRID_STEPS = 4096
 
 
@@ -183,17 +183,17 @@ def plan(
         batch = _resize_batch(sample_input, batch_size)
         return profile(model, assignment, batch, loss_fn, optimizer_fn, mesh, mp_policy, sample_input.device)
 
-    counted = {}  # batch size -> meta-device counts, for the cost model
+    if cost_model is not None:
+        counted = {
+            size: count(model, units, _resize_batch(sample_input, size), loss_fn, cost_model.param_dtype)
+            for size in batch_sizes
+        }
+        return plan_from_counts(counted, units, memory_budget=memory_budget, cost_model=cost_model, strategies=strategies)
+
     measured_uniform: list[Plan] = []  # every uniform run, as a plan
 
     def costs(batch_size: int, root_strategy: Strategy) -> tuple[dict[Strategy, dict[str, UnitCost]], RootCost]:
         """Every unit's cost under every strategy, and the root's, with the root under ``root_strategy``."""
-        if cost_model is not None:
-            if batch_size not in counted:
-                counted[batch_size] = count(model, units, _resize_batch(sample_input, batch_size), loss_fn)
-            counts = counted[batch_size]
-            units_ = {s: estimate_units(counts, s, root_strategy, cost_model) for s in strategies}
-            return units_, estimate_root(counts, root_strategy, cost_model)
         runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
         unit_costs_, root_, peak = runs[root_strategy]  # measured outright: a plan whose numbers are facts
         seconds = sum(c.seconds for c in unit_costs_.values()) + root_.seconds
@@ -203,28 +203,7 @@ def plan(
         )
         return {s: runs[s][0] for s in strategies}, runs[root_strategy][1]
 
-    candidates = []  # (seconds per sample, predicted peak, Plan), the best plan per (batch, root) for each peak
-    for batch_size in batch_sizes:
-        for root_strategy in strategies:
-            by_strategy, root = costs(batch_size, root_strategy)
-            unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
-            for partial in _search(unit_costs):
-                peak = predicted_peak(partial, root)
-                seconds = partial.seconds + root.seconds
-                candidates.append(
-                    (seconds / (batch_size * world), peak, _Candidate(units, unit_costs, partial, root_strategy, root, batch_size))
-                )
-    candidates = [
-        (per_sample, peak, candidate.build(world, peak, per_sample * candidate.batch_size * world, memory_budget))
-        for per_sample, peak, candidate in _useful(candidates)
-    ]
-
-    if cost_model is not None:
-        fitting = [c for c in candidates if c[1] <= memory_budget]
-        if fitting:
-            return min(fitting, key=lambda c: (c[0], c[1]))[2]
-        smallest = min(candidates, key=lambda c: c[1])[2]
-        _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
+    candidates = _candidates(units, batch_sizes, strategies, costs, world, memory_budget)
 
     measured: dict[tuple, tuple[int, float]] = {}
 
@@ -265,6 +244,57 @@ def plan(
     _raise_infeasible(memory_budget, needed, max(needed.predicted_peak_bytes, needed.verified_peak_bytes))
 
 
+
+def _estimated_costs(counts: Counts, strategies: Sequence[Strategy], root_strategy: Strategy, cost_model: CostModel):
+    return {s: estimate_units(counts, s, root_strategy, cost_model) for s in strategies}, estimate_root(counts, root_strategy, cost_model)
+
+
+def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, world: int, memory_budget: int) -> list[tuple]:
+    """(seconds per sample, predicted peak, Plan) of the plans worth considering: the search's best plan
+    per (batch size, root strategy) for each peak, then only those faster than every smaller one."""
+    candidates = []
+    for batch_size in batch_sizes:
+        for root_strategy in strategies:
+            by_strategy, root = costs(batch_size, root_strategy)
+            unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
+            for partial in _search(unit_costs):
+                peak = predicted_peak(partial, root)
+                seconds = partial.seconds + root.seconds
+                candidates.append(
+                    (seconds / (batch_size * world), peak, _Candidate(units, unit_costs, partial, root_strategy, root, batch_size))
+                )
+    return [
+        (per_sample, peak, candidate.build(world, peak, per_sample * candidate.batch_size * world, memory_budget))
+        for per_sample, peak, candidate in _useful(candidates)
+    ]
+
+
+def plan_from_counts(
+    counted: dict[int, Counts], units: list[str], *, memory_budget: int, cost_model: CostModel,
+    strategies: Sequence[Strategy] = tuple(Strategy),
+) -> Plan:
+    """:func:`plan` with a cost model, from meta-device counts already made (batch size -> counts)."""
+    candidates = _candidates(
+        units, list(counted), strategies,
+        lambda size, root: _estimated_costs(counted[size], strategies, root, cost_model),
+        cost_model.world_size, memory_budget,
+    )
+    fitting = [c for c in candidates if c[1] <= memory_budget]
+    if fitting:
+        return min(fitting, key=lambda c: (c[0], c[1]))[2]
+    smallest = min(candidates, key=lambda c: c[1])[2]
+    _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
+
+
+def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel) -> tuple[float, float]:
+    """Predicted peak bytes per device and step seconds of ``strategy`` everywhere, root included."""
+    by_strategy, root = _estimated_costs(counts, (strategy,), strategy, cost_model)
+    partial = EMPTY
+    for name in reversed(units):
+        partial = partial.extend(strategy, by_strategy[strategy][name])
+    return predicted_peak(partial, root), partial.seconds + root.seconds
+
+
 def _confirmed(candidate: Plan) -> bool:
     error = abs(candidate.verified_peak_bytes - candidate.predicted_peak_bytes)
     return error <= PREDICTION_TOLERANCE * candidate.predicted_peak_bytes
@@ -285,15 +315,16 @@ def _raise_infeasible(budget: int, smallest: Plan, needed: int) -> None:
 def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> list[Partial]:
     """The non-dominated plans, on the finest grid whose frontier stays within bounds.
 
-    The grid is a fraction of what the largest choice of every unit holds, not of the budget: the plans
+    The grid is a fraction of what the smallest choice of every unit holds, not of the budget (nor of the
+    largest choice: replicating a 70B model would make the grid coarser than a whole plan that fits): the plans
     found and their predicted peaks are then the same whatever the budget, so a budget that an
     infeasible call names is one a second call finds that plan for.
     """
-    largest = sum(
-        max(cost.static_bytes + max(cost.forward.peak, cost.forward.delta + cost.backward.peak, 0) for cost in options.values())
+    smallest = sum(
+        min(cost.static_bytes + max(cost.forward.peak, cost.forward.delta + cost.backward.peak, 0) for cost in options.values())
         for options in unit_costs
     )
-    grid = max(1, largest // SEARCH_GRID_STEPS)
+    grid = max(1, smallest // SEARCH_GRID_STEPS)
     while True:
         try:
             return pareto_plans(unit_costs, grid)

@@ -114,14 +114,17 @@ class RootCost:
 
 
 def find_units(model: nn.Module) -> list[str]:
-    """The modules the root calls, expanding containers. A module whose parameters are tied to another
+    """The modules the root calls, expanding containers and the modules that hold them. A module whose parameters are tied to another
     candidate or to the root stays with the root: FSDP and replicate need a tied parameter in one unit."""
     candidates = []
 
     def expand(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            # A container, or a module that holds one (Hugging Face's ``model`` around its ``layers``),
+            # is expanded into its children: its layers are the units.
+            holds_stack = any(isinstance(c, (nn.ModuleList, nn.ModuleDict)) for c in child.children())
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or holds_stack:
                 expand(f"{path}.", child)
             elif any(True for _ in child.parameters()):
                 candidates.append(path)

@@ -32,7 +32,7 @@ cost model's; measured phases contain them already and carry nothing), where the
 A partial plan no better than another in all of them can be dropped without losing the optimum
 (dominance pruning), which makes this a multiple-choice knapsack solved exactly over the memory
 timeline. Byte figures are first rounded up to a grid (``grid_bytes``, the planner uses 1/4096 of what
-the largest choice of every unit holds): the search is exact for the rounded figures, which overstate a
+the smallest choice of every unit holds): the search is exact for the rounded figures, which overstate a
 plan's peak by at most one grid step per unit, and the rounding keeps the number of distinct partial
 plans small for models with many layers.
 """
@@ -66,7 +66,8 @@ class Partial:
     choices: tuple[Strategy, ...]  # for the units walked so far, in forward order
 
     def key(self) -> tuple[float, ...]:
-        return dataclasses.astuple(self)[:-1]
+        # Field by field: ``dataclasses.astuple`` copies ``choices`` deeply, which dominated the search.
+        return tuple(getattr(self, name) for name in _KEY_FIELDS)
 
     def extend(self, strategy: Strategy, cost: UnitCost) -> "Partial":
         """Add the unit just before the ones walked so far (forward order), which is the unit just after
@@ -107,6 +108,7 @@ class Partial:
         )
 
 
+_KEY_FIELDS = tuple(field.name for field in dataclasses.fields(Partial) if field.name != "choices")
 EMPTY = Partial(-math.inf, -math.inf, 0.0, -math.inf, 0.0, -math.inf, 0.0, 0.0, -math.inf, -math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0, ())
 
 

@@ -1,26 +1,34 @@
-"""``rsdp plan``: print the plan for a benchmark model config and a memory budget.
+"""``rsdp plan``: the plan for a model, a cluster and a memory budget.
 
-    rsdp plan --budget 8GiB --world-size 1024 --vocab_size 128256 --ninp 4096 --nhid 14336 \\
-        --nhead 32 --num_decoder_layers 32 --seq_len 4096 --batch-sizes 1 2 4
+    rsdp plan --model torchtitan:llama3:8B --world-size 8 --seq-len 8192 --local-batch-size 2 \\
+        --activation-checkpoint selective --mixed-precision bf16 --budget 80GiB --hardware h100-sxm-nvlink
+    rsdp plan --model hf:path/to/config.json --world-size 64 --budget 40GiB --json plan.json
     torchrun --nproc_per_node 4 -m rsdp plan --measure --budget 64MiB --ninp 512 --nhid 2048 ...
 
-The model is the RTP benchmarks' transformer LM (``benchmarks/rtp/transformer_lm.py``, so this needs a
-source checkout). Without ``--measure`` the plan comes from the cost model (``--world-size``,
-``--flops``, ``--bandwidth``, ``--latency``: any cluster, computed on this machine, no processes);
-with it, every strategy is profiled on the ranks torchrun started.
+``--model`` is ``torchtitan:<family>:<flavor>``, ``hf:<config.json>`` or ``benchmark`` (the RTP benchmarks'
+transformer LM, sized by ``--vocab_size --ninp --nhid --nhead --num_decoder_layers``; needs a source
+checkout). Without ``--measure`` the plan comes from the cost model on the meta device (any cluster,
+no processes); with it (benchmark model only), every strategy is profiled on the ranks torchrun started.
+``--json`` writes each uniform strategy's and the plan's predicted peak bytes per device, step seconds and
+tokens/s per device, and the plan's strategy per module.
 """
 
 import argparse
+import json
 import os
 import re
 import sys
-from pathlib import Path
+import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from . import CostModel, plan
+from . import _hardware, _models
+from ._cost_model import count
+from ._plan import _resize_batch, plan_from_counts, predict_uniform
+from ._profile import find_units
+from ..policy import Strategy
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -32,64 +40,127 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
-def _benchmark_model_class():
-    models = Path(__file__).resolve().parents[2] / "benchmarks" / "rtp"
-    if not (models / "transformer_lm.py").exists():
-        sys.exit(f"rsdp plan: the benchmark model is not at {models}; run it from a source checkout of rsdp.")
-    sys.path.insert(0, str(models))
-    from transformer_lm import TransformerLM
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rsdp", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("plan", help="print the plan for a model, a cluster and a memory budget")
+    p.add_argument("--model", default="benchmark", help="torchtitan:<family>:<flavor>, hf:<config.json> or benchmark")
+    p.add_argument("--budget", type=parse_bytes, required=True, help="bytes per device, e.g. 80GiB")
+    p.add_argument("--world-size", type=int, default=8, help="data-parallel devices (cost model)")
+    p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=None,
+                   help="tokens per sample (default 2048; the benchmark model's 128)")
+    p.add_argument("--local-batch-size", type=int, nargs="+", default=None, dest="batch_sizes",
+                   help="per-device batch sizes to consider (default 1)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", dest="batch_sizes", help=argparse.SUPPRESS)
+    p.add_argument("--activation-checkpoint", choices=_models.AC_MODES, default="none",
+                   help="torchtitan 0.3's activation checkpointing of every block")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="fp32",
+                   help="bf16: parameters gathered and computed in bf16, gradients reduced in fp32 (torchtitan's default)")
+    p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(_hardware.PRESETS)}) or a profile JSON")
+    p.add_argument("--flops", type=float, default=None, help="achieved FLOP/s per device (overrides --hardware)")
+    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s per device (overrides --hardware)")
+    p.add_argument("--latency", type=float, default=None, help="seconds per message (overrides --hardware)")
+    p.add_argument("--json", default=None, help="write predictions per strategy and for the plan to this file")
+    p.add_argument("--measure", action="store_true", help="profile on the ranks torchrun started (benchmark model)")
+    model = p.add_argument_group("benchmark model (--model benchmark)")
+    for name, default in (("vocab_size", 10240), ("ninp", 2048), ("nhid", 2048), ("nhead", 32), ("num_decoder_layers", 5)):
+        model.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args(argv)
+    args.batch_sizes = args.batch_sizes or [1]
+    args.seq_len = args.seq_len or (128 if args.model == "benchmark" else 2048)
+    return args
 
-    return TransformerLM
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    hardware = _hardware.load(args.hardware) if args.hardware else _hardware.PRESETS["h100-sxm-nvlink"]
+    bf16 = args.mixed_precision == "bf16"
+    return CostModel(
+        args.world_size,
+        args.flops if args.flops is not None else hardware.flops_per_s,
+        args.bandwidth if args.bandwidth is not None else hardware.bandwidth_bytes_per_s,
+        args.latency if args.latency is not None else hardware.latency_s,
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
+    )
 
 
-def sequence_first_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The planner resizes dim 0 of a batch; the benchmark model reads ``[seq, batch]``."""
-    sequence_first = tokens.t()
-    logits = model(sequence_first[:-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), sequence_first[1:].flatten())
+def _prediction(peak: float, seconds: float, batch_size: int, seq_len: int) -> dict:
+    return {"peak_bytes": int(peak), "step_s": seconds, "tokens_per_s_per_device": batch_size * seq_len / seconds}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rsdp", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("plan", help="print the plan for a benchmark model config and a memory budget")
-    p.add_argument("--budget", type=parse_bytes, required=True, help="bytes per rank, e.g. 80GiB")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="per-rank batch sizes to consider")
-    model = p.add_argument_group("model (the RTP benchmarks' transformer LM)")
-    for name, default in (("vocab_size", 10240), ("ninp", 2048), ("nhid", 2048), ("nhead", 32), ("num_decoder_layers", 5), ("seq_len", 128)):
-        model.add_argument(f"--{name}", type=int, default=default)
-    cluster = p.add_argument_group("cost model (without --measure)")
-    cluster.add_argument("--world-size", type=int, default=8)
-    cluster.add_argument("--flops", type=float, default=400e12, help="achieved FLOP/s per device")
-    cluster.add_argument("--bandwidth", type=float, default=100e9, help="bytes/s per device")
-    cluster.add_argument("--latency", type=float, default=10e-6, help="seconds per message")
-    p.add_argument("--measure", action="store_true", help="profile on the ranks torchrun started instead")
-    args = parser.parse_args(argv)
-
-    measured = args.measure
-    if measured:
-        if "RANK" not in os.environ:
-            sys.exit("rsdp plan --measure: start it with torchrun, e.g. torchrun --nproc_per_node 4 -m rsdp plan --measure ...")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-    TransformerLM = _benchmark_model_class()
-    torch.manual_seed(0)
-    lm = TransformerLM(args.vocab_size, args.ninp, args.nhead, args.nhid, args.num_decoder_layers, max_len=args.seq_len)
-    sample = torch.randint(args.vocab_size, (1, args.seq_len + 1))
-    cost_model = None if measured else CostModel(args.world_size, args.flops, args.bandwidth, args.latency)
+    args = _arguments(argv)
+    if args.measure:
+        return _measured(args)
     try:
-        chosen = plan(
-            lm, memory_budget=args.budget, sample_input=sample, batch_sizes=args.batch_sizes,
-            loss_fn=sequence_first_loss, cost_model=cost_model,
-        )
+        cost_model = _cost_model(args)
+        benchmark_shape = dict(vocab_size=args.vocab_size, ninp=args.ninp, nhid=args.nhid, nhead=args.nhead,
+                               num_decoder_layers=args.num_decoder_layers, seq_len=args.seq_len)
+        model, loss_fn, vocab = _models.build(args.model, benchmark_shape)
+        _models.apply_activation_checkpointing(model, args.activation_checkpoint)
+        started = time.perf_counter()
+        units = find_units(model)
+        sample = torch.zeros(1, args.seq_len + 1, dtype=torch.long, device="meta")
+        counted = {
+            size: count(model, units, _resize_batch(sample, size), loss_fn, cost_model.param_dtype)
+            for size in args.batch_sizes
+        }
+        chosen = plan_from_counts(counted, units, memory_budget=args.budget, cost_model=cost_model)
+    except ValueError as error:
+        sys.exit(str(error))
+    uniform = {}
+    for strategy in Strategy:
+        best = None  # the batch size of most tokens/s per device that fits, else the smallest
+        for size, counts in counted.items():
+            peak, seconds = predict_uniform(counts, units, strategy, cost_model)
+            entry = {"local_batch_size": size, **_prediction(peak, seconds, size, args.seq_len)}
+            key = (peak <= args.budget, entry["tokens_per_s_per_device"] if peak <= args.budget else -peak)
+            if best is None or key > best[0]:
+                best = (key, entry)
+        uniform[strategy.value] = best[1]
+    elapsed = time.perf_counter() - started
+    report = {
+        "model": args.model, "world_size": args.world_size, "seq_len": args.seq_len,
+        "activation_checkpoint": args.activation_checkpoint, "mixed_precision": args.mixed_precision,
+        "budget_bytes": args.budget, "cost_model": {k: str(v) for k, v in vars(cost_model).items()},
+        "strategies": uniform,
+        "plan": {
+            "local_batch_size": chosen.batch_size,
+            **_prediction(chosen.predicted_peak_bytes, chosen.predicted_step_seconds, chosen.batch_size, args.seq_len),
+            "modules": {name or "(root)": s.value for name, s in chosen.strategies.items()},
+        },
+        "planning_seconds": elapsed,
+    }
+    GiB = 2**30
+    print(f"plan for {args.world_size} devices (cost model), {args.model}, seq {args.seq_len}, "
+          f"activation checkpointing {args.activation_checkpoint}, {args.mixed_precision}:\n{chosen}\n")
+    print("| everywhere | batch | peak per device | step | tokens/s per device |\n| --- | --- | --- | --- | --- |")
+    for name, entry in uniform.items():
+        print(f"| {name} | {entry['local_batch_size']} | {entry['peak_bytes'] / GiB:.2f} GiB | {entry['step_s'] * 1e3:.1f} ms | "
+              f"{entry['tokens_per_s_per_device']:.0f} |")
+    print(f"\nplanned in {elapsed:.1f} s")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=2)
+
+
+def _measured(args: argparse.Namespace) -> None:
+    if "RANK" not in os.environ:
+        sys.exit("rsdp plan --measure: start it with torchrun, e.g. torchrun --nproc_per_node 4 -m rsdp plan --measure ...")
+    if args.model != "benchmark":
+        sys.exit("rsdp plan --measure profiles the benchmark model only; drop --model or --measure.")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    try:
+        lm, loss_fn = _models._benchmark_model(args.vocab_size, args.ninp, args.nhid, args.nhead, args.num_decoder_layers, args.seq_len)
+        sample = torch.randint(args.vocab_size, (1, args.seq_len + 1))
+        chosen = plan(lm, memory_budget=args.budget, sample_input=sample, batch_sizes=args.batch_sizes, loss_fn=loss_fn)
     except ValueError as error:
         sys.exit(str(error))
     finally:
-        if measured:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     if int(os.environ.get("RANK", 0)) == 0:
-        where = f"{args.world_size} devices (cost model)" if cost_model else "the ranks of this run (measured)"
-        print(f"plan for {where}:\n{chosen}")
+        print(f"plan for the ranks of this run (measured):\n{chosen}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torchtitan.tools.logging import logger
 from .._compat import FSDPModule, MixedPrecisionPolicy
 from .._fully_shard import RSDPModule
 from ..planner import CostModel, plan
+from ..planner._models import flash_attention_for_counting, next_token_loss
 from ..policy import Strategy, name_matches, parallelize
 from .config import ROOT, ParallelismConfig
 
@@ -55,7 +56,7 @@ def parallelize_decoder(
     """torchtitan's ``parallelize_llama`` (qwen3's is the same for dense models) with rsdp, FSDP or
     replication per module as its data-parallel step."""
     _check_supported(model, parallel_dims, parallelism)
-    rules = data_parallel_rules(model, parallel_dims, training, parallelism)
+    rules = data_parallel_rules(model, parallel_dims, training, parallelism, ac_config, dump_folder)
 
     if parallel_dims.tp_enabled:
         model.parallelize(parallel_dims)
@@ -71,7 +72,8 @@ def parallelize_decoder(
 
 
 def data_parallel_rules(
-    model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig, parallelism: ParallelismConfig
+    model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig, parallelism: ParallelismConfig,
+    ac_config: ActivationCheckpointingConfig | None = None, dump_folder: str = "",
 ) -> dict[str, Strategy]:
     """Module name -> strategy, the root as ``""``: the overrides first (the first matching name wins),
     then the planner's choice (``auto``) or ``dp_strategy`` for the embeddings, every block and the head.
@@ -83,10 +85,10 @@ def data_parallel_rules(
     strategy: only FSDP's and replicate's root parameters stay usable after the forward.
     """
     if parallelism.dp_strategy == "auto":
-        chosen = _plan(model, parallel_dims, training, parallelism)
+        chosen = _plan(model, parallel_dims, training, parallelism, ac_config, dump_folder)
         logger.info(
-            "rsdp: dp_strategy=auto planned with the cost model, counting activations in training.dtype and "
-            f"without activation checkpointing (an overestimate when either is on); it chose\n{chosen}"
+            "rsdp: dp_strategy=auto planned with the cost model (activations in mixed_precision_param, under "
+            f"the run's activation checkpointing); it chose\n{chosen}"
         )
         defaults = chosen.strategies
     else:
@@ -129,43 +131,27 @@ def apply_data_parallel(
     logger.info(f"rsdp: applied data parallelism ({summary}) on mesh {names}")
 
 
-def _plan(model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig, parallelism: ParallelismConfig):
+def _plan(
+    model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig, parallelism: ParallelismConfig,
+    ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
+):
     world = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]).size()
     cost_model = CostModel(
         world_size=world,
         flops_per_s=parallelism.dp_flops_per_s,
         bandwidth_bytes_per_s=parallelism.dp_bandwidth_bytes_per_s,
         latency_s=parallelism.dp_latency_s,
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
     )
     sample = torch.zeros(training.local_batch_size, training.seq_len + 1, dtype=torch.long, device="meta")
-    counted = copy.deepcopy(model)  # on the meta device: no memory
-    for name, _ in list(counted.named_modules()):
-        if name.rsplit(".", 1)[-1] == "inner_attention":
-            counted.set_submodule(name, _FlashAttentionCount())
+    counted = flash_attention_for_counting(copy.deepcopy(model))  # on the meta device: no memory
+    if ac_config is not None:  # counted as the step will run it: what each block saves and recomputes
+        ac_config.build(dump_folder=dump_folder).apply(counted)
     return plan(
         counted, memory_budget=parallelism.memory_budget_bytes(), sample_input=sample, cost_model=cost_model,
-        loss_fn=_next_token_loss,
+        loss_fn=next_token_loss,
     )
-
-
-class _FlashAttentionCount(nn.Module):
-    """Stands in for the inner attention while the planner counts on the meta device: FlexAttention
-    cannot run there, and SDPA's meta kernel is the math one, which saves the L x L scores. This one
-    has FlashAttention's FLOPs and saved tensors (q, k, v, output, log-sum-exp), as FlexAttention does;
-    with GQA it counts k and v expanded to every head, a small overestimate."""
-
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale=None, enable_gqa=False, **kwargs):
-        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-        if enable_gqa:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True, scale=scale)[0]
-        return out.transpose(1, 2)
-
-
-def _next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """The planner's training step: torchtitan's decoders take at most ``seq_len`` tokens (RoPE cache)."""
-    logits = model(tokens[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> None:

@@ -1,0 +1,172 @@
+"""The models ``rsdp plan --model`` plans for, built on the meta device from an installed package.
+
+- ``torchtitan:<family>:<flavor>`` (``torchtitan:llama3:8B``): the family's ``model_registry(flavor)``;
+- ``hf:<path to config.json>``: ``transformers``' causal LM for that config;
+- ``benchmark``: the RTP benchmarks' transformer LM (a source checkout's ``benchmarks/rtp``).
+
+Each is counted as it trains: next-token cross-entropy on logits cast to fp32 (torchtitan's loss and
+Hugging Face's), activation checkpointing applied to every block as torchtitan 0.3 defines it
+(:func:`apply_activation_checkpointing`), and attention counted as flash attention does it.
+
+Pitfalls:
+- On the meta device SDPA's kernel is the math one, which saves the L x L scores; FlexAttention cannot
+  run there at all. Attention is replaced by :class:`FlashAttentionCount`, which has flash attention's
+  FLOPs and saved tensors (q, k, v, output, log-sum-exp). With grouped-query attention it counts k and
+  v expanded to every head, a small overestimate.
+- torchtitan's chunked loss (one ``lm_head`` call per chunk, never the whole fp32 logits) is not
+  modelled: the count is the unchunked loss's, an overestimate of the chunked one's logits.
+"""
+
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+AC_MODES = ("none", "selective", "full")
+
+
+class FlashAttentionCount(nn.Module):
+    """Flash attention's memory and FLOPs on the meta device, for a torchtitan ``inner_attention``:
+    takes and returns ``(batch, seq, heads, head_dim)``."""
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale=None, enable_gqa=False, **kwargs):
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        return flash_attention(q, k, v, scale).transpose(1, 2)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal flash attention of ``(batch, heads, seq, head_dim)`` tensors, k and v expanded to q's heads."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True, scale=scale)[0]
+
+
+def _hf_flash_count(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Hugging Face's attention interface (``attn_implementation``): output ``(batch, seq, heads, dim)``."""
+    return flash_attention(query, key, value, scaling).transpose(1, 2), None
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The planner's training step for a decoder that maps ``(batch, seq)`` token ids to logits (or to an
+    output with ``.logits``): it reads ``seq_len`` tokens and predicts the next ones."""
+    logits = model(tokens[:, :-1])
+    logits = getattr(logits, "logits", logits)
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def flash_attention_for_counting(model: nn.Module) -> nn.Module:
+    """``model`` with torchtitan's inner attention modules replaced by :class:`FlashAttentionCount`."""
+    for name, _ in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1] == "inner_attention":
+            model.set_submodule(name, FlashAttentionCount())
+    return model
+
+
+def _block_stack(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module holding the transformer blocks (``layers``, a ModuleList or ModuleDict), and its name."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return module, name
+    raise ValueError(
+        f"rsdp plan: activation checkpointing wraps each transformer block, but {type(model).__name__} has no "
+        "'layers' ModuleList or ModuleDict; pass --activation-checkpoint none."
+    )
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    """Wrap every block of ``model`` as torchtitan 0.3's ``activation_checkpoint`` does: ``full``
+    recomputes the whole block, ``selective`` (per op) saves the outputs of compute-intensive ops
+    (matmuls, attention) but every second matmul, and recomputes the rest."""
+    if mode not in AC_MODES:
+        raise ValueError(f"rsdp plan: --activation-checkpoint must be one of {', '.join(AC_MODES)}, got {mode!r}")
+    if mode == "none":
+        return model
+    try:
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    except ImportError as error:
+        raise ValueError(
+            f"rsdp plan: --activation-checkpoint {mode} counts torchtitan's policy, and torchtitan cannot be "
+            f"imported ({error}); install torchtitan or pass --activation-checkpoint none."
+        ) from None
+    policy = (SelectiveAC if mode == "selective" else FullAC).Config().build()
+    stack, stack_name = _block_stack(model)
+    for name, block in list(stack.named_children()):
+        stack.register_module(name, policy._wrap_block(block, base_fqn=f"{stack_name}.{name}"))
+    return model
+
+
+def _torchtitan_model(family: str, flavor: str) -> nn.Module:
+    if "torchtitan" not in sys.modules and importlib.util.find_spec("triton") is None:
+        from ..torchtitan import _cpu  # torchtitan's model modules import triton kernels
+
+        _cpu.prepare_imports()
+    try:
+        registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"rsdp plan: no torchtitan model family {family!r} ({error}).") from None
+    try:
+        config = registry(flavor).model
+    except KeyError:
+        raise ValueError(f"rsdp plan: torchtitan's {family} has no flavor {flavor!r}.") from None
+    with torch.device("meta"):
+        return flash_attention_for_counting(config.build())
+
+
+def _hf_model(path: str) -> nn.Module:
+    import transformers
+    from transformers import AttentionInterface
+
+    file = Path(path)
+    file = file / "config.json" if file.is_dir() else file
+    if not file.is_file():
+        raise ValueError(f"rsdp plan: --model hf:{path}: no config.json there.")
+    values = json.loads(file.read_text())
+    config = transformers.AutoConfig.for_model(**values)
+    AttentionInterface.register("rsdp_counted_attention", _hf_flash_count)
+    config._attn_implementation = "rsdp_counted_attention"
+    config.use_cache = False
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _benchmark_model(vocab_size: int, ninp: int, nhid: int, nhead: int, num_decoder_layers: int, seq_len: int) -> tuple[nn.Module, Callable]:
+    models = Path(__file__).resolve().parents[2] / "benchmarks" / "rtp"
+    if not (models / "transformer_lm.py").exists():
+        raise ValueError(f"rsdp plan: the benchmark model is not at {models}; run it from a source checkout of rsdp.")
+    sys.path.insert(0, str(models))
+    from transformer_lm import TransformerLM
+
+    torch.manual_seed(0)
+    return TransformerLM(vocab_size, ninp, nhead, nhid, num_decoder_layers, max_len=seq_len), sequence_first_loss
+
+
+def sequence_first_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The benchmark model reads ``[seq, batch]``; the planner resizes dim 0 of a batch."""
+    sequence_first = tokens.t()
+    logits = model(sequence_first[:-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), sequence_first[1:].flatten())
+
+
+def build(spec: str, benchmark_shape: dict) -> tuple[nn.Module, Callable, int]:
+    """The model ``--model spec`` names, its loss function, and its vocabulary size."""
+    if spec == "benchmark":
+        model, loss = _benchmark_model(**benchmark_shape)
+        return model, loss, benchmark_shape["vocab_size"]
+    kind, _, rest = spec.partition(":")
+    if kind == "torchtitan" and rest.count(":") == 1:
+        model = _torchtitan_model(*rest.split(":"))
+    elif kind == "hf" and rest:
+        model = _hf_model(rest)
+    else:
+        raise ValueError(
+            f"rsdp plan: --model {spec!r}: expected torchtitan:<family>:<flavor> (torchtitan:llama3:8B), "
+            "hf:<path to config.json>, or benchmark."
+        )
+    vocab = next(m.weight.shape[0] for m in model.modules() if isinstance(m, nn.Embedding))
+    return model, next_token_loss, vocab
