@@ -88,8 +88,8 @@ def cached_forward_case(model_name: str):
 
 
 def generate_case(model_name: str):
-    """Greedy, sampled (fixed seed), static-cache and beam-search ``generate()`` match the unsharded model's, token
-    for token; so does a run where this rank's sequences stop at an EOS another rank's never reach."""
+    """Greedy (under ``torch.inference_mode()``, as serving code runs it), sampled (fixed seed), static-cache and
+    beam-search ``generate()`` match the unsharded model's, token for token; so does a run where this rank's sequences stop at an EOS another rank's never reach."""
     rank, world = rank_and_world()
     model, reference = planned_model(model_name)
     model.eval(), reference.eval()
@@ -104,7 +104,8 @@ def generate_case(model_name: str):
     outputs = {}
     for what, options in runs.items():
         torch.manual_seed(7 + rank)
-        outputs[what] = model.generate(mine, max_new_tokens=NEW_TOKENS, **options)
+        with torch.inference_mode(what == "greedy"):
+            outputs[what] = model.generate(mine, max_new_tokens=NEW_TOKENS, **options)
         torch.manual_seed(7 + rank)
         expected = reference.generate(mine, max_new_tokens=NEW_TOKENS, **options)
         assert torch.equal(outputs[what], expected), f"{what}: {outputs[what].tolist()} != {expected.tolist()}"
