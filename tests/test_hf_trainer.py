@@ -106,12 +106,13 @@ def training_args(output_dir, trainer_kind: str = "trainer", **overrides):
 
 
 def tiny_tokenizer():
-    """A word-level tokenizer over the ids' own vocabulary (``t0`` .. ``t36``), which SFTTrainer needs
-    for its padding id; no download."""
-    from tokenizers import Tokenizer, models
+    """A word-level tokenizer over the ids' own vocabulary (``t0`` .. ``t36``, words split at spaces),
+    which SFTTrainer needs for its padding id and DPOTrainer to tokenize its texts; no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", eos_token="t2", unk_token="t1")
 
 
@@ -241,6 +242,47 @@ def test_sft_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora):
     """SFTTrainer as a user runs it: its fused LM-head loss and SFTConfig's gradient checkpointing."""
     pytest.importorskip("trl")
     assert all(ranks.run(world, trainer_matches_fsdp2_and_ddp_case, name, "sft", lora, str(tmp_path)))
+
+
+def preferences():
+    """DPO's prompts with a chosen and a rejected completion, texts of the tiny tokenizer's words."""
+    generator = torch.Generator().manual_seed(3)
+
+    def words(count: int) -> str:
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (count,), generator=generator))
+
+    rows = [(words(4), words(3) + " t2", words(3) + " t2") for _ in range(8)]  # t2: the EOS
+    return datasets.Dataset.from_dict({key: [row[i] for row in rows] for i, key in enumerate(("prompt", "chosen", "rejected"))})
+
+
+def dpo_matches_fsdp2_case(save_dir: str):
+    """A stock DPOTrainer whose ``ref_model`` is a second model, built and sharded like the policy and
+    frozen; its forwards run under no_grad beside the policy's."""
+    import trl
+
+    join_launched_ranks()
+    runs = {}
+    for strategy in ("fsdp", "rsdp"):
+        policy = shard(build_model("llama", lora=False), strategy, "llama")
+        reference = shard(build_model("llama", lora=False), strategy, "llama").requires_grad_(False)
+        args = trl.DPOConfig(output_dir=os.path.join(save_dir, strategy), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             seed=0, disable_tqdm=True)  # fmt: skip
+        trainer = rsdp_trainer(trl.DPOTrainer)(model=policy, ref_model=reference, args=args, train_dataset=preferences(),
+                                               processing_class=tiny_tokenizer())  # fmt: skip
+        losses = record_losses(trainer)
+        trainer.train()
+        runs[strategy] = {"losses": torch.tensor(losses, dtype=torch.float64), "weights": full_weights(policy)}
+    assert_close(runs["rsdp"]["losses"], runs["fsdp"]["losses"], what="DPO losses", **TOLERANCE)
+    assert not torch.equal(runs["rsdp"]["losses"][0], runs["rsdp"]["losses"][-1]), "the policy did not move"
+    for param_name, weight in runs["rsdp"]["weights"].items():
+        assert_close(weight, runs["fsdp"]["weights"][param_name], what=f"{param_name} against fsdp", **TOLERANCE)
+    return True
+
+
+def test_dpo_trainer_with_a_sharded_reference_matches_fsdp2(ranks, tmp_path):
+    pytest.importorskip("trl")
+    assert all(ranks.run(2, dpo_matches_fsdp2_case, str(tmp_path)))
 
 
 class StopAfter(transformers.TrainerCallback):
