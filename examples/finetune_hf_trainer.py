@@ -53,10 +53,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-# Without --model-path: a small Qwen2 (grouped KV heads) with random weights. No KV cache in training: a
-# ring plan runs each attention once per shard.
+# Without --model-path: a small Qwen2 (grouped KV heads) with random weights, its config's defaults otherwise.
 SMALL_QWEN2 = dict(vocab_size=8000, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=256, use_cache=False)  # fmt: skip
+                   num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -120,15 +119,6 @@ def token_dataset(args: argparse.Namespace, vocab_size: int, rows: int):
     return datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
-def causal_lm_loss(outputs, labels, num_items_in_batch=None):
-    """SFTTrainer's loss on the model's logits. TRL's default fused LM-head loss reads ``lm_head.weight``
-    inside its own autograd Function; until rsdp's gathered fallback keeps that gradient (issue 31, item
-    2), the head would not train."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return ForCausalLMLoss(outputs.logits, labels, outputs.logits.shape[-1], num_items_in_batch=num_items_in_batch)
-
-
 def train(args: argparse.Namespace, base, strategy: str, out: str) -> dict:
     import transformers
 
@@ -148,11 +138,9 @@ def train(args: argparse.Namespace, base, strategy: str, out: str) -> dict:
         import trl
 
         trainer_class = trl.SFTTrainer
-        extra = {"processing_class": tokenizer_for(args, vocab), "compute_loss_func": causal_lm_loss}
-        # SFTConfig turns gradient checkpointing on; with compute_loss_func, SFTTrainer's metrics run a second,
-        # no_grad forward between the loss's forward and backward, which rsdp's recomputation does not survive
-        # yet (CheckpointError; docs/huggingface.md).
-        training_args = trl.SFTConfig(dataset_kwargs={"skip_prepare_dataset": True}, gradient_checkpointing=False, **settings)
+        extra = {"processing_class": tokenizer_for(args, vocab)}
+        # SFTTrainer's defaults: its fused LM-head loss, and gradient checkpointing on.
+        training_args = trl.SFTConfig(dataset_kwargs={"skip_prepare_dataset": True}, **settings)
     else:
         trainer_class, extra, training_args = transformers.Trainer, {}, transformers.TrainingArguments(**settings)
     if strategy != "ddp":

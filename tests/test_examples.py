@@ -29,11 +29,12 @@ def test_lora_fine_tuning_example_matches_fsdp2_and_reloads_its_adapters(tmp_pat
 
 
 def test_hf_trainer_example_matches_fsdp2_and_reloads_its_model(tmp_path):
-    """Launched as its docstring says (torchrun); the script raises if rsdp's losses or weights drift from
-    FSDP2's, or if the saved model, reloaded in one process, computes other logits."""
+    """Launched as its docstring says (torchrun), with SFTTrainer's defaults (its fused loss, gradient
+    checkpointing; the Trainer's path is tests/test_hf_trainer.py's); the script raises if rsdp's losses
+    or weights drift from FSDP2's, or if the saved model, reloaded in one process, computes other logits."""
     pytest.importorskip("trl")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(EXAMPLES / "finetune_hf_trainer.py"),
-               "--strategy", "fsdp", "rsdp", "--max-steps", "2", "--out", str(tmp_path)]  # fmt: skip
+               "--trainer", "sft", "--strategy", "fsdp", "rsdp", "--max-steps", "2", "--out", str(tmp_path)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]

@@ -33,16 +33,18 @@ VOCAB = 37
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-7}
 
 
-def _llama():
+def _llama(planned=False):
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=24,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        # A ring plan splits the KV heads over up to 4 ranks, and its attention may return only its
+        # output (eager attention also returns its weights).
+        num_key_value_heads=4 if planned else 2,
         max_position_embeddings=32,
-        attn_implementation="eager",
+        attn_implementation="sdpa" if planned else "eager",
     )
     return transformers.LlamaForCausalLM(config), lambda model: model.model.layers
 
@@ -62,17 +64,35 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config), lambda model: model.transformer.h
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2}
+MODELS = {"llama": _llama, "llama-ring": functools.partial(_llama, planned=True), "gpt2": _gpt2}
 
 
-def checkpointed_training_case(model_name, use_reentrant, steps=2):
+def _with_lora(model):
+    import peft
+
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():  # peft starts B at zero: give the adapters a non-trivial start
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    return model
+
+
+def checkpointed_training_case(model_name, use_reentrant, steps=2, lora=False, no_grad_forward_between=False):
+    """``no_grad_forward_between``: a second forward of the model, under ``no_grad``, between each
+    forward and its backward (TRL's SFTTrainer computes its metrics so); the recomputation in backward
+    must redo what the first forward did, whatever the second changed."""
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model, layers_of = MODELS[model_name]()
     model = model.double().train()
+    base = model
+    if lora:
+        model = _with_lora(model)
     reference = copy.deepcopy(model)
-    for layer in layers_of(model):
-        rsdp_shard(layer)
+    ring_plan = base.config.base_model_tp_plan if model_name.endswith("-ring") else None
+    for layer in layers_of(base):
+        rsdp_shard(layer, ring_plan=ring_plan)
     rsdp_shard(model)
     for m in (model, reference):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
@@ -82,6 +102,10 @@ def checkpointed_training_case(model_name, use_reentrant, steps=2):
         tokens = torch.randint(0, VOCAB, (world * 2, 7))
         mine = local_rows(tokens, rank, world)
         loss = model(input_ids=mine, labels=mine).loss
+        if no_grad_forward_between:
+            with torch.no_grad():
+                logits = model(input_ids=mine).logits
+            assert_close(logits, reference(input_ids=mine).logits, what=f"no_grad logits at step {step}", **TOLERANCE)
         loss.backward()
         reference_loss = reference(input_ids=tokens, labels=tokens).loss
         reference_loss.backward()
@@ -106,6 +130,16 @@ def checkpointed_training_case(model_name, use_reentrant, steps=2):
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_llama_trains_with_gradient_checkpointing(ranks, world, use_reentrant):
     assert all(ranks.run(world, checkpointed_training_case, "llama", use_reentrant))
+
+
+@pytest.mark.parametrize("model_name, world, lora", [("llama", 2, True), ("llama", 4, False), ("llama-ring", 4, False)])
+def test_a_no_grad_forward_between_forward_and_backward_keeps_the_recomputation_exact(ranks, model_name, world, lora):
+    """The first step's forward records which Linears share an input (``_fusion.py``); the no_grad
+    forward before its backward must not fuse them in that forward's recomputation (a CheckpointError
+    before), nor any later state change alter it."""
+    if lora:
+        pytest.importorskip("peft")
+    assert all(ranks.run(world, checkpointed_training_case, model_name, False, 3, lora, True))
 
 
 @pytest.mark.parametrize("world", [2, 3])

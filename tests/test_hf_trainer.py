@@ -9,8 +9,10 @@ Accelerate's own FSDP2 plugin cannot run here: it needs a GPU (``use_cpu=True`` 
 state MULTI_CPU, which wraps in DDP and ignores ``fsdp``; without it, the Trainer refuses FSDP as "not
 distributed"), hence ``fully_shard`` by hand for the FSDP2 side.
 
-Configs set ``use_cache=False``: a ring plan runs each planned sub-block once per shard, and HF's
-``DynamicCache`` would be appended to W times (a separate issue).
+Everything runs with the defaults a user gets: the model's config (``use_cache=True``, also with a ring
+plan), SFTTrainer's own loss (TRL's fused LM-head loss, which reads ``lm_head.weight`` inside its own
+autograd Function) and SFTConfig's gradient checkpointing (on, with a second, ``no_grad`` forward for
+its metrics between each forward and its backward).
 """
 
 import os
@@ -43,7 +45,7 @@ def attention_for(name: str) -> str:
 
 def _config(name: str, dropout: float):
     common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=32, use_cache=False, attention_dropout=dropout, attn_implementation=attention_for(name))  # fmt: skip
+                  max_position_embeddings=32, attention_dropout=dropout, attn_implementation=attention_for(name))  # fmt: skip
     if name == "qwen2" or name == "qwen2-ring":
         return transformers.Qwen2Config(num_key_value_heads=2, **common)
     # 4 KV heads with a ring plan on 4 ranks: planned heads must divide by the ranks. "tied": a Llama whose
@@ -104,32 +106,29 @@ def training_args(output_dir, trainer_kind: str = "trainer", **overrides):
 
 
 def tiny_tokenizer():
-    """A word-level tokenizer over the ids' own vocabulary (``t0`` .. ``t36``), which SFTTrainer needs
-    for its padding id; no download."""
-    from tokenizers import Tokenizer, models
+    """A word-level tokenizer over the ids' own vocabulary (``t0`` .. ``t36``, words split at spaces),
+    which SFTTrainer needs for its padding id and DPOTrainer to tokenize its texts; no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", eos_token="t2", unk_token="t1")
-
-
-def causal_lm_loss(outputs, labels, num_items_in_batch=None):
-    """The loss on the model's logits (TRL's default fused LM-head loss reads ``lm_head.weight`` inside its
-    own autograd Function, a separate issue)."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return ForCausalLMLoss(outputs.logits, labels, VOCAB, num_items_in_batch=num_items_in_batch)
 
 
 class GradientsUnreducedBetweenSteps(transformers.TrainerCallback):
     """On every micro-step but the last of a step, ``.grad`` must still be unset: a reduction there
-    would have written it (rsdp and FSDP2 keep the unreduced contributions aside)."""
+    would have written it (rsdp and FSDP2 keep the unreduced contributions aside). ``exempt``: the
+    parameters rsdp reduces in every backward by design (docs/design.md, Limits): a weight whose
+    gradient another autograd Function returns (TRL's fused LM-head loss reads ``lm_head.weight``)."""
 
-    def __init__(self):
+    def __init__(self, exempt: tuple[str, ...] = ()):
         self.checked = 0
+        self.exempt = exempt
 
     def on_substep_end(self, args, state, control, model=None, **kwargs):
-        assert all(p.grad is None for p in model.parameters()), "gradients were reduced on a non-final micro-step"
+        reduced = [name for name, p in model.named_parameters() if p.grad is not None and not name.endswith(self.exempt)]
+        assert not reduced, f"gradients were reduced on a non-final micro-step: {reduced}"
         self.checked += 1
 
 
@@ -138,7 +137,7 @@ def make_trainer(strategy: str, name: str, trainer_kind: str, args, lora: bool, 
     if trainer_kind == "sft":
         import trl
 
-        trainer_class, extra = trl.SFTTrainer, {"processing_class": tiny_tokenizer(), "compute_loss_func": causal_lm_loss}
+        trainer_class, extra = trl.SFTTrainer, {"processing_class": tiny_tokenizer()}
     else:
         trainer_class, extra = transformers.Trainer, {}
     if strategy != "ddp":
@@ -166,13 +165,16 @@ def full_weights(model) -> dict:
     return {name: full(param.detach()) for name, param in model.named_parameters()}
 
 
-def trainer_matches_fsdp2_and_ddp_case(name: str, trainer_kind: str, lora: bool, save_dir: str, checkpointing: bool = False):
+def trainer_matches_fsdp2_and_ddp_case(name: str, trainer_kind: str, lora: bool, save_dir: str, checkpointing: bool | None = None):
+    """``checkpointing`` None: the trainer's default (off for Trainer, on for SFTTrainer)."""
     join_launched_ranks()
     rank = dist.get_rank()
     runs = {}
     for strategy in ("ddp", "fsdp", "rsdp"):
-        check = GradientsUnreducedBetweenSteps()
-        args = training_args(os.path.join(save_dir, strategy), trainer_kind, gradient_checkpointing=checkpointing)
+        fused_head = ("lm_head.weight",) if strategy == "rsdp" and trainer_kind == "sft" else ()
+        check = GradientsUnreducedBetweenSteps(exempt=fused_head)
+        overrides = {} if checkpointing is None else {"gradient_checkpointing": checkpointing}
+        args = training_args(os.path.join(save_dir, strategy), trainer_kind, **overrides)
         trainer, model = make_trainer(strategy, name, trainer_kind, args, lora, [check] if strategy != "ddp" else [])
         micro_step_losses = record_losses(trainer)
         trainer.train()
@@ -237,11 +239,50 @@ def test_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora, check
 
 @pytest.mark.parametrize("name, world, lora", [("qwen2", 2, True), ("llama-ring", 4, False)])
 def test_sft_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora):
-    """SFTConfig turns gradient checkpointing on by default; it is off here because SFTTrainer's
-    metrics run a second, no_grad forward of the model between its forward and backward, which rsdp's
-    recomputation does not survive yet (a CheckpointError, a separate issue)."""
+    """SFTTrainer as a user runs it: its fused LM-head loss and SFTConfig's gradient checkpointing."""
     pytest.importorskip("trl")
-    assert all(ranks.run(world, trainer_matches_fsdp2_and_ddp_case, name, "sft", lora, str(tmp_path), False))
+    assert all(ranks.run(world, trainer_matches_fsdp2_and_ddp_case, name, "sft", lora, str(tmp_path)))
+
+
+def preferences():
+    """DPO's prompts with a chosen and a rejected completion, texts of the tiny tokenizer's words."""
+    generator = torch.Generator().manual_seed(3)
+
+    def words(count: int) -> str:
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (count,), generator=generator))
+
+    rows = [(words(4), words(3) + " t2", words(3) + " t2") for _ in range(8)]  # t2: the EOS
+    return datasets.Dataset.from_dict({key: [row[i] for row in rows] for i, key in enumerate(("prompt", "chosen", "rejected"))})
+
+
+def dpo_matches_fsdp2_case(save_dir: str):
+    """A stock DPOTrainer whose ``ref_model`` is a second model, built and sharded like the policy and
+    frozen; its forwards run under no_grad beside the policy's."""
+    import trl
+
+    join_launched_ranks()
+    runs = {}
+    for strategy in ("fsdp", "rsdp"):
+        policy = shard(build_model("llama", lora=False), strategy, "llama")
+        reference = shard(build_model("llama", lora=False), strategy, "llama").requires_grad_(False)
+        args = trl.DPOConfig(output_dir=os.path.join(save_dir, strategy), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             seed=0, disable_tqdm=True)  # fmt: skip
+        trainer = rsdp_trainer(trl.DPOTrainer)(model=policy, ref_model=reference, args=args, train_dataset=preferences(),
+                                               processing_class=tiny_tokenizer())  # fmt: skip
+        losses = record_losses(trainer)
+        trainer.train()
+        runs[strategy] = {"losses": torch.tensor(losses, dtype=torch.float64), "weights": full_weights(policy)}
+    assert_close(runs["rsdp"]["losses"], runs["fsdp"]["losses"], what="DPO losses", **TOLERANCE)
+    assert not torch.equal(runs["rsdp"]["losses"][0], runs["rsdp"]["losses"][-1]), "the policy did not move"
+    for param_name, weight in runs["rsdp"]["weights"].items():
+        assert_close(weight, runs["fsdp"]["weights"][param_name], what=f"{param_name} against fsdp", **TOLERANCE)
+    return True
+
+
+def test_dpo_trainer_with_a_sharded_reference_matches_fsdp2(ranks, tmp_path):
+    pytest.importorskip("trl")
+    assert all(ranks.run(2, dpo_matches_fsdp2_case, str(tmp_path)))
 
 
 class StopAfter(transformers.TrainerCallback):

@@ -9,23 +9,30 @@ one ring for all, with the same bytes. Users change nothing:
 2. At the end of that forward the Linears called exactly once on one shared input (with one weight
    dtype) become a group, in call order. Ranks compare their groups with one all-reduce, once, and
    fuse only if they all agree (NCCL needs every rank to issue the same rings in the same order).
-3. The groups take effect at the next forward that is not run inside a backward: activation
-   checkpointing recomputes the recording forward in backward, and the recomputation must save
-   exactly what the original saved (unfused).
+3. The groups take effect at the next forward that is not run inside a backward and that no
+   recomputation of an unfused forward can still follow: activation checkpointing recomputes a
+   forward in backward, and the recomputation must save exactly what the original saved (unfused).
+   So while a checkpointed forward that ran unfused (under grad, inside ``saved_tensors_hooks``) has
+   not had its backward, forwards stay unfused: a ``no_grad`` forward of the same model between a
+   forward and its backward (TRL's SFT metrics, DPO's reference) must not switch the recomputation.
 4. From then on, when a group's first member is called, one ring computes every member's output; the
    others, called later with the *same* tensor, take theirs. A member called with another tensor (the
    pattern changed) runs its own ring: always correct, if slower; outputs not taken are dropped at the
    end of the module's forward.
 
-Pitfall: a fused group's backward returns zero, not None, gradients for a member whose output was not
+Pitfalls:
+- A fused group's backward returns zero, not None, gradients for a member whose output was not
 used (autograd materialises the missing output gradient); stock Linears would return None.
+- The switch waits for the backward of this module that follows the unfused checkpointed forwards;
+  two such forwards whose backwards come apart, with a forward between them, would still see it
+  (torch's ``CheckpointError``: loud, never a wrong number).
 """
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._compat import in_backward
+from .._compat import in_backward, saved_tensors_hooks_active
 from ._ops import RingLayer, run_linear_group
 from ._prefetch import FORWARD_RING_ORDER
 
@@ -41,12 +48,19 @@ class SharedInputFusion:
         self._formed: dict[int, tuple[RingLayer, list[nn.Module]]] = {}
         self._taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._raised = False
+        # A checkpointed forward ran before the groups took effect and its backward has not run yet:
+        # its recomputation must run unfused too.
+        self._unfused_recomputation_pending = False
 
     def linear(self, module: nn.Module, input: torch.Tensor) -> torch.Tensor:
         if self.recording:
             self._calls.append((module, input))
-        elif self._formed and not in_backward():
+        elif self._formed and not in_backward() and not self._unfused_recomputation_pending:
             self._group_of, self._formed = self._formed, {}
+        if (self.recording or self._formed) and torch.is_grad_enabled() and saved_tensors_hooks_active() and not in_backward():
+            # Checked here, not at the module's forward hooks: a checkpoint may wrap the forward alone
+            # (Hugging Face's layers), and the recomputation runs it without the hooks.
+            self._unfused_recomputation_pending = True
         found = self._group_of.get(id(module))
         if found is None:
             return run_linear_group(module._rsdp_ring, [module], input)[0]
@@ -79,6 +93,10 @@ class SharedInputFusion:
             self.recording = False
             calls, self._calls = self._calls, []
             self._form_groups(calls)
+
+    def backward_ended(self) -> None:
+        """The module's backward ran: the unfused forwards before it have been recomputed."""
+        self._unfused_recomputation_pending = False
 
     def _form_groups(self, calls: list[tuple[nn.Module, torch.Tensor]]) -> None:
         times_called: dict[int, int] = {}

@@ -301,6 +301,7 @@ class RSDPState(FSDPState):
         if self._post_backward_task is None:
             return
         self._post_backward_task = None
+        self.fusion.backward_ended()
         if self.gathered is not None:
             self.gathered.reduce_gradients()
         self.gradients.flush()
