@@ -85,6 +85,49 @@ def reassigned_parameter_case():
     _raises(RuntimeError, "no longer the sharded DTensor", lambda: model(torch.zeros(2, 3)))
 
 
+class WritesItsWeight(nn.Linear):
+    """A Linear whose forward writes its own weight in place, the way ``write`` says."""
+
+    def __init__(self, write):
+        super().__init__(3, 5)
+        self.write = write
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.write(self.weight)
+        return super().forward(x)
+
+
+def _add_one(weight):
+    weight += 1
+
+
+def _set_first_row(weight):
+    weight[0] = 1.0
+
+
+WEIGHT_WRITES = [  # (how, the op that reaches the weight)
+    (lambda w: w.mul_(2), "mul_"),
+    (nn.init.zeros_, "zero_"),
+    (_add_one, "add_"),
+    (_set_first_row, "__setitem__"),
+    (lambda w: torch.add(w.detach().clone(), 1, out=w), "add"),
+]
+
+
+def weight_written_in_forward_case():
+    """Refused on every rank, with nothing changed: the same model then runs the unsharded result."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3)
+    for write, name in WEIGHT_WRITES:
+        reference = WritesItsWeight(lambda w: None)
+        model = rsdp_shard(copy.deepcopy(reference))
+        model.write = write
+        _raises(RuntimeError, rf"weight is modified in place \({name}\) inside the forward", lambda: model(x))
+        model.write = lambda w: None
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=1e-6)
+
+
 def bad_divide_factor_case():
     model = rsdp_shard(nn.Linear(3, 5))
     _raises(ValueError, "must be positive", lambda: model.set_gradient_divide_factor(0))
@@ -253,6 +296,7 @@ def plan_without_language_model_loss_case():
         (1, scalar_parameter_case),
         (2, index_out_of_range_case),
         (1, reassigned_parameter_case),
+        (2, weight_written_in_forward_case),
         (1, bad_divide_factor_case),
         (1, mesh_of_wrong_type_case),
         (2, tensor_parallel_parameter_case),

@@ -38,6 +38,8 @@ owners; no full gradient of one rank's batch exists) and raises, rather than ret
 Pitfalls:
 - An operand is not an ``nn.Parameter``; code that needs the parameter object itself (an optimizer built
   during forward) must run outside the module's forward.
+- An operand has no storage to write: an in-place op on it inside forward (``w.mul_(2)``, an ``nn.init``
+  function, ``w[0] = 1``, ``out=w``) raises, since it could only change a gathered copy.
 - The ring runs inside the op: every rank must make the same sequence of ring ops, as with any
   collective. So must a Function that takes the operand: its gradient's reduce-scatter runs when
   autograd reaches the operand, on every rank (with a zero where the Function returned None).
@@ -110,6 +112,7 @@ class RingOperand(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        _refuse_in_place(func, args, kwargs)
         handler = _HANDLERS.get(func)
         if handler is not None:
             result = handler(*args, **kwargs)
@@ -136,6 +139,28 @@ _METADATA = {
 }
 # Property getters (shape, dtype, device, requires_grad, ndim, ...) arrive as their __get__ methods.
 _METADATA_NAMES = {"__get__"}
+
+
+_IN_PLACE_METADATA = {"requires_grad_", "retain_grad"}  # change autograd's view of a tensor, not its values
+
+
+def _refuse_in_place(func, args, kwargs) -> None:
+    """An operand written in place (``w.mul_(2)``, ``nn.init.zeros_(w)``, ``w[0] = 1``, ``out=w``) would
+    change a gathered copy while the parameter's shards, which the ring reads, stay as they were: the
+    forward would compute with both. Refused, on every rank alike (every rank runs the same forward)."""
+    name = getattr(func, "__name__", "")
+    # `w += 1` arrives as add_, `w[0] = 1` as __setitem__
+    in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("__") and name not in _IN_PLACE_METADATA)
+    written = args[0] if in_place and args else kwargs.get("out")
+    operand = next((w for w in (written if isinstance(written, (tuple, list)) else (written,)) if isinstance(w, RingOperand)), None)
+    if operand is not None:
+        raise RuntimeError(
+            f"rsdp: {operand.layer.name} is modified in place ({name}) inside the forward of a module rsdp "
+            "shards, where it stands for shards rotating over the ring: the change would reach a gathered "
+            "copy, not the parameter the ring reads. Change it outside forward (between steps, e.g. "
+            "`with torch.no_grad(): module.weight.mul_(2)` on the sharded parameter, which updates every "
+            "rank's shard), or compute with a new tensor inside forward (`w * 2`)."
+        )
 
 
 def _reduce_to_shard(operand: RingOperand) -> None:
