@@ -116,6 +116,11 @@ def unwrap_activation_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+# The attribute a wrapper keeps its module under, which ``named_modules()`` puts in the wrapped module's
+# name: activation checkpointing's ``checkpoint_wrapper`` (torchtitan's) and ``torch.compile``'s module.
+WRAPPER_NAME_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
 def current_graph_task_id() -> int:
     """The id of the backward autograd's engine is running on this thread, -1 outside backward."""
     return torch._C._current_graph_task_id()
@@ -260,6 +265,7 @@ def share_fsdp_contexts(states: list) -> bool:
 
 
 __all__ = [
+    "WRAPPER_NAME_SEGMENTS",
     "ActivationWrapper",
     "ColwiseParallel",
     "DTensor",

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._compat import (
+    WRAPPER_NAME_SEGMENTS,
     MixedPrecisionPolicy,
     flatten_mesh,
     fully_shard,
@@ -62,7 +63,8 @@ def parallelize(
         model: the model; every rank builds the same one.
         policy: rules mapping module names or module types to a :class:`Strategy` (or its value:
             ``"rsdp"``, ``"fsdp"``, ``"replicate"``), or a planner ``Plan``. Names are dotted paths as
-            in ``named_modules()``; in a pattern ``*`` stands for one path segment and ``**`` for any
+            in ``named_modules()`` before activation checkpointing or ``torch.compile`` wrapped any module
+            (``layers.0.attn``, not ``layers.0._checkpoint_wrapped_module.attn``); in a pattern ``*`` stands for one path segment and ``**`` for any
             number (``"layers.*"`` matches ``layers.0`` but not ``layers.0.attn``). The root is named
             ``""``. Name rules win over type rules; among name rules, the first listed wins. Each matched
             module becomes one unit, sharded with its strategy; whatever no unit covers belongs to the
@@ -130,7 +132,7 @@ def _units(model: nn.Module, rules: dict[RuleKey, Strategy], default: Strategy) 
 
     units: dict[nn.Module, Strategy] = {model: default}
     used: set[RuleKey] = set()
-    for name, module in model.named_modules():
+    for name, module in untouched_named_modules(model):
         matched = next(((key, s) for key, s in name_rules if name_matches(key, name)), None)
         matched = matched or next(((key, s) for key, s in type_rules if isinstance(module, key)), None)
         if matched is None:
@@ -147,12 +149,26 @@ def _units(model: nn.Module, rules: dict[RuleKey, Strategy], default: Strategy) 
         units[module] = strategy
     unused = [key for key in rules if key not in used]
     if unused:
-        names = [name for name, _ in model.named_modules() if name][:12]
+        names = [name for name, _ in untouched_named_modules(model) if name][:12]
         raise ValueError(
             f"parallelize: rules {unused} match no module of {type(model).__name__}; module names look "
             f"like {names}."
         )
     return units
+
+
+def untouched_named_modules(model: nn.Module):
+    """``named_modules()`` under the names the model had before activation checkpointing or
+    ``torch.compile`` wrapped its modules: a wrapper takes its module's name (``layers.0``), and what
+    the wrapped module holds keeps its own (``layers.0.attention``, not
+    ``layers.0._checkpoint_wrapped_module.attention``); the wrapped module itself is left out, so a rule
+    matches the wrapper, which is what the model calls."""
+    seen: set[str] = set()
+    for name, module in model.named_modules():
+        untouched = ".".join(part for part in name.split(".") if part not in WRAPPER_NAME_SEGMENTS)
+        if untouched not in seen:
+            seen.add(untouched)
+            yield untouched, module
 
 
 def _check_ties(model: nn.Module, units: dict[nn.Module, Strategy]) -> None:

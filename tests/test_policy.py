@@ -64,6 +64,21 @@ def test_rules(ranks, policy):
     ranks.run(2, policy_training_case, 22, policy, "fsdp", (2,))
 
 
+def wrapped_blocks_case(policy):
+    """Rules name modules as the model had them before activation checkpointing wrapped its blocks."""
+    from rsdp.planner._models import apply_activation_checkpointing
+
+    torch.manual_seed(23)
+    model = apply_activation_checkpointing(TinyLM(vocab=21, dim=8, heads=2, hidden=12, layers=3).double(), "full")
+    reference = twin(model)
+    parallelize(model, policy, default="fsdp")
+    train_and_compare(model, reference, steps=2, rows=1, seq=5)
+
+
+def test_rules_inside_checkpointed_blocks_use_the_names_before_wrapping(ranks):
+    ranks.run(2, wrapped_blocks_case, {"layers.1.mlp_norm": "replicate", "layers.2.up": "fsdp", "layers.*": "rsdp"})
+
+
 def bad_policy_case(policy, error, match):
     with pytest.raises(error, match=match):
         parallelize(TinyLM(layers=2), policy)

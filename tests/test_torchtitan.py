@@ -131,7 +131,8 @@ def assert_losses_match(logged: dict[int, tuple], expected: dict[int, tuple]) ->
     [
         ["--parallelism.dp_strategy=fsdp"],
         ["--parallelism.dp_strategy=replicate"],
-        ["--parallelism.dp_overrides=layers.0=replicate,layers.1=fsdp,lm_head=fsdp"],
+        # layers.2.feed_forward: a name inside a block, as before activation checkpointing wrapped it
+        ["--parallelism.dp_overrides=layers.0=replicate,layers.1=fsdp,layers.2.feed_forward=fsdp,lm_head=fsdp"],
     ],
     ids=["fsdp", "replicate", "mixed"],
 )
@@ -154,8 +155,11 @@ def test_auto_plans_hold_their_budget_and_train_like_torchtitan_fsdp(workdir, to
     losses = logged_losses(output)
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert_losses_match(losses, torchtitan_fsdp)
-    measured = {int(step): float(total) for step, total in MEMORY_LOG.findall(output)}
+    logged = MEMORY_LOG.findall(output)
+    measured = {int(step): float(total) for step, total in logged}
     assert sorted(measured) == list(range(1, STEPS + 1)), output[-3000:]
+    assert len(logged) == STEPS and output.count("rsdp: dp_strategy=auto planned") == 1, "logged once, not per rank"
+
     print(f"budget {budget_mib} MiB: measured per step {measured}")
     assert max(measured.values()) <= budget_mib, (measured, output[-3000:])
 
@@ -209,6 +213,7 @@ def test_a_failing_rank_fails_the_launch_with_its_error(workdir):
         (dict(dp_overrides="layers.0=zero3"), "not module=strategy"),
         (dict(dp_strategy="auto"), "dp_memory_budget"),
         (dict(dp_strategy="auto", dp_memory_budget="lots"), "not a size"),
+        (dict(dp_strategy="rsdp", dp_memory_budget="60GiB"), "would do nothing with dp_strategy=rsdp: only dp_strategy=auto"),
     ],
 )
 def test_bad_parallelism_flags_are_named(fields, message):

@@ -13,6 +13,7 @@
 ``RSDPTrainer`` is torchtitan's Trainer with that config, and the measurement.
 """
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -70,6 +71,13 @@ class ParallelismConfig(TorchTitanParallelismConfig):
             )
         if self.dp_memory_budget:
             self.memory_budget_bytes()
+            if self.dp_strategy != "auto" and not self.dp_measure_memory:
+                raise ValueError(
+                    f"parallelism.dp_memory_budget={self.dp_memory_budget} would do nothing with "
+                    f"dp_strategy={self.dp_strategy}: only dp_strategy=auto plans to a budget. Pass "
+                    "--parallelism.dp_strategy auto to fit it, or --parallelism.dp_measure_memory to log each "
+                    "step's memory beside it, or drop it."
+                )
 
     def overrides(self) -> dict[str, Strategy]:
         """``dp_overrides`` as module name -> strategy (the root as ``""``), in the order given."""
@@ -89,6 +97,13 @@ class ParallelismConfig(TorchTitanParallelismConfig):
             return parse_bytes(self.dp_memory_budget)
         except Exception as error:  # argparse's error type carries the message we want
             raise ValueError(f"parallelism.dp_memory_budget: {error}") from None
+
+
+def log_once(message: str) -> None:
+    """Log a line every rank would log alike from rank 0 only (torchtitan's logger prints on every rank)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        logger.info(message)
 
 
 class RSDPTrainer(Trainer):
@@ -120,7 +135,7 @@ class RSDPTrainer(Trainer):
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         held, peak, total = (value / MiB for value in measured.tolist())
         budget = self.config.parallelism.dp_memory_budget
-        logger.info(
+        log_once(
             f"rsdp: step {self.step} memory per rank: {held:.2f} MiB parameters and optimizer state + {peak:.2f} "
             f"MiB step peak = {total:.2f} MiB" + (f" of a {budget} budget" if budget else "")
         )
@@ -139,7 +154,7 @@ def head_under_chunked_loss(parallelism: ParallelismConfig, loss) -> str:
         return parallelism.dp_overrides
     if any(name_matches(name, "lm_head") for name in parallelism.overrides()):
         return parallelism.dp_overrides
-    logger.info(
+    log_once(
         "rsdp: lm_head=fsdp: the chunked loss calls lm_head once per chunk and an rsdp head would rotate "
         "its table each time; --parallelism.dp_overrides lm_head=rsdp keeps the ring"
     )

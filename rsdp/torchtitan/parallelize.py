@@ -16,14 +16,13 @@ from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
 from torchtitan.distributed.compile import apply_compile
-from torchtitan.tools.logging import logger
 
 from .._compat import FSDPModule, MixedPrecisionPolicy
 from .._fully_shard import RSDPModule
 from ..planner import CostModel, plan
 from ..planner._models import flash_attention_for_counting, next_token_loss
 from ..policy import Strategy, name_matches, parallelize
-from .config import ROOT, ParallelismConfig
+from .config import ROOT, ParallelismConfig, log_once
 
 
 def with_data_parallel_strategies(torchtitan_parallelize):
@@ -86,7 +85,7 @@ def data_parallel_rules(
     """
     if parallelism.dp_strategy == "auto":
         chosen = _plan(model, parallel_dims, training, parallelism, ac_config, dump_folder)
-        logger.info(
+        log_once(
             "rsdp: dp_strategy=auto planned with the cost model (activations in mixed_precision_param, under "
             f"the run's activation checkpointing); it chose\n{chosen}"
         )
@@ -128,7 +127,7 @@ def apply_data_parallel(
         if isinstance(module, (FSDPModule, RSDPModule)):
             module.set_gradient_divide_factor(1.0)
     summary = ", ".join(f"{name or ROOT}={s.value}" for name, s in rules.items())
-    logger.info(f"rsdp: applied data parallelism ({summary}) on mesh {names}")
+    log_once(f"rsdp: applied data parallelism ({summary}) on mesh {names}")
 
 
 def _plan(
