@@ -138,18 +138,21 @@ class FrontierTooLarge(Exception):
     """More non-dominated partial plans than ``max_partials``: search again on a coarser grid."""
 
 
+_ROWS_PER_COMPARISON = 64  # bounds the comparison tensor at 64 x (candidates) x (key length)
+
+
 def _without_dominated(partials: list[Partial]) -> list[Partial]:
     unique = sorted({partial.key(): partial for partial in partials}.values(), key=Partial.key)
     keys = torch.tensor([partial.key() for partial in unique], dtype=torch.float64)
-    kept: list[int] = []
-    kept_keys = keys[:0]
-    for index in range(len(unique)):
-        # Sorted lexicographically, a partial can only be dominated by one that comes before it.
-        if kept and bool((kept_keys <= keys[index]).all(dim=1).any()):
-            continue
-        kept.append(index)
-        kept_keys = keys[kept]
-    return [unique[index] for index in kept]
+    dominated = torch.empty(len(unique), dtype=torch.bool)
+    for start in range(0, len(unique), _ROWS_PER_COMPARISON):
+        end = start + _ROWS_PER_COMPARISON
+        # The keys are distinct and sorted lexicographically, so only an earlier one can be no larger
+        # everywhere; each row is no larger than itself, hence "more than one". Comparing against every
+        # earlier key, dominated or not, finds the same rows: domination is transitive.
+        no_larger = (keys[:end, None, :] <= keys[None, start:end, :]).all(dim=2)
+        dominated[start:end] = no_larger.sum(dim=0) > 1
+    return [partial for partial, out in zip(unique, dominated.tolist()) if not out]
 
 
 def _rounded_up(cost: UnitCost, grid: int) -> UnitCost:
