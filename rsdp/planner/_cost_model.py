@@ -33,12 +33,28 @@ unsharded gradients and ring weight messages in ``param_dtype``, reduce-scatter 
 partials in ``reduce_dtype`` (FSDP2 casts while it copies the gradients into the reduce-scatter input).
 Activation checkpointing applied to the model is counted as it runs (what regions save, their
 recomputation in backward). The caching allocator's fragmentation is not counted: the estimate is of
-allocated bytes, not reserved ones. Time: compute at ``flops_per_s`` (backward twice forward), overlapped
-with communication at ``bandwidth_bytes_per_s`` plus ``latency_s`` per message. FSDP all-gathers
-(W-1)/W of a unit per phase and reduce-scatters as much; RSDP runs W ring steps per layer and phase,
-each the longer of its share of compute and one message (a shard forward; a shard and a partial
-backward, one latency); replication all-reduces 2(W-1)/W of the gradient. The optimizer step's time is
-not modelled.
+allocated bytes, not reserved ones.
+
+Time (``_Parallelism.seconds``; the constants come from ``rsdp calibrate`` or a preset, ``_hardware``).
+Compute is the counted FLOPs (backward twice forward) at ``flops_per_s``, the achieved rate of whole
+GEMMs. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
+(``Link``; bytes as nccl-tests' busbw counts them: (W-1)/W of the whole for a ring collective).
+Overlap, per strategy:
+
+- FSDP: a unit's all-gather (in backward: its re-gather and its reduce-scatter, back to back)
+  overlaps the unit's compute (FSDP2 prefetches the next unit's gather during this one's compute), so a
+  phase takes the longer of the two;
+- RSDP: per ring (one per counted layer) and phase, W steps each computing 1/W of the layer's GEMMs at
+  ``flops_per_s x partial_gemm_efficiency`` (a 1/W-row GEMM's efficiency relative to a whole one:
+  RSDP's per-shard penalty) plus ``ring_step_host_s`` of host work (added to the step where the host
+  computes, as on CPU ranks; overlapped with it where a device computes asynchronously); each of the
+  ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
+  overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange;
+- replicate: the gradient's all-reduce (2(W-1) hops, 2(W-1)/W of the bytes) overlaps the backward.
+
+Gathered weights and ring weight messages move in ``param_dtype``, reductions and partials in
+``reduce_dtype``. Not modelled: the optimizer step's time, FSDP's host time per collective, and the
+first gather of a pass (not overlapped with anything).
 
 The estimate is an upper bound of what a run measures (``tests/test_planner.py`` runs plans of several
 shapes, every strategy and mixed, and compares): where the timing of a buffer depends on its
@@ -66,11 +82,23 @@ from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked
 
 
 @dataclasses.dataclass(frozen=True)
+class Link:
+    """One kind of transfer: ``hops x latency_s + bytes / bandwidth_bytes_per_s`` (a ring collective
+    over W ranks is W-1 hops, an all-reduce 2(W-1), a point-to-point exchange one)."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def seconds(self, nbytes: float, hops: int = 1) -> float:
+        return hops * self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
 class CostModel:
     world_size: int
-    flops_per_s: float  # achieved per device
-    bandwidth_bytes_per_s: float  # per device, for collectives and point-to-point
-    latency_s: float  # per message
+    flops_per_s: float  # achieved per device on whole GEMMs
+    bandwidth_bytes_per_s: float  # per device: every op's, unless the op has its own Link below
+    latency_s: float  # per message (hop): every op's, unless the op has its own Link below
     optimizer_state_bytes_per_param_byte: float = 2.0  # AdamW keeps two moments
     # The optimizer step's temporaries: AdamW's foreach implementation (torch's default on GPUs) allocates
     # the square root of every second moment at once (per byte of all parameters), its for-loop
@@ -84,6 +112,18 @@ class CostModel:
     # stay in the parameters' own dtype.
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    # Time terms that ``rsdp calibrate`` measures (the defaults leave only the three numbers above).
+    partial_gemm_efficiency: float = 1.0  # FLOP/s of 1/world_size-row GEMMs over that of whole ones
+    ring_step_host_s: float = 0.0  # host time per ring step, beside its GEMMs
+    host_overlaps_compute: bool = True  # False where the host itself computes (CPU ranks)
+    send_recv: Link | None = None
+    all_gather: Link | None = None
+    reduce_scatter: Link | None = None
+    all_reduce: Link | None = None
+
+    def link(self, op: str) -> Link:
+        """The fitted cost of ``op`` (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``)."""
+        return getattr(self, op) or Link(self.latency_s, self.bandwidth_bytes_per_s)
 
 
 @dataclasses.dataclass
@@ -272,25 +312,31 @@ class _Parallelism:
         self.ring = int(ring) if strategy is Strategy.RSDP else 0
         self.vectors = int(counts.vector_bytes * self.compute_ratio)
 
-    def seconds(self, flops: float, streams: int) -> float:
-        """Compute of ``flops`` overlapped with ``streams`` concurrent transfers of this part's weights
-        (or gradients)."""
+    def seconds(self, flops: float, backward: bool) -> float:
+        """This part's phase: compute of ``flops`` overlapped with moving its weights (and in
+        ``backward`` its gradients), as the module docstring states."""
         cost, world, counts = self.cost, self.cost.world_size, self.counts
         compute = flops / cost.flops_per_s
         if world == 1 or counts.param_bytes == 0:
             return compute
         share = (world - 1) / world
         if self.strategy is Strategy.RSDP:
-            steps = max(counts.layers, 1) * world
-            # Backward's weights and partials travel in one message per step: one latency, twice the bytes.
-            message = cost.latency_s + streams * counts.param_bytes / steps / cost.bandwidth_bytes_per_s
-            return steps * max(compute / steps, message)
+            rings = max(counts.layers, 1)
+            gemms = compute / rings / world / cost.partial_gemm_efficiency
+            host = cost.ring_step_host_s
+            step = max(gemms, host) if cost.host_overlaps_compute else gemms + host
+            # Backward's weight shard and gradient partial travel as one message.
+            message = (self.compute + (self.reduced if backward else 0)) / rings / world
+            exchange = cost.link("send_recv").seconds(message)
+            return rings * (step + (world - 1) * max(step, exchange))
         if self.strategy is Strategy.FSDP:
-            transfer = streams * (share * counts.param_bytes / cost.bandwidth_bytes_per_s + (world - 1) * cost.latency_s)
+            transfer = cost.link("all_gather").seconds(share * self.compute, world - 1)
+            if backward:  # the re-gather (the unit was resharded after its forward), then the reduce
+                transfer += cost.link("reduce_scatter").seconds(share * self.reduced, world - 1)
             return max(compute, transfer)
-        if streams < 2:  # replication communicates in backward only
+        if not backward:  # replication communicates in backward only
             return compute
-        return max(compute, 2 * share * counts.param_bytes / cost.bandwidth_bytes_per_s + 2 * (world - 1) * cost.latency_s)
+        return max(compute, cost.link("all_reduce").seconds(2 * share * self.reduced, 2 * (world - 1)))
 
     def unit(self, forward: Phase, backward: Phase, below_ring_root: bool) -> UnitCost:
         """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
@@ -318,8 +364,8 @@ class _Parallelism:
             carried = Carried(ring=self.ring, ringed=True)
         return UnitCost(
             self.static,
-            Phase(forward.delta + forward_bytes[0], forward.peak + forward_bytes[1], self.seconds(counts.forward_flops, 1)),
-            Phase(backward.delta + backward_bytes[0], backward.peak + backward_bytes[1], self.seconds(2 * counts.forward_flops, 2)),
+            Phase(forward.delta + forward_bytes[0], forward.peak + forward_bytes[1], self.seconds(counts.forward_flops, backward=False)),
+            Phase(backward.delta + backward_bytes[0], backward.peak + backward_bytes[1], self.seconds(2 * counts.forward_flops, backward=True)),
             0.0,
             carried,
             self.optimizer_step,
@@ -372,13 +418,13 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
     largest_param = max(part.largest_param_bytes for part in (*counts.units.values(), counts.before, counts.after))
     return RootCost(
         root.static,
-        Phase(before.delta + before_bytes[0], before.peak + before_bytes[1], embedding.seconds(counts.before.forward_flops, 1)),
+        Phase(before.delta + before_bytes[0], before.peak + before_bytes[1], embedding.seconds(counts.before.forward_flops, backward=False)),
         Phase(
             middle.delta + middle_bytes[0],
             middle.peak + middle_bytes[1],
-            head.seconds(counts.after.forward_flops, 1) + head.seconds(2 * counts.after.forward_flops, 2),
+            head.seconds(counts.after.forward_flops, backward=False) + head.seconds(2 * counts.after.forward_flops, backward=True),
         ),
-        Phase(after.delta + after_bytes[0], after.peak + after_bytes[1], embedding.seconds(2 * counts.before.forward_flops, 2)),
+        Phase(after.delta + after_bytes[0], after.peak + after_bytes[1], embedding.seconds(2 * counts.before.forward_flops, backward=True)),
         0.0,
         carried,
         root.optimizer_step,

@@ -1,16 +1,39 @@
-"""Named hardware for the cost model (``rsdp plan --hardware``), each number with its source, and
-profiles written as JSON (``{"flops_per_s": ..., "bandwidth_bytes_per_s": ..., "latency_s": ...}``).
+"""Hardware for the cost model (``rsdp plan --hardware``): named presets, each number with its source,
+and profiles that ``rsdp calibrate`` measures and writes as JSON.
 
-Pitfalls: a preset's FLOP/s is the datasheet's dense BF16 peak, which training does not reach (torchtitan
-reports 33-39% of it for Llama 3.1 8B on H100s), so its step times are lower bounds; its bandwidth is
-the per-direction link rate per GPU, which NCCL's collectives approach for large messages only. The
-per-message latency has no datasheet: it is an order of magnitude for NCCL's small messages, stated
-as such.
+A profile's fields (only the first three are required: a profile of just those still loads, and
+then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_s``):
+
+- ``flops_per_s``: the rate at which this device runs the FLOPs the cost model counts. Calibrated with a
+  model, it is a whole training step's (GEMMs, attention, norms, elementwise ops); without one, the
+  rate of whole GEMMs at default shapes, which a step does not reach (an upper bound of speed);
+- ``bandwidth_bytes_per_s``, ``latency_s``: the default link, per device, bytes as nccl-tests' busbw
+  counts them, latency per hop;
+- ``links``: per op (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``) its own
+  ``{"latency_s", "bandwidth_bytes_per_s"}``, fitted over message sizes;
+- ``partial_gemm_efficiency``: ``{W: FLOP/s of 1/W-row GEMMs over whole ones}``, the three GEMMs of a
+  Linear's step at the model's shapes (RSDP's per-shard penalty);
+- ``ring_step_host_s``, ``host_overlaps_compute``: host time per ring step, and whether a device
+  computes while the host issues (False on CPU ranks, where the host computes).
+
+Pitfalls: a preset's datasheet peak is not what training reaches, so the H100 preset's achieved rate
+comes from this project's own measured step (docs/benchmarks.md, GPU section), at Llama 3 8B's shapes
+and sequence 8192: other shapes run at other rates. Between the world sizes a profile measured, the
+partial efficiency is interpolated in log W; beyond the largest, it falls as 1/W (the partial GEMMs
+are then assumed to take as long as the largest measured world's: small GEMMs are bound by their
+launch, not their FLOPs), which is a guess, stated as one.
 """
 
 import dataclasses
 import json
+import math
 from pathlib import Path
+
+import torch
+
+from ._cost_model import CostModel, Link
+
+LINK_OPS = ("send_recv", "all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,11 +42,69 @@ class Hardware:
     bandwidth_bytes_per_s: float
     latency_s: float
     source: str = ""
+    partial_gemm_efficiency: dict[int, float] = dataclasses.field(default_factory=dict)
+    ring_step_host_s: float = 0.0
+    host_overlaps_compute: bool = True
+    links: dict[str, Link] = dataclasses.field(default_factory=dict)
+
+    def efficiency_at(self, world_size: int) -> float:
+        """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
+        measured = sorted({1: 1.0, **self.partial_gemm_efficiency}.items())
+        if world_size in dict(measured):
+            return dict(measured)[world_size]
+        largest, at_largest = measured[-1]
+        if world_size > largest:
+            return at_largest * largest / world_size
+        below = max(w for w, _ in measured if w < world_size)
+        above = min(w for w, _ in measured if w > world_size)
+        fraction = math.log(world_size / below) / math.log(above / below)
+        efficiency = dict(measured)
+        return efficiency[below] + fraction * (efficiency[above] - efficiency[below])
+
+    def cost_model(self, world_size: int, param_dtype: torch.dtype | None = None,
+                   reduce_dtype: torch.dtype | None = None, **overrides) -> CostModel:
+        """The cost model of ``world_size`` such devices (``overrides``: CostModel fields)."""
+        fields = dict(
+            flops_per_s=self.flops_per_s, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, latency_s=self.latency_s,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            partial_gemm_efficiency=self.efficiency_at(world_size), ring_step_host_s=self.ring_step_host_s,
+            host_overlaps_compute=self.host_overlaps_compute, **self.links,
+        )
+        fields.update({name: value for name, value in overrides.items() if value is not None})
+        if {"bandwidth_bytes_per_s", "latency_s"} & {k for k, v in overrides.items() if v is not None}:
+            for op in LINK_OPS:  # an overridden default link replaces the fitted ones
+                fields.pop(op, None)
+        return CostModel(world_size, **fields)
+
+    def to_json(self) -> dict:
+        return {
+            "flops_per_s": self.flops_per_s, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "latency_s": self.latency_s, "source": self.source,
+            "partial_gemm_efficiency": {str(w): e for w, e in self.partial_gemm_efficiency.items()},
+            "ring_step_host_s": self.ring_step_host_s, "host_overlaps_compute": self.host_overlaps_compute,
+            "links": {op: dataclasses.asdict(link) for op, link in self.links.items()},
+        }
 
 
 _CHIPS = {  # dense BF16 peak FLOP/s and its source
     "h100-sxm": (989e12, "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: BF16 Tensor Core 989 TFLOP/s dense, 1,979 with sparsity)"),
     "a100-sxm": (312e12, "NVIDIA A100 Tensor Core GPU datasheet (A100 SXM: BF16 Tensor Core 312 TFLOP/s dense)"),
+}
+# What a training step achieves of the peak, and the partial GEMMs' efficiency, where measured.
+_ACHIEVED = {
+    "h100-sxm": dict(
+        fraction=0.451,
+        partial_gemm_efficiency={2: 0.96, 4: 0.90, 8: 0.80},
+        ring_step_host_s=140e-6,
+        source=(
+            "achieved: this project's H100 SXM 80GB run (docs/benchmarks.md, GPU section; torch 2.11, bf16, "
+            "FlashAttention): one rank's FSDP2 step of 2 Llama 3 8B layers + head at sequence 8192, "
+            "53.9 TFLOP as the cost model counts them in 120.4-120.9 ms = 446 TFLOP/s = 45.1% of peak "
+            "(whole GEMMs alone: 743 TFLOP/s); partial GEMMs: that run's split-GEMM table at 8192 tokens, "
+            "FLOP-weighted over 32 layers and the head (0.96, 0.90, 0.80 at W = 2, 4, 8); host per ring step: "
+            "rsdp's host issue time over FSDP2's at W=8, seq 2048 (46.5 - 28.3 ms) over its 132 exchanges"
+        ),
+    ),
 }
 _LINKS = {  # bytes/s per GPU each way and its source
     ("h100-sxm", "nvlink"): (450e9, "NVLink 4: 900 GB/s per GPU, both directions together (450 GB/s each way)"),
@@ -31,13 +112,49 @@ _LINKS = {  # bytes/s per GPU each way and its source
     ("a100-sxm", "nvlink"): (300e9, "NVLink 3: 600 GB/s per GPU, both directions together (300 GB/s each way)"),
     ("a100-sxm", "infiniband"): (25e9, "one 200 Gb/s HDR InfiniBand link (ConnectX-6) per GPU = 25 GB/s"),
 }
+# Published NCCL figures on NVLink H100s (the collectives' busbw, send/recv latency).
+_NCCL_H100_NVLINK = (
+    {
+        "send_recv": Link(3e-6, 360e9),
+        "all_gather": Link(10e-6 / 7, 360e9),
+        "reduce_scatter": Link(10e-6 / 7, 360e9),
+        "all_reduce": Link(10e-6 / 7, 360e9),
+    },
+    "NCCL on 8 H100 NVLink: all_gather_perf saturates at ~360 GB/s busbw (NVIDIA/nccl-tests#326, NCCL maintainer), "
+    "used for every op; send/recv latency ~3 us between two NVLink H100s (NVIDIA/nccl#1487); collective latency "
+    "10 us for 8 ranks' 7 hops: an assumption, not published",
+)
 _LATENCY_S = 5e-6
 _LATENCY = "latency 5 us: assumed (NCCL small-message order of magnitude), not from a datasheet"
 
-PRESETS = {
-    f"{chip}-{link}": Hardware(_CHIPS[chip][0], rate, _LATENCY_S, f"{_CHIPS[chip][1]}; {link_source}; {_LATENCY}")
-    for (chip, link), (rate, link_source) in _LINKS.items()
-}
+
+def _preset(chip: str, link: str, rate: float, link_source: str) -> Hardware:
+    peak, peak_source = _CHIPS[chip]
+    achieved = _ACHIEVED.get(chip)
+    links, links_source = _NCCL_H100_NVLINK if (chip, link) == ("h100-sxm", "nvlink") else ({}, _LATENCY)
+    if achieved is None:
+        return Hardware(peak, rate, _LATENCY_S, f"{peak_source} (no achieved rate measured: step times are lower bounds); "
+                        f"{link_source}; {links_source}", links=links)
+    return Hardware(
+        peak * achieved["fraction"], rate, _LATENCY_S, f"{peak_source}; {achieved['source']}; {link_source}; {links_source}",
+        partial_gemm_efficiency=achieved["partial_gemm_efficiency"], ring_step_host_s=achieved["ring_step_host_s"],
+        links=links,
+    )
+
+
+PRESETS = {f"{chip}-{link}": _preset(chip, link, rate, source) for (chip, link), (rate, source) in _LINKS.items()}
+
+
+def from_json(values: dict, source: str) -> Hardware:
+    return Hardware(
+        float(values["flops_per_s"]), float(values["bandwidth_bytes_per_s"]), float(values["latency_s"]),
+        str(values.get("source", source)),
+        partial_gemm_efficiency={int(w): float(e) for w, e in values.get("partial_gemm_efficiency", {}).items()},
+        ring_step_host_s=float(values.get("ring_step_host_s", 0.0)),
+        host_overlaps_compute=bool(values.get("host_overlaps_compute", True)),
+        links={op: Link(float(link["latency_s"]), float(link["bandwidth_bytes_per_s"]))
+               for op, link in values.get("links", {}).items()},
+    )
 
 
 def load(name_or_path: str) -> Hardware:
@@ -51,11 +168,13 @@ def load(name_or_path: str) -> Hardware:
         )
     values = json.loads(path.read_text())
     try:
-        return Hardware(
-            float(values["flops_per_s"]), float(values["bandwidth_bytes_per_s"]), float(values["latency_s"]),
-            str(values.get("source", path)),
-        )
-    except (KeyError, TypeError, ValueError) as error:
+        unknown = set(values.get("links", {})) - set(LINK_OPS)
+        if unknown:
+            raise ValueError(f"unknown ops in links: {sorted(unknown)} (known: {', '.join(LINK_OPS)})")
+        return from_json(values, str(path))
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(
-            f"rsdp plan: profile {path} needs numbers flops_per_s, bandwidth_bytes_per_s and latency_s ({error!r})."
+            f"rsdp plan: profile {path} needs numbers flops_per_s, bandwidth_bytes_per_s and latency_s, and optionally "
+            f"partial_gemm_efficiency, ring_step_host_s, host_overlaps_compute and links as `rsdp calibrate` writes "
+            f"them ({error!r})."
         ) from None
