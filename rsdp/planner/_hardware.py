@@ -49,6 +49,8 @@ class Hardware:
 
     def efficiency_at(self, world_size: int) -> float:
         """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
+        if not self.partial_gemm_efficiency:
+            return 1.0
         measured = sorted({1: 1.0, **self.partial_gemm_efficiency}.items())
         if world_size in dict(measured):
             return dict(measured)[world_size]
