@@ -1,0 +1,88 @@
+"""The cost model's time terms, each pinned on a part with known FLOPs and bytes, and the profiles
+(presets, old three-number files, calibrated ones) that set them."""
+
+import json
+
+import pytest
+
+from rsdp import CostModel, Strategy
+from rsdp.planner import _hardware
+from rsdp.planner._cost_model import Link, PartCounts, _Parallelism
+
+WORLD = 4
+PART = PartCounts(param_bytes=4_000_000, largest_layer_bytes=2_000_000, layers=2, forward_flops=8e9, itemsize=4)
+
+
+def seconds(strategy: Strategy, backward: bool = False, **fields) -> float:
+    cost = CostModel(WORLD, **{"flops_per_s": 1e12, "bandwidth_bytes_per_s": 1e18, "latency_s": 0.0, **fields})
+    flops = PART.forward_flops * (2 if backward else 1)
+    return _Parallelism(PART, strategy, cost).seconds(flops, backward)
+
+
+def test_a_slower_partial_gemm_slows_rsdp_by_its_factor_and_nothing_else():
+    whole = PART.forward_flops / 1e12
+    assert seconds(Strategy.RSDP) == pytest.approx(whole)
+    assert seconds(Strategy.RSDP, partial_gemm_efficiency=0.8) == pytest.approx(whole / 0.8)
+    assert seconds(Strategy.FSDP, partial_gemm_efficiency=0.8) == pytest.approx(whole)
+    assert seconds(Strategy.REPLICATE, partial_gemm_efficiency=0.8) == pytest.approx(whole)
+
+
+def test_rsdp_pays_one_latency_per_exchange_w_minus_1_per_ring():
+    """Communication-bound (no FLOPs' worth of time): 2 rings x (W-1) exchanges x latency, and a step's
+    host time W times per ring; where the host computes, host time adds to the GEMMs."""
+    latency, host = 1e-3, 1e-4
+    send_recv = Link(latency, 1e18)
+    slow = dict(flops_per_s=1e30, send_recv=send_recv)
+    assert seconds(Strategy.RSDP, **slow) == pytest.approx(2 * (WORLD - 1) * latency)
+    # Overlapped host time hides under the exchanges; serial host time (CPU ranks) is paid every step.
+    assert seconds(Strategy.RSDP, ring_step_host_s=host, **slow) == pytest.approx(host * 2 + 2 * (WORLD - 1) * latency)
+    gemms = PART.forward_flops / 1e12 / (2 * WORLD)  # one ring step's share
+    serial = seconds(Strategy.RSDP, ring_step_host_s=host, host_overlaps_compute=False)
+    assert serial == pytest.approx(2 * WORLD * (gemms + host))
+
+
+def test_rsdp_backward_messages_carry_a_weight_shard_and_a_gradient_partial():
+    bandwidth = 1e9
+    link = dict(flops_per_s=1e30, send_recv=Link(0.0, bandwidth))
+    shard = PART.param_bytes / 2 / WORLD  # per ring and step
+    assert seconds(Strategy.RSDP, **link) == pytest.approx(2 * (WORLD - 1) * shard / bandwidth)
+    assert seconds(Strategy.RSDP, backward=True, **link) == pytest.approx(2 * (WORLD - 1) * 2 * shard / bandwidth)
+
+
+def test_fsdp_and_replicate_use_each_collectives_fitted_cost():
+    gather, reduce, all_reduce = Link(1e-3, 1e9), Link(2e-3, 5e8), Link(3e-3, 2e9)
+    links = dict(flops_per_s=1e30, all_gather=gather, reduce_scatter=reduce, all_reduce=all_reduce)
+    share = (WORLD - 1) / WORLD * PART.param_bytes
+    assert seconds(Strategy.FSDP, **links) == pytest.approx(gather.seconds(share, WORLD - 1))
+    assert seconds(Strategy.FSDP, backward=True, **links) == pytest.approx(
+        gather.seconds(share, WORLD - 1) + reduce.seconds(share, WORLD - 1)
+    )
+    assert seconds(Strategy.REPLICATE, **links) == pytest.approx(PART.forward_flops / 1e30)  # compute only
+    assert seconds(Strategy.REPLICATE, backward=True, **links) == pytest.approx(all_reduce.seconds(2 * share, 2 * (WORLD - 1)))
+    # Compute-bound: the transfers hide under it.
+    assert seconds(Strategy.FSDP, backward=True, all_gather=gather) == pytest.approx(2 * PART.forward_flops / 1e12)
+
+
+def test_profiles_old_and_new_load_and_presets_cite_their_sources(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"flops_per_s": 1e12, "bandwidth_bytes_per_s": 1e10, "latency_s": 1e-5}))
+    cost = _hardware.load(str(old)).cost_model(8)
+    assert (cost.partial_gemm_efficiency, cost.ring_step_host_s, cost.link("all_reduce")) == (1.0, 0.0, Link(1e-5, 1e10))
+
+    measured = _hardware.Hardware(2e11, 1e9, 2e-6, "test", {2: 0.9, 8: 0.5}, 1e-4, False, {"send_recv": Link(3e-6, 4e9)})
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps(measured.to_json()))
+    assert _hardware.load(str(new)) == measured
+    assert measured.efficiency_at(4) == pytest.approx(0.7)  # halfway in log W
+    assert measured.efficiency_at(16) == pytest.approx(0.25)  # beyond: as if each GEMM took W=8's time
+    # Overriding the default link drops the fitted ones (they would contradict it).
+    assert measured.cost_model(2, latency_s=1e-3).link("send_recv") == Link(1e-3, 1e9)
+
+    h100 = _hardware.PRESETS["h100-sxm-nvlink"]
+    assert h100.flops_per_s < 989e12 and "docs/benchmarks.md" in h100.source and "nccl-tests#326" in h100.source
+    assert "no achieved rate measured" in _hardware.PRESETS["a100-sxm-nvlink"].source
+
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"flops_per_s": 1e12, "bandwidth_bytes_per_s": 1e10, "latency_s": 1e-5, "links": {"gossip": {}}}))
+    with pytest.raises(ValueError, match="unknown ops in links"):
+        _hardware.load(str(broken))
