@@ -3,6 +3,7 @@
     rsdp plan --model torchtitan:llama3:8B --world-size 8 --seq-len 8192 --local-batch-size 2 \\
         --activation-checkpoint selective --mixed-precision bf16 --budget 80GiB --hardware h100-sxm-nvlink
     rsdp plan --model hf:path/to/config.json --world-size 64 --budget 40GiB --json plan.json
+    torchrun --nproc-per-node 2 -m rsdp calibrate --model benchmark --out profile.json   # then --hardware profile.json
     torchrun --nproc_per_node 4 -m rsdp plan --measure --budget 64MiB --ninp 512 --nhid 2048 ...
 
 ``--model`` is ``torchtitan:<family>:<flavor>``, ``hf:<config.json>`` or ``benchmark`` (the RTP benchmarks'
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import CostModel, plan
-from . import _hardware, _models
+from . import _calibrate, _hardware, _models
 from ._cost_model import count
 from ._plan import _resize_batch, plan_from_counts, predict_uniform
 from ._profile import find_units
@@ -40,47 +41,65 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2).lower()])
 
 
+def _model_arguments() -> argparse.ArgumentParser:
+    """The model and the shape it runs at: what ``plan`` and ``calibrate`` both take."""
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=None,
+                        help="tokens per sample (default 2048; the benchmark model's 128)")
+    shared.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="fp32",
+                        help="bf16: parameters gathered and computed in bf16, gradients reduced in fp32 (torchtitan's default)")
+    model = shared.add_argument_group("benchmark model (--model benchmark)")
+    for name, default in (("vocab_size", 10240), ("ninp", 2048), ("nhid", 2048), ("nhead", 32), ("num_decoder_layers", 5)):
+        model.add_argument(f"--{name}", type=int, default=default)
+    return shared
+
+
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rsdp", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("plan", help="print the plan for a model, a cluster and a memory budget")
+    shared = _model_arguments()
+    p = commands.add_parser("plan", parents=[shared], help="print the plan for a model, a cluster and a memory budget")
     p.add_argument("--model", default="benchmark", help="torchtitan:<family>:<flavor>, hf:<config.json> or benchmark")
     p.add_argument("--budget", type=parse_bytes, required=True, help="bytes per device, e.g. 80GiB")
     p.add_argument("--world-size", type=int, default=8, help="data-parallel devices (cost model)")
-    p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=None,
-                   help="tokens per sample (default 2048; the benchmark model's 128)")
     p.add_argument("--local-batch-size", type=int, nargs="+", default=None, dest="batch_sizes",
                    help="per-device batch sizes to consider (default 1)")
     p.add_argument("--batch-sizes", type=int, nargs="+", dest="batch_sizes", help=argparse.SUPPRESS)
     p.add_argument("--activation-checkpoint", choices=_models.AC_MODES, default="none",
                    help="torchtitan 0.3's activation checkpointing of every block")
-    p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="fp32",
-                   help="bf16: parameters gathered and computed in bf16, gradients reduced in fp32 (torchtitan's default)")
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(_hardware.PRESETS)}) or a profile JSON")
     p.add_argument("--flops", type=float, default=None, help="achieved FLOP/s per device (overrides --hardware)")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s per device (overrides --hardware)")
     p.add_argument("--latency", type=float, default=None, help="seconds per message (overrides --hardware)")
     p.add_argument("--json", default=None, help="write predictions per strategy and for the plan to this file")
     p.add_argument("--measure", action="store_true", help="profile on the ranks torchrun started (benchmark model)")
-    model = p.add_argument_group("benchmark model (--model benchmark)")
-    for name, default in (("vocab_size", 10240), ("ninp", 2048), ("nhid", 2048), ("nhead", 32), ("num_decoder_layers", 5)):
-        model.add_argument(f"--{name}", type=int, default=default)
+    c = commands.add_parser("calibrate", parents=[shared], help="measure this machine's time constants into a profile")
+    c.add_argument("--model", default=None,
+                   help="take the Linear shapes from this model (as plan's --model; default: a 1024-wide block); "
+                        "with benchmark, also time one unsharded training step")
+    c.add_argument("--world-size", type=int, default=None,
+                   help="without torchrun: ranks to simulate on the fake process group (host time only)")
+    c.add_argument("--local-batch-size", type=int, default=1)
+    c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    c.add_argument("--hardware", default="h100-sxm-nvlink",
+                   help="without torchrun: the preset whose links the profile keeps (none can be measured)")
+    c.add_argument("--out", default="profile.json", help="the profile to write (rank 0)")
     args = parser.parse_args(argv)
-    args.batch_sizes = args.batch_sizes or [1]
-    args.seq_len = args.seq_len or (128 if args.model == "benchmark" else 2048)
+    if args.command == "calibrate" and "RANK" not in os.environ and not args.world_size:
+        parser.error("rsdp calibrate: start it with torchrun (measures the process group), or give --world-size W "
+                     "to measure host and GEMM times for W ranks in this one process")
+    if args.command == "plan":
+        args.batch_sizes = args.batch_sizes or [1]
+    args.seq_len = args.seq_len or (128 if args.model in ("benchmark", None) else 2048)
     return args
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
     hardware = _hardware.load(args.hardware) if args.hardware else _hardware.PRESETS["h100-sxm-nvlink"]
     bf16 = args.mixed_precision == "bf16"
-    return CostModel(
-        args.world_size,
-        args.flops if args.flops is not None else hardware.flops_per_s,
-        args.bandwidth if args.bandwidth is not None else hardware.bandwidth_bytes_per_s,
-        args.latency if args.latency is not None else hardware.latency_s,
-        param_dtype=torch.bfloat16 if bf16 else None,
-        reduce_dtype=torch.float32 if bf16 else None,
+    return hardware.cost_model(
+        args.world_size, param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None,
+        flops_per_s=args.flops, bandwidth_bytes_per_s=args.bandwidth, latency_s=args.latency,
     )
 
 
@@ -90,6 +109,8 @@ def _prediction(peak: float, seconds: float, batch_size: int, seq_len: int) -> d
 
 def main(argv: list[str] | None = None) -> None:
     args = _arguments(argv)
+    if args.command == "calibrate":
+        return _calibrated(args)
     if args.measure:
         return _measured(args)
     try:
@@ -142,6 +163,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=2)
+
+
+def _calibrated(args: argparse.Namespace) -> None:
+    try:
+        hardware, report = _calibrate.calibrate(args)
+    except ValueError as error:
+        sys.exit(str(error))
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    _calibrate.write(hardware, report, args.out)
+    print(f"wrote {args.out}: {hardware.source}")
+    print(f"flops_per_s {hardware.flops_per_s:.4g} (whole GEMMs {report['gemm_flops_per_s']:.4g}); partial GEMM efficiency "
+          + ", ".join(f"W={w}: {e:.3f}" for w, e in hardware.partial_gemm_efficiency.items())
+          + f"; host per ring step {hardware.ring_step_host_s * 1e6:.1f} us")
+    for op, link in hardware.links.items():
+        print(f"{op}: latency {link.latency_s * 1e6:.1f} us per hop, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s")
 
 
 def _measured(args: argparse.Namespace) -> None:

@@ -1,0 +1,256 @@
+"""``rsdp calibrate``: the cost model's time constants, measured on this machine and process group, as
+a profile that ``rsdp plan --hardware profile.json`` loads (its fields: ``_hardware``).
+
+What it measures, each rank at once (ranks share the host's cores and links as they do in training):
+
+- GEMM FLOP/s at the model's Linear shapes (``tokens x in -> out``, every Linear as often as the model
+  has it): a Linear's three GEMMs (forward, input gradient, weight gradient) whole and with 1/W of the
+  weight's rows, as each RSDP ring step computes them. ``flops_per_s`` is the whole GEMMs' rate and
+  ``partial_gemm_efficiency[W]`` the partial ones' rate over it. With ``--model benchmark`` (a model
+  this host can run) ``flops_per_s`` is instead one unsharded training step's rate, counted as the cost
+  model counts it (GEMMs, attention, norms, loss), and the GEMM rate is kept beside it for reference;
+- per op (point-to-point ring exchange, all-gather, reduce-scatter, all-reduce), ``t = hops x latency
+  + bytes / bandwidth`` fitted by least squares over message sizes (bytes as nccl-tests' busbw counts
+  them, the slowest rank's time per size);
+- host time per ring step, on torch's fake process group at W (every message returns at once, so
+  what is left over an unsharded run of the same tiny model is rsdp's own host work), divided by the
+  ring steps the cost model charges (W per Linear and phase).
+
+Pitfalls: the GEMM rate depends on the shapes (small partial GEMMs are launch- or cache-bound, large
+ones reach the peak), so a profile holds for the shapes it measured. On one process with ``--world-size``
+(the fake process group) no link can be measured: the links are the ``--hardware`` preset's, and the
+profile says so in its ``source``. Times are medians of rounds; a loaded host shifts them all.
+"""
+
+import collections
+import copy
+import dataclasses
+import json
+import os
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from .._compat import all_gather_flat, fake_store, reduce_scatter_flat, send_and_receive
+from .._fully_shard._ring import WAITED_WORKS, wait_for
+from ._cost_model import Link
+from ..policy import Strategy, parallelize
+from . import _hardware, _models
+from ._cost_model import count
+from ._hardware import LINK_OPS, Hardware
+from ._profile import find_units
+
+MESSAGE_BYTES = (2**12, 2**16, 2**20, 2**22)  # whole tensor per op (a ring exchange moves 1/W of it)
+HOPS = {"send_recv": lambda w: 1, "all_gather": lambda w: w - 1, "reduce_scatter": lambda w: w - 1,
+        "all_reduce": lambda w: 2 * (w - 1)}
+BUS_FRACTION = {"send_recv": lambda w: 1 / w, "all_gather": lambda w: (w - 1) / w,
+                "reduce_scatter": lambda w: (w - 1) / w, "all_reduce": lambda w: 2 * (w - 1) / w}
+
+
+def median_seconds(fn: Callable[[], None], rounds: int = 3, min_seconds: float = 0.02, sync=lambda: None,
+                   calls: int = 1) -> float:
+    """Median over ``rounds`` of the mean time of ``fn`` (called ``calls`` times, then until ``min_seconds``
+    have passed)."""
+    fn()  # warm-up: first-call allocations and kernel selection
+    sync()
+    times = []
+    for _ in range(rounds):
+        done, start = 0, time.perf_counter()
+        while True:
+            fn()
+            done += 1
+            sync()
+            if done >= calls and time.perf_counter() - start >= min_seconds:
+                break
+        times.append((time.perf_counter() - start) / done)
+    return statistics.median(times)
+
+
+def linear_shapes(model: nn.Module) -> collections.Counter:
+    """``(in_features, out_features)`` of every Linear, with how often the model has it."""
+    return collections.Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRates:
+    flops_per_s: float  # whole GEMMs
+    partial_gemm_efficiency: dict[int, float]  # W: 1/W-row GEMMs' FLOP/s over the whole ones'
+
+
+def gemm_rates(shapes: collections.Counter, tokens: int, world_sizes: list[int], dtype: torch.dtype,
+               device: torch.device, sync=lambda: None) -> GemmRates:
+    """A Linear's forward, input-gradient and weight-gradient GEMMs at each shape, whole and with
+    ceil(out / W) weight rows, weighted by how often the model has the shape."""
+
+    def three_gemms(tokens_in: torch.Tensor, weight: torch.Tensor) -> float:
+        grad_out = torch.randn(tokens, weight.shape[0], dtype=dtype, device=device)
+        return median_seconds(lambda: (tokens_in @ weight.t(), grad_out @ weight, grad_out.t() @ tokens_in), sync=sync)
+
+    flops = whole_seconds = 0.0
+    partial_seconds = collections.Counter()
+    for (fan_in, fan_out), times in shapes.items():
+        x = torch.randn(tokens, fan_in, dtype=dtype, device=device)
+        weight = torch.randn(fan_out, fan_in, dtype=dtype, device=device)
+        flops += times * 6 * tokens * fan_in * fan_out
+        whole_seconds += times * three_gemms(x, weight)
+        for world in world_sizes:
+            rows = math.ceil(fan_out / world)
+            # Each of W ring steps computes one shard; W shards do the whole GEMM's work.
+            partial_seconds[world] += times * world * three_gemms(x, weight[:rows].contiguous()) * fan_out / (rows * world)
+    return GemmRates(flops / whole_seconds, {w: whole_seconds / partial_seconds[w] for w in world_sizes})
+
+
+def fit_link(sizes: list[float], seconds: list[float], hops: int) -> Link:
+    """Least-squares ``seconds = intercept + bytes / bandwidth``; latency is the intercept per hop."""
+    mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(seconds)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds)) / sum((x - mean_x) ** 2 for x in sizes)
+    if slope <= 0:
+        raise ValueError(
+            f"rsdp calibrate: transfer time did not grow with size ({dict(zip(sizes, seconds))}); the host is "
+            "too loaded to fit a bandwidth: rerun it on a quieter machine or with larger --message-bytes."
+        )
+    intercept = max(mean_y - slope * mean_x, 0.0)
+    return Link(intercept / hops, 1 / slope)
+
+
+def measure_links(group, device: torch.device, message_bytes=MESSAGE_BYTES, sync=lambda: None) -> dict[str, Link]:
+    """Each op's fitted Link on ``group``, from the slowest rank's median time per size."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    links = {}
+    for op in LINK_OPS:
+        sizes, times = [], []
+        for nbytes in message_bytes:
+            shard = torch.zeros(max(nbytes // 4 // world, 1), device=device)
+            whole = torch.zeros(shard.numel() * world, device=device)
+            received = torch.zeros_like(shard)
+            run = {
+                "send_recv": lambda: wait_for(send_and_receive(group, shard, (rank - 1) % world, received, (rank + 1) % world, 0)),
+                "all_gather": lambda: all_gather_flat(whole, shard, group=group),
+                "reduce_scatter": lambda: reduce_scatter_flat(shard, whole, group=group),
+                "all_reduce": lambda: dist.all_reduce(whole, group=group),
+            }[op]
+            # A fixed number of calls on every rank: a collective called until a time has passed would
+            # be called a different number of times on each rank, and hang.
+            dist.barrier(group)
+            slowest = torch.tensor([median_seconds(run, sync=sync, min_seconds=0.0, calls=5)], dtype=torch.float64,
+                                   device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            sizes.append(whole.numel() * whole.element_size() * BUS_FRACTION[op](world))
+            times.append(float(slowest))
+        links[op] = fit_link(sizes, times, HOPS[op](world))
+    WAITED_WORKS.clear()
+    return links
+
+
+def ring_step_host_seconds(world: int, width: int = 16, layers: int = 8) -> float:
+    """Host time per ring step at ``world`` ranks: an rsdp step of ``layers`` tiny Linears on the fake
+    process group, less the same model's unsharded step, over the 2 x W x layers steps of its rings.
+    Initialises (and destroys) the fake process group: call it with no other group initialised."""
+    store = fake_store()
+    if store is None:
+        raise ValueError("rsdp calibrate: this torch has no fake process group; the host time per ring step cannot be measured.")
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    x = torch.randn(4, width)
+    dist.init_process_group("fake", store=store, rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        sharded = parallelize(copy.deepcopy(plain), {str(i): Strategy.RSDP for i in range(layers)}, mesh=mesh)
+
+        def step(model: nn.Module) -> Callable[[], None]:
+            def run() -> None:
+                model(x).sum().backward()
+                for param in model.parameters():
+                    param.grad = None
+            return run
+
+        rounds = [(median_seconds(step(sharded), rounds=1), median_seconds(step(plain), rounds=1)) for _ in range(3)]
+    finally:
+        dist.destroy_process_group()
+    extra = statistics.median(r - p for r, p in rounds)
+    return max(extra, 0.0) / (2 * world * layers)
+
+
+# Linear shapes measured without --model: a 1024-wide Llama-style block (q, k, v, o; gate, up; down).
+DEFAULT_SHAPES = collections.Counter({(1024, 1024): 4, (1024, 2816): 2, (2816, 1024): 1})
+
+
+def step_flops_per_s(model: nn.Module, loss_fn: Callable, batch: torch.Tensor) -> float:
+    """One unsharded forward and backward of ``model`` on this host: the FLOPs the cost model counts
+    for it (backward twice forward) over its median time."""
+    counts = count(model, find_units(model), batch, loss_fn)
+    flops = 3 * sum(part.forward_flops for part in (*counts.units.values(), counts.before, counts.after))
+
+    def step() -> None:
+        loss_fn(model, batch).backward()
+        for param in model.parameters():
+            param.grad = None
+
+    return flops / median_seconds(step, min_seconds=0.2)
+
+
+def calibrate(args) -> tuple[Hardware, dict]:
+    """The profile of this process group (under torchrun) or of ``args.world_size`` ranks on the fake
+    process group (one process), and what was measured, for the report."""
+    distributed = "RANK" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if distributed else args.world_size
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if distributed and device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    host = ring_step_host_seconds(world)  # before the real group: the fake one must be the only one
+    benchmark_shape = dict(vocab_size=args.vocab_size, ninp=args.ninp, nhid=args.nhid, nhead=args.nhead,
+                           num_decoder_layers=args.num_decoder_layers, seq_len=args.seq_len)
+    model, loss_fn, vocab = _models.build(args.model, benchmark_shape) if args.model else (None, None, 0)
+    shapes = linear_shapes(model) if model is not None else DEFAULT_SHAPES
+    tokens = args.seq_len * args.local_batch_size
+    world_sizes = sorted({2, 4, 8, world} - {1})
+    dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        links = measure_links(dist.group.WORLD, device, sync=sync) if distributed else {}
+        gemms = gemm_rates(shapes, tokens, world_sizes, dtype, device, sync)
+        step_rate = None
+        if args.model == "benchmark":
+            batch = torch.randint(vocab, (args.local_batch_size, args.seq_len + 1))
+            step_rate = step_flops_per_s(model.to(device), loss_fn, batch.to(device))
+        measured = [gemms.flops_per_s, step_rate or 0.0, host, *(gemms.partial_gemm_efficiency[w] for w in world_sizes)]
+        if distributed:  # every rank measured its own: the mean
+            mean = torch.tensor(measured, dtype=torch.float64, device=device)
+            dist.all_reduce(mean, group=dist.group.WORLD)
+            measured = (mean / world).tolist()
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    gemm_rate, step_rate, host = measured[0], measured[1] or None, measured[2]
+    efficiency = dict(zip(world_sizes, measured[3:]))
+    what = f"{args.model or 'default shapes'} at {tokens} tokens, {dtype}, {device.type}"
+    if distributed:
+        default = links["send_recv"]
+        link_source = f"links fitted over {list(MESSAGE_BYTES)} B on {world} {dist.Backend.GLOO if device.type == 'cpu' else 'nccl'} ranks"
+    else:
+        preset = _hardware.load(args.hardware)
+        default, links = Link(preset.latency_s, preset.bandwidth_bytes_per_s), dict(preset.links)
+        link_source = f"links not measured (fake process group): {args.hardware}'s ({preset.source})"
+    hardware = Hardware(
+        step_rate or gemm_rate, default.bandwidth_bytes_per_s, default.latency_s,
+        f"rsdp calibrate: {'one training step' if step_rate else 'whole GEMMs'} of {what}; partial GEMMs at "
+        f"W = {world_sizes}; host per ring step on the fake process group at W = {world}; {link_source}",
+        partial_gemm_efficiency=efficiency, ring_step_host_s=host, host_overlaps_compute=device.type != "cpu",
+        links=links,
+    )
+    report = {"world_size": world, "gemm_flops_per_s": gemm_rate, "step_flops_per_s": step_rate,
+              "linear_shapes": {f"{i}x{o}": n for (i, o), n in shapes.items()}, "tokens": tokens}
+    return hardware, report
+
+
+def write(hardware: Hardware, report: dict, path: str) -> None:
+    with open(path, "w") as out:
+        json.dump({**hardware.to_json(), "measured": report}, out, indent=2)
