@@ -37,8 +37,18 @@ def test_rsdp_pays_one_latency_per_exchange_w_minus_1_per_ring():
     # Overlapped host time hides under the exchanges; serial host time (CPU ranks) is paid every step.
     assert seconds(Strategy.RSDP, ring_step_host_s=host, **slow) == pytest.approx(host * 2 + 2 * (WORLD - 1) * latency)
     gemms = PART.forward_flops / 1e12 / (2 * WORLD)  # one ring step's share
-    serial = seconds(Strategy.RSDP, ring_step_host_s=host, host_overlaps_compute=False)
-    assert serial == pytest.approx(2 * WORLD * (gemms + host))
+    serial = seconds(Strategy.RSDP, ring_step_host_s=host, host_overlaps_compute=False, send_recv=send_recv)
+    assert serial == pytest.approx(2 * WORLD * (gemms + host) + 2 * (WORLD - 1) * latency)
+
+
+def test_where_the_host_computes_transfers_add_to_compute():
+    gather = Link(1e-3, 1e9)
+    share = (WORLD - 1) / WORLD * PART.param_bytes
+    compute = PART.forward_flops / 1e12
+    assert seconds(Strategy.FSDP, all_gather=gather, host_overlaps_compute=False) == pytest.approx(
+        compute + gather.seconds(share, WORLD - 1)
+    )
+    assert seconds(Strategy.FSDP, all_gather=gather) == pytest.approx(max(compute, gather.seconds(share, WORLD - 1)))
 
 
 def test_rsdp_backward_messages_carry_a_weight_shard_and_a_gradient_partial():

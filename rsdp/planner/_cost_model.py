@@ -39,15 +39,15 @@ Time (``_Parallelism.seconds``; the constants come from ``rsdp calibrate`` or a 
 Compute is the counted FLOPs (backward twice forward) at ``flops_per_s``, the achieved rate of whole
 GEMMs. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
 (``Link``; bytes as nccl-tests' busbw counts them: (W-1)/W of the whole for a ring collective).
-Overlap, per strategy:
+Overlap, per strategy, where a device computes (``host_overlaps_compute``; where the host computes, as
+on CPU ranks, it runs the transfers and its own work too, so every "longer of" below is a sum):
 
 - FSDP: a unit's all-gather (in backward: its re-gather and its reduce-scatter, back to back)
   overlaps the unit's compute (FSDP2 prefetches the next unit's gather during this one's compute), so a
   phase takes the longer of the two;
 - RSDP: per ring (one per counted layer) and phase, W steps each computing 1/W of the layer's GEMMs at
   ``flops_per_s x partial_gemm_efficiency`` (a 1/W-row GEMM's efficiency relative to a whole one:
-  RSDP's per-shard penalty) plus ``ring_step_host_s`` of host work (added to the step where the host
-  computes, as on CPU ranks; overlapped with it where a device computes asynchronously); each of the
+  RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
   overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange;
 - replicate: the gradient's all-reduce (2(W-1) hops, 2(W-1)/W of the bytes) overlaps the backward.
@@ -70,6 +70,7 @@ import collections
 import copy
 import dataclasses
 import math
+import operator
 
 import torch
 import torch.nn as nn
@@ -320,23 +321,26 @@ class _Parallelism:
         if world == 1 or counts.param_bytes == 0:
             return compute
         share = (world - 1) / world
+        # Where a device computes, the host's work and the transfers run beside it; where the host
+        # computes (CPU ranks), it also runs the transfers (gloo copies and reduces on the same cores).
+        overlap = max if cost.host_overlaps_compute else operator.add
         if self.strategy is Strategy.RSDP:
             rings = max(counts.layers, 1)
             gemms = compute / rings / world / cost.partial_gemm_efficiency
             host = cost.ring_step_host_s
-            step = max(gemms, host) if cost.host_overlaps_compute else gemms + host
+            step = overlap(gemms, host)
             # Backward's weight shard and gradient partial travel as one message.
             message = (self.compute + (self.reduced if backward else 0)) / rings / world
             exchange = cost.link("send_recv").seconds(message)
-            return rings * (step + (world - 1) * max(step, exchange))
+            return rings * (step + (world - 1) * overlap(step, exchange))
         if self.strategy is Strategy.FSDP:
             transfer = cost.link("all_gather").seconds(share * self.compute, world - 1)
             if backward:  # the re-gather (the unit was resharded after its forward), then the reduce
                 transfer += cost.link("reduce_scatter").seconds(share * self.reduced, world - 1)
-            return max(compute, transfer)
+            return overlap(compute, transfer)
         if not backward:  # replication communicates in backward only
             return compute
-        return max(compute, cost.link("all_reduce").seconds(2 * share * self.reduced, 2 * (world - 1)))
+        return overlap(compute, cost.link("all_reduce").seconds(2 * share * self.reduced, 2 * (world - 1)))
 
     def unit(self, forward: Phase, backward: Phase, below_ring_root: bool) -> UnitCost:
         """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
