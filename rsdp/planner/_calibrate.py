@@ -113,7 +113,7 @@ def fit_link(sizes: list[float], seconds: list[float], hops: int) -> Link:
     if slope <= 0:
         raise ValueError(
             f"rsdp calibrate: transfer time did not grow with size ({dict(zip(sizes, seconds))}); the host is "
-            "too loaded to fit a bandwidth: rerun it on a quieter machine or with larger --message-bytes."
+            "too loaded to fit a bandwidth: rerun it on a quieter machine."
         )
     intercept = max(mean_y - slope * mean_x, 0.0)
     return Link(intercept / hops, 1 / slope)
