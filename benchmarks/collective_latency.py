@@ -20,22 +20,15 @@ gloo's event-loop thread lets go of them. The system CPU time per op, summed ove
 import argparse
 import os
 import resource
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from forked_ranks import run_ranks
 from rsdp._compat import all_gather_flat, reduce_scatter_flat, send_and_receive
 from rsdp._fully_shard._ring import WAITED_WORKS, wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
@@ -82,22 +75,11 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=100, help="of each op per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the ops alternate within each")
     args = parser.parse_args()
-    with open("/proc/loadavg") as f:
-        before = " ".join(f.read().split()[:3])
-    context = mp.get_context("fork")
-    results = context.SimpleQueue()
-    port = _free_port()
-    processes = [context.Process(target=_rank, args=(rank, args, port, results)) for rank in range(args.nproc)]
-    for process in processes:
-        process.start()
-    by_rank = dict((rank, (times, system)) for rank, times, system in (results.get() for _ in processes))
-    for process in processes:
-        process.join()
+    reports, before, after = run_ranks(args.nproc, _rank, args, reports=args.nproc)
+    by_rank = {rank: (times, system) for rank, times, system in reports}
     times = by_rank[0][0]
     # Per round: the system time of all ranks (their rounds are the same barrier-separated windows).
     system = {name: [sum(by_rank[r][1][name][i] for r in by_rank) for i in range(args.repeats)] for name in times}
-    with open("/proc/loadavg") as f:
-        after = " ".join(f.read().split()[:3])
     print(f"{args.nproc} gloo ranks, {args.bytes} B per rank; loadavg {before} -> {after}")
     print("| op | ms per op (median of rounds) | rounds | system CPU ms per op, all ranks (median) |\n| --- | --- | --- | --- |")
     for name, rounds in times.items():

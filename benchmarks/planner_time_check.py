@@ -15,14 +15,13 @@ shared machine drift), the median round per strategy, slowest rank; and prints i
 import argparse
 import copy
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from forked_ranks import run_ranks
 from rsdp import Strategy, parallelize
 from rsdp.planner import _hardware, _models
 from rsdp.planner._cost_model import count
@@ -30,12 +29,6 @@ from rsdp.planner._plan import predict_uniform
 from rsdp.planner._profile import find_units
 
 STRATEGIES = (Strategy.FSDP, Strategy.RSDP, Strategy.REPLICATE)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(args):
@@ -95,19 +88,7 @@ def main() -> None:
     cost_model = _hardware.load(args.hardware).cost_model(args.nproc)
     predicted = {strategy: predict_uniform(counts, units, strategy, cost_model)[1] for strategy in STRATEGIES}
 
-    with open("/proc/loadavg") as f:
-        before = " ".join(f.read().split()[:3])
-    context = mp.get_context("fork")
-    results = context.SimpleQueue()
-    port = _free_port()
-    processes = [context.Process(target=_rank, args=(rank, args, port, results)) for rank in range(args.nproc)]
-    for process in processes:
-        process.start()
-    times = results.get()
-    for process in processes:
-        process.join()
-    with open("/proc/loadavg") as f:
-        after = " ".join(f.read().split()[:3])
+    (times,), before, after = run_ranks(args.nproc, _rank, args, reports=1)
     print(f"{args.nproc} gloo ranks, benchmark LM vocab {args.vocab_size}, ninp {args.ninp}, nhid {args.nhid}, "
           f"nhead {args.nhead}, {args.num_decoder_layers} layers, batch {args.batch_size} x {args.seq_len} per rank; "
           f"profile {args.hardware}; {args.rounds} rounds x {args.steps} steps, alternating; loadavg {before} -> {after}")
