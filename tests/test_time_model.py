@@ -10,7 +10,8 @@ from rsdp.planner import _hardware
 from rsdp.planner._cost_model import Link, PartCounts, _Parallelism
 
 WORLD = 4
-PART = PartCounts(param_bytes=4_000_000, largest_layer_bytes=2_000_000, layers=2, forward_flops=8e9, itemsize=4)
+PART = PartCounts(param_bytes=4_000_000, largest_layer_bytes=2_000_000, layers=2, forward_flops=8e9, linear_flops=6e9,
+                  itemsize=4)
 
 
 def seconds(strategy: Strategy, backward: bool = False, **fields) -> float:
@@ -19,10 +20,15 @@ def seconds(strategy: Strategy, backward: bool = False, **fields) -> float:
     return _Parallelism(PART, strategy, cost).seconds(flops, backward)
 
 
-def test_a_slower_partial_gemm_slows_rsdp_by_its_factor_and_nothing_else():
+def test_a_slower_partial_gemm_slows_rsdp_linears_by_its_factor_and_nothing_else():
     whole = PART.forward_flops / 1e12
     assert seconds(Strategy.RSDP) == pytest.approx(whole)
-    assert seconds(Strategy.RSDP, partial_gemm_efficiency=0.8) == pytest.approx(whole / 0.8)
+    # The Linears' 6 of 8 GFLOP, at the whole GEMMs' rate (2 TFLOP/s here), take 1/0.8 as long.
+    penalty = PART.linear_flops / 2e12 * (1 / 0.8 - 1)
+    assert seconds(Strategy.RSDP, partial_gemm_efficiency=0.8, gemm_flops_per_s=2e12) == pytest.approx(whole + penalty)
+    assert seconds(Strategy.RSDP, backward=True, partial_gemm_efficiency=0.8, gemm_flops_per_s=2e12) == pytest.approx(
+        2 * (whole + penalty)
+    )
     assert seconds(Strategy.FSDP, partial_gemm_efficiency=0.8) == pytest.approx(whole)
     assert seconds(Strategy.REPLICATE, partial_gemm_efficiency=0.8) == pytest.approx(whole)
 
@@ -79,7 +85,7 @@ def test_profiles_old_and_new_load_and_presets_cite_their_sources(tmp_path):
     cost = _hardware.load(str(old)).cost_model(8)
     assert (cost.partial_gemm_efficiency, cost.ring_step_host_s, cost.link("all_reduce")) == (1.0, 0.0, Link(1e-5, 1e10))
 
-    measured = _hardware.Hardware(2e11, 1e9, 2e-6, "test", {2: 0.9, 8: 0.5}, 1e-4, False, {"send_recv": Link(3e-6, 4e9)})
+    measured = _hardware.Hardware(2e11, 1e9, 2e-6, "test", {2: 0.9, 8: 0.5}, 1e-4, False, {"send_recv": Link(3e-6, 4e9)}, 3e11)
     new = tmp_path / "new.json"
     new.write_text(json.dumps(measured.to_json()))
     assert _hardware.load(str(new)) == measured

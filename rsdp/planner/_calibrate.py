@@ -244,7 +244,7 @@ def calibrate(args) -> tuple[Hardware, dict]:
         f"rsdp calibrate: {'one training step' if step_rate else 'whole GEMMs'} of {what}; partial GEMMs at "
         f"W = {world_sizes}; host per ring step on the fake process group at W = {world}; {link_source}",
         partial_gemm_efficiency=efficiency, ring_step_host_s=host, host_overlaps_compute=device.type != "cpu",
-        links=links,
+        links=links, gemm_flops_per_s=gemm_rate,
     )
     report = {"world_size": world, "gemm_flops_per_s": gemm_rate, "step_flops_per_s": step_rate,
               "linear_shapes": {f"{i}x{o}": n for (i, o), n in shapes.items()}, "tokens": tokens}

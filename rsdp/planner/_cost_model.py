@@ -45,9 +45,9 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
 - FSDP: a unit's all-gather (in backward: its re-gather and its reduce-scatter, back to back)
   overlaps the unit's compute (FSDP2 prefetches the next unit's gather during this one's compute), so a
   phase takes the longer of the two;
-- RSDP: per ring (one per counted layer) and phase, W steps each computing 1/W of the layer's GEMMs at
-  ``flops_per_s x partial_gemm_efficiency`` (a 1/W-row GEMM's efficiency relative to a whole one:
-  RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
+- RSDP: per ring (one per counted layer) and phase, W steps each computing 1/W of the layer's work, its
+  Linears' GEMM time (at ``gemm_flops_per_s``) divided by ``partial_gemm_efficiency`` (a 1/W-row GEMM's
+  rate relative to a whole one: RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
   overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange;
 - replicate: the gradient's all-reduce (2(W-1) hops, 2(W-1)/W of the bytes) overlaps the backward.
@@ -115,6 +115,7 @@ class CostModel:
     reduce_dtype: torch.dtype | None = None
     # Time terms that ``rsdp calibrate`` measures (the defaults leave only the three numbers above).
     partial_gemm_efficiency: float = 1.0  # FLOP/s of 1/world_size-row GEMMs over that of whole ones
+    gemm_flops_per_s: float | None = None  # whole GEMMs' rate (None: flops_per_s), for the shards' penalty
     ring_step_host_s: float = 0.0  # host time per ring step, beside its GEMMs
     host_overlaps_compute: bool = True  # False where the host itself computes (CPU ranks)
     send_recv: Link | None = None
@@ -138,6 +139,7 @@ class PartCounts:
     largest_layer_bytes: int = 0
     layers: int = 0
     forward_flops: int = 0
+    linear_flops: int = 0  # of them, the Linears' GEMMs (what rsdp splits into shards)
     itemsize: int = 0  # of its parameters as the model stores them (before a mixed-precision cast)
 
     def add_layer(self, module: nn.Module, seen: set[int]) -> None:
@@ -268,6 +270,7 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
         inputs.append(args[0])
         shared_input[id(part), id(args[0])] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
         part.largest_layer_bytes = max(part.largest_layer_bytes, shared_input[id(part), id(args[0])])
+        part.linear_flops += 2 * args[0].numel() * module.out_features
 
     handles = []
     for name in units:
@@ -326,7 +329,11 @@ class _Parallelism:
         overlap = max if cost.host_overlaps_compute else operator.add
         if self.strategy is Strategy.RSDP:
             rings = max(counts.layers, 1)
-            gemms = compute / rings / world / cost.partial_gemm_efficiency
+            # The shards' penalty is on the Linears' GEMM time alone (at the whole GEMMs' rate): attention
+            # and elementwise work are not split.
+            linear = counts.linear_flops * flops / counts.forward_flops if counts.forward_flops else 0.0
+            penalty = linear / (cost.gemm_flops_per_s or cost.flops_per_s) * (1 / cost.partial_gemm_efficiency - 1)
+            gemms = (compute + penalty) / rings / world
             host = cost.ring_step_host_s
             step = overlap(gemms, host)
             # Backward's weight shard and gradient partial travel as one message.

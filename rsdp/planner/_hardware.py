@@ -12,7 +12,8 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
 - ``links``: per op (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``) its own
   ``{"latency_s", "bandwidth_bytes_per_s"}``, fitted over message sizes;
 - ``partial_gemm_efficiency``: ``{W: FLOP/s of 1/W-row GEMMs over whole ones}``, the three GEMMs of a
-  Linear's step at the model's shapes (RSDP's per-shard penalty);
+  Linear's step at the model's shapes (RSDP's per-shard penalty), and ``gemm_flops_per_s``, the whole
+  GEMMs' rate, at which the penalty is charged on the Linears' FLOPs alone;
 - ``ring_step_host_s``, ``host_overlaps_compute``: host time per ring step, and whether a device
   computes while the host issues (False on CPU ranks, where the host computes).
 
@@ -46,6 +47,7 @@ class Hardware:
     ring_step_host_s: float = 0.0
     host_overlaps_compute: bool = True
     links: dict[str, Link] = dataclasses.field(default_factory=dict)
+    gemm_flops_per_s: float | None = None
 
     def efficiency_at(self, world_size: int) -> float:
         """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
@@ -70,7 +72,7 @@ class Hardware:
             flops_per_s=self.flops_per_s, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, latency_s=self.latency_s,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             partial_gemm_efficiency=self.efficiency_at(world_size), ring_step_host_s=self.ring_step_host_s,
-            host_overlaps_compute=self.host_overlaps_compute, **self.links,
+            host_overlaps_compute=self.host_overlaps_compute, gemm_flops_per_s=self.gemm_flops_per_s, **self.links,
         )
         fields.update({name: value for name, value in overrides.items() if value is not None})
         if {"bandwidth_bytes_per_s", "latency_s"} & {k for k, v in overrides.items() if v is not None}:
@@ -85,6 +87,7 @@ class Hardware:
             "partial_gemm_efficiency": {str(w): e for w, e in self.partial_gemm_efficiency.items()},
             "ring_step_host_s": self.ring_step_host_s, "host_overlaps_compute": self.host_overlaps_compute,
             "links": {op: dataclasses.asdict(link) for op, link in self.links.items()},
+            "gemm_flops_per_s": self.gemm_flops_per_s,
         }
 
 
@@ -96,6 +99,7 @@ _CHIPS = {  # dense BF16 peak FLOP/s and its source
 _ACHIEVED = {
     "h100-sxm": dict(
         fraction=0.451,
+        gemm_flops_per_s=743e12,
         partial_gemm_efficiency={2: 0.96, 4: 0.90, 8: 0.80},
         ring_step_host_s=140e-6,
         source=(
@@ -140,7 +144,7 @@ def _preset(chip: str, link: str, rate: float, link_source: str) -> Hardware:
     return Hardware(
         peak * achieved["fraction"], rate, _LATENCY_S, f"{peak_source}; {achieved['source']}; {link_source}; {links_source}",
         partial_gemm_efficiency=achieved["partial_gemm_efficiency"], ring_step_host_s=achieved["ring_step_host_s"],
-        links=links,
+        links=links, gemm_flops_per_s=achieved["gemm_flops_per_s"],
     )
 
 
@@ -156,6 +160,7 @@ def from_json(values: dict, source: str) -> Hardware:
         host_overlaps_compute=bool(values.get("host_overlaps_compute", True)),
         links={op: Link(float(link["latency_s"]), float(link["bandwidth_bytes_per_s"]))
                for op, link in values.get("links", {}).items()},
+        gemm_flops_per_s=float(values["gemm_flops_per_s"]) if values.get("gemm_flops_per_s") else None,
     )
 
 
