@@ -8,7 +8,8 @@ What it measures, each rank at once (ranks share the host's cores and links as t
   weight's rows, as each RSDP ring step computes them. ``flops_per_s`` is the whole GEMMs' rate and
   ``partial_gemm_efficiency[W]`` the partial ones' rate over it. With ``--model benchmark`` (a model
   this host can run) ``flops_per_s`` is instead one unsharded training step's rate, counted as the cost
-  model counts it (GEMMs, attention, norms, loss), and the GEMM rate is kept beside it (``gemm_flops_per_s``: the rate the per-shard penalty is charged at);
+  model counts it (GEMMs, attention, norms, loss), and the GEMM rate is kept beside it
+  (``gemm_flops_per_s``: the rate the per-shard penalty is charged at);
 - per op (point-to-point ring exchange, all-gather, reduce-scatter, all-reduce), ``t = hops x latency
   + bytes / bandwidth`` fitted by least squares over message sizes (bytes as nccl-tests' busbw counts
   them, the slowest rank's time per size);
