@@ -5,7 +5,9 @@ forward and backward, with the profiler's boundary hooks, gives each part's forw
 parameter bytes, and the phases of everything that is neither a parameter nor a parameter's gradient:
 activations, their gradients, the logits, the loss's temporaries, each phase's change and peak as a
 CPU run of the same step allocates them (storages counted as ``MemoryTracker`` counts them; parameter
-gradients are dropped as they are made, since where they live is the strategy's business).
+gradients are dropped as they are made, since where they live is the strategy's business). One run
+counts all of it (the phases come from a log of the step's allocations, replayed without the ones that
+became parameter gradients), and a stack of alike blocks runs cut to four of them (``_repeated_blocks``).
 
 Estimating. A :class:`CostModel` adds what each strategy allocates for the parameters, as FSDP2,
 torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on one rank, W the world):
@@ -205,19 +207,19 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
     in the model's own dtype). Activation checkpointing applied to ``model`` is counted as it runs:
     what its regions save, and their recomputation in backward. A stack of alike blocks is counted
     by four of them (``_repeated_blocks``), to the byte what counting all of them gives."""
-    meta = meta_copy(model, param_dtype)
-    repeated = repeated_blocks(meta, units)
     batch = batch.to("meta")
+    repeated = repeated_blocks(model, units)
     if repeated is not None:
         kept = [name for name in units if name not in repeated.names or name in repeated.kept]
+        with repeated.cut():  # copied cut: a 70B model's 80 blocks take seconds to copy
+            meta = meta_copy(model, param_dtype)
         try:
-            with repeated.cut():
-                counted = count_step(meta, kept, batch, loss_fn)
+            counted = count_step(meta, kept, batch, loss_fn)
         except Exception:  # a forward that needs every block (indexes its stack): counted whole below
             counted = None
         if counted is not None and _alike(counted, *repeated.compared):
             return _with_every_block(counted, units, repeated.representative)
-    return count_step(meta, units, batch, loss_fn)
+    return count_step(meta_copy(model, param_dtype), units, batch, loss_fn)
 
 
 def meta_copy(model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:

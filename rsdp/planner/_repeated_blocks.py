@@ -17,8 +17,8 @@ values; any other object by identity; not what only initialisation reads). A blo
 ``layer_idx`` or a sliding-window attention type, makes the stack count whole.
 
 Pitfalls:
-- The cut stack keeps its blocks' names (``layers.31`` stays ``layers.31``): ``_modules`` is edited in
-  place for the one counted step and restored after it. A model whose forward indexes its stack by
+- The cut stack keeps its blocks' names (``layers.31`` stays ``layers.31``): the model's own stack has
+  its ``_modules`` cut while the count copies it (only the kept blocks are copied), and restored. A model whose forward indexes its stack by
   position (``self.layers[i] for i in range(n)``) cannot run cut; it raises, and is counted whole.
 - A forward that treats blocks differently by their position in its loop (``enumerate``) rather than
   by their own attributes would be counted as if every middle block were the second. Decoders in
