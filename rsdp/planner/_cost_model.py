@@ -64,7 +64,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from ..memory import _LiveStorages
+from .._compat import TorchDispatchMode
 from ..policy import Strategy
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
 from ._repeated_blocks import repeated_blocks
@@ -132,7 +132,7 @@ class Counts:
     activations: StepPhases  # the step's phases, without parameters and their gradients
 
 
-class _MetaStorages(_LiveStorages):
+class _MetaStorages(TorchDispatchMode):
     """``MemoryTracker``'s storage count (fresh results of every op, freed when their storage dies),
     for the meta device, whose storages it leaves out elsewhere, and the FLOPs of every op while
     ``counting_flops`` (``torch.utils.flop_counter``'s formulas, as ``FlopCounterMode`` counts them).
