@@ -110,6 +110,44 @@ def test_meta_device_count_is_what_a_cpu_step_allocates():
         assert meta.delta == cpu.delta and meta.peak <= cpu.peak <= meta.peak + gradients, (meta, cpu)
 
 
+class PositionIndexedLM(TinyLM):
+    """TinyLM whose forward reads its blocks by position, which a stack cut to four blocks cannot run."""
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for index in range(6):
+            x = self.layers[index](x)
+        return self.lm_head(self.norm(x))
+
+
+def test_counting_four_of_alike_blocks_is_counting_every_block():
+    """The meta-device count of a model with a stack of alike blocks runs four of them and gives the
+    others the second's counts: every unit's parameters, FLOPs and phases, and the root's, are those of
+    counting every block, to the byte, under each activation checkpointing mode, in fp32 and bf16.
+    Blocks that differ, and a forward that indexes its stack, are counted whole."""
+    from rsdp.planner import _cost_model
+    from rsdp.planner._models import apply_activation_checkpointing
+
+    tokens = torch.zeros(2, 33, dtype=torch.long)
+    distinct = untied_lm(vocab=96, dim=16, hidden=40, layers=6)
+    distinct.layers[4].mlp_norm.eps = 1e-3  # one block unlike the others
+    cases = [
+        (apply_activation_checkpointing(untied_lm(96, 16, 40, 6), mode), dtype, 4)
+        for mode, dtype in (("none", None), ("selective", torch.bfloat16), ("full", None), ("full", torch.bfloat16))
+    ]
+    # The indexed stack runs three blocks of its cut copy before it fails, then a whole copy's six.
+    cases += [(distinct, torch.bfloat16, 6), (PositionIndexedLM(vocab=96, dim=16, heads=4, hidden=40, layers=6), None, 9)]
+    for model, dtype, blocks_run in cases:
+        units = find_units(model)
+        meta = _cost_model.meta_copy(model, dtype)
+        every_block = _cost_model.count_step(meta, units, tokens.to("meta"), _next_token_loss)
+        calls = []
+        for block in model.layers:  # copied with the model, so the count's copy calls it too
+            block.register_forward_pre_hook(lambda module, args: calls.append(module))
+        assert _cost_model.count(model, units, tokens, _next_token_loss, dtype) == every_block, model
+        assert len(set(map(id, calls))) == blocks_run, model
+
+
 def untied_lm(vocab: int, dim: int, hidden: int, layers: int) -> TinyLM:
     """TinyLM with its own head: the embedding and the head are units, the root holds no parameters."""
     torch.manual_seed(0)

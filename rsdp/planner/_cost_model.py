@@ -5,7 +5,9 @@ forward and backward, with the profiler's boundary hooks, gives each part's forw
 parameter bytes, and the phases of everything that is neither a parameter nor a parameter's gradient:
 activations, their gradients, the logits, the loss's temporaries, each phase's change and peak as a
 CPU run of the same step allocates them (storages counted as ``MemoryTracker`` counts them; parameter
-gradients are dropped as they are made, since where they live is the strategy's business).
+gradients are dropped as they are made, since where they live is the strategy's business). One run
+counts all of it (the phases come from a log of the step's allocations, replayed without the ones that
+became parameter gradients), and a stack of alike blocks runs cut to four of them (``_repeated_blocks``).
 
 Estimating. A :class:`CostModel` adds what each strategy allocates for the parameters, as FSDP2,
 torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on one rank, W the world):
@@ -69,17 +71,20 @@ alive yet).
 import collections
 import copy
 import dataclasses
+import itertools
 import math
 import operator
+import weakref
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
-from ..memory import _LiveStorages
+from .._compat import TorchDispatchMode
 from ..policy import Strategy
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
+from ._repeated_blocks import repeated_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,62 +175,71 @@ class Counts:
     activations: StepPhases  # the step's phases, without parameters and their gradients
 
 
-class _MetaStorages(_LiveStorages):
+class _MetaStorages(TorchDispatchMode):
     """``MemoryTracker``'s storage count (fresh results of every op, freed when their storage dies),
-    for the meta device, whose storages it leaves out elsewhere: the step counts its own allocations.
+    for the meta device, whose storages it leaves out elsewhere, and the FLOPs of every op while
+    ``counting_flops`` (``torch.utils.flop_counter``'s formulas, as ``FlopCounterMode`` counts them).
 
-    Allocations are numbered in the order the step makes them; those listed in ``skipped`` are not
-    counted (a step is deterministic, so a second run can leave out what the first found)."""
+    Allocations, frees and marks are logged in the order the step makes them, and the phases are
+    computed from the log afterwards (:meth:`levels`), leaving out the allocations that autograd turned
+    into parameter gradients: that is known only when it accumulates them, after the phases that made
+    them had passed their peaks. One run, where replaying the step would take two."""
 
-    def __init__(self, skipped: frozenset[int] = frozenset()):
+    def __init__(self):
         super().__init__()
-        self.skipped = skipped
+        self.log: list[tuple] = []  # (ALLOCATED, number, storage key, bytes) | (FREED, storage key) | (MARKED,)
         self.allocations = 0
-        self.allocation_of: dict[int, int] = {}  # storage identity -> its allocation's number
+        self.allocation_of: dict[int, int] = {}  # live storage identity -> its allocation's number
+        self.flops = 0
+        self.counting_flops = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.counting_flops and func._overloadpacket in flop_registry:
+            self.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         if all(ret.alias_info is None for ret in func._schema.returns):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     storage = leaf.untyped_storage()
-                    self.allocation_of[id(storage)] = self.allocations
-                    if self.allocations not in self.skipped:
-                        self.resized(storage, storage.nbytes())
+                    key = id(storage)
+                    if key not in self.allocation_of:
+                        weakref.finalize(storage, self._freed_storage, key)
+                    self.allocation_of[key] = self.allocations
+                    self.log.append((_ALLOCATED, self.allocations, key, storage.nbytes()))
                     self.allocations += 1
         return out
 
+    def _freed_storage(self, key: int) -> None:
+        del self.allocation_of[key]
+        self.log.append((_FREED, key))
+
     def mark(self) -> tuple[int, int]:
-        current, peak = self.current, self.peak_since_mark
-        self.peak_since_mark = current
-        return current, peak
+        self.log.append((_MARKED,))
+        return 0, 0  # known once the step is over: :meth:`levels`
+
+    def levels(self, skipped: set[int]) -> list[tuple[int, int]]:
+        """At every mark, the live bytes and the highest level since the previous mark, leaving out the
+        allocations numbered in ``skipped``."""
+        live: dict[int, int] = {}
+        current = peak = 0
+        levels = []
+        for event in self.log:
+            if event[0] == _ALLOCATED:
+                _, number, key, nbytes = event
+                if number not in skipped:
+                    current += nbytes - live.get(key, 0)
+                    live[key] = nbytes
+                    peak = max(peak, current)
+            elif event[0] == _FREED:
+                current -= live.pop(event[1], 0)
+            else:
+                levels.append((current, peak))
+                peak = current
+        return levels
 
 
-def _activation_phases(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> StepPhases:
-    """The phases of one step of ``meta`` (on the meta device) without its parameters' gradients, which
-    are the strategies' to count (whole, sharded, or one shard at a time): the step runs twice, the
-    first to find the allocations that become them, the second leaving those out."""
-    gradients: set[int] = set()
-    storages = _MetaStorages()
-
-    def drop_gradient(param: nn.Parameter) -> None:
-        gradients.add(storages.allocation_of[id(param.grad.untyped_storage())])
-        param.grad = None
-
-    def step(timeline) -> None:
-        loss_fn(meta, batch).backward()
-        timeline.mark("backward-done")
-
-    handles = [param.register_post_accumulate_grad_hook(drop_gradient) for param in meta.parameters() if param.requires_grad]
-    try:
-        with storages:
-            run_marked_step(meta, units, storages, step)
-        storages = _MetaStorages(frozenset(gradients))
-        with storages:
-            return StepPhases.of(run_marked_step(meta, units, storages, step), units)
-    finally:
-        for handle in handles:
-            handle.remove()
+_ALLOCATED, _FREED, _MARKED = range(3)
 
 
 def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, param_dtype: torch.dtype | None = None) -> Counts:
@@ -234,7 +248,26 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
     ``param_dtype`` (a mixed-precision policy's: the floating parameters are cast to it, so the
     activations are in it as FSDP2's and rsdp's compute makes them; parameter bytes are still counted
     in the model's own dtype). Activation checkpointing applied to ``model`` is counted as it runs:
-    what its regions save, and their recomputation in backward."""
+    what its regions save, and their recomputation in backward. A stack of alike blocks is counted
+    by four of them (``_repeated_blocks``), to the byte what counting all of them gives."""
+    batch = batch.to("meta")
+    repeated = repeated_blocks(model, units)
+    if repeated is not None:
+        kept = [name for name in units if name not in repeated.names or name in repeated.kept]
+        with repeated.cut():  # copied cut: a 70B model's 80 blocks take seconds to copy
+            meta = meta_copy(model, param_dtype)
+        try:
+            counted = count_step(meta, kept, batch, loss_fn)
+        except Exception:  # a forward that needs every block (indexes its stack): counted whole below
+            counted = None
+        if counted is not None and _alike(counted, *repeated.compared):
+            return _with_every_block(counted, units, repeated.representative)
+    return count_step(meta_copy(model, param_dtype), units, batch, loss_fn)
+
+
+def meta_copy(model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """``model`` on the meta device with its floating parameters in ``param_dtype``, every module
+    noting its original parameters' identities and sizes (``PartCounts.add_layer``)."""
     meta = copy.deepcopy(model).to("meta")
     for original, moved in zip(model.modules(), meta.modules()):
         moved._rsdp_original_params = {
@@ -244,6 +277,35 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
         for param in meta.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(param_dtype)
+    return meta
+
+
+def _alike(counts: Counts, first: str, second: str) -> bool:
+    phases = counts.activations
+    return counts.units[first] == counts.units[second] and all(
+        phase[first] == phase[second] for phase in (phases.forward, phases.backward)
+    )
+
+
+def _with_every_block(counts: Counts, units: list[str], representative) -> Counts:
+    """``counts`` of a step that ran some of ``units``, for all of them: each takes its ``representative``'s."""
+    phases = counts.activations
+    return Counts(
+        {name: dataclasses.replace(counts.units[representative(name)]) for name in units},
+        counts.before,
+        counts.after,
+        dataclasses.replace(
+            phases,
+            forward={name: phases.forward[representative(name)] for name in units},
+            backward={name: phases.backward[representative(name)] for name in units},
+        ),
+    )
+
+
+def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> Counts:
+    """:func:`count`'s one training step of ``meta`` (on the meta device): each part's forward FLOPs and
+    parameters, and the step's phases without the parameters' gradients, which are the strategies' to
+    count (whole, sharded, or one shard at a time)."""
     per_unit = {name: PartCounts() for name in units}
     before, after = PartCounts(), PartCounts()
     seen: set[int] = set()
@@ -252,25 +314,35 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
             per_unit[name].add_layer(module, seen)
     in_units = {id(m) for name in units for m in meta.get_submodule(name).modules()}
 
-    flops = FlopCounterMode(display=False)
-    current = {"section": before, "flops_at_entry": 0}
+    storages = _MetaStorages()
+    current = {"section": before, "flops_at_entry": 0, "forward": True}
 
     def switch_to(section: PartCounts) -> None:
-        current["section"].forward_flops += flops.get_total_flops() - current["flops_at_entry"]
-        current["section"], current["flops_at_entry"] = section, flops.get_total_flops()
+        current["section"].forward_flops += storages.flops - current["flops_at_entry"]
+        current["section"], current["flops_at_entry"] = section, storages.flops
 
-    # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``).
+    # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``). An
+    # input is known by a serial number, dropped when it dies: a checkpointed region frees its
+    # intermediates at once, and a new tensor may then get a freed one's id.
     shared_input: dict[tuple[int, int], int] = collections.defaultdict(int)  # (part, input) -> bytes
-    # The inputs, kept alive so that their identities are not reused (a checkpointed region frees
-    # its intermediates at once, and a new tensor may then get a freed one's id).
-    inputs: list[torch.Tensor] = []
+    serial_of: dict[int, int] = {}  # live input's id -> its serial number
+    serials = itertools.count()
 
     def note_linear(module: nn.Linear, args) -> None:
-        part = current["section"]
-        inputs.append(args[0])
-        shared_input[id(part), id(args[0])] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-        part.largest_layer_bytes = max(part.largest_layer_bytes, shared_input[id(part), id(args[0])])
-        part.linear_flops += 2 * args[0].numel() * module.out_features
+        if not current["forward"]:  # a checkpointed region recomputing in backward
+            return
+        part, tensor = current["section"], args[0]
+        if id(tensor) not in serial_of:
+            serial_of[id(tensor)] = next(serials)
+            weakref.finalize(tensor, serial_of.pop, id(tensor), None)
+        key = (id(part), serial_of[id(tensor)])
+        shared_input[key] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        part.largest_layer_bytes = max(part.largest_layer_bytes, shared_input[key])
+        part.linear_flops += 2 * tensor.numel() * module.out_features
+
+    def note_root_layer(module: nn.Module, args) -> None:
+        if current["forward"]:
+            current["section"].add_layer(module, seen)
 
     handles = []
     for name in units:
@@ -279,16 +351,33 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
         handles.append(module.register_forward_hook(lambda m, args, out: switch_to(after)))
     for module in meta.modules():
         if id(module) not in in_units and any(True for _ in module.parameters(recurse=False)):
-            handles.append(module.register_forward_pre_hook(lambda m, args: current["section"].add_layer(m, seen)))
+            handles.append(module.register_forward_pre_hook(note_root_layer))
         if isinstance(module, nn.Linear):
             handles.append(module.register_forward_pre_hook(note_linear))
 
-    with flops:
-        loss_fn(meta, batch.to("meta"))
+    gradients: set[int] = set()
+
+    def drop_gradient(param: nn.Parameter) -> None:
+        gradients.add(storages.allocation_of[id(param.grad.untyped_storage())])
+        param.grad = None
+
+    def step(timeline) -> None:
+        loss = loss_fn(meta, batch)
         switch_to(after)
-    for handle in handles:
-        handle.remove()
-    return Counts(per_unit, before, after, _activation_phases(meta, units, batch.to("meta"), loss_fn))
+        current["forward"] = storages.counting_flops = False
+        loss.backward()
+        del loss  # freed before the mark, as a step that never names it frees it
+        timeline.mark("backward-done")
+
+    handles += [param.register_post_accumulate_grad_hook(drop_gradient) for param in meta.parameters() if param.requires_grad]
+    try:
+        with storages:
+            timeline = run_marked_step(meta, units, storages, step)
+    finally:
+        for handle in handles:
+            handle.remove()
+    timeline.relevel(storages.levels(gradients))
+    return Counts(per_unit, before, after, StepPhases.of(timeline, units))
 
 
 class _Parallelism:

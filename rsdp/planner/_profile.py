@@ -154,6 +154,12 @@ class _Timeline:
         self.events[label] = (current, peak, time.perf_counter())
         self.order.append(label)
 
+    def relevel(self, levels: list[tuple[int, int]]) -> None:
+        """Replace every mark's live bytes and peak since the previous mark (in the marks' order) by
+        ``levels``, a count made after the step (the cost model's); its phases then take no time."""
+        for label, (current, peak) in zip(self.order, levels, strict=True):
+            self.events[label] = (current, peak, 0.0)
+
     def phase(self, start: str, end: str) -> Phase:
         first, last = self.order.index(start), self.order.index(end)
         level = self.events[start][0]

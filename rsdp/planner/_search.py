@@ -39,6 +39,7 @@ plans small for models with many layers.
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -46,8 +47,9 @@ from ..policy import Strategy
 from ._profile import Phase, RootCost, UnitCost
 
 
-@dataclasses.dataclass(frozen=True)
-class Partial:
+class Partial(NamedTuple):
+    """A plan of the units walked so far (a tuple: the search makes and compares millions of them)."""
+
     forward_peak: float
     until_gathering: float
     gather: float
@@ -66,8 +68,8 @@ class Partial:
     choices: tuple[Strategy, ...]  # for the units walked so far, in forward order
 
     def key(self) -> tuple[float, ...]:
-        # Field by field: ``dataclasses.astuple`` copies ``choices`` deeply, which dominated the search.
-        return tuple(getattr(self, name) for name in _KEY_FIELDS)
+        """Every quantity but ``choices``, the last field."""
+        return self[:-1]
 
     def extend(self, strategy: Strategy, cost: UnitCost) -> "Partial":
         """Add the unit just before the ones walked so far (forward order), which is the unit just after
@@ -108,7 +110,6 @@ class Partial:
         )
 
 
-_KEY_FIELDS = tuple(field.name for field in dataclasses.fields(Partial) if field.name != "choices")
 EMPTY = Partial(-math.inf, -math.inf, 0.0, -math.inf, 0.0, -math.inf, 0.0, 0.0, -math.inf, -math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0, ())
 
 
@@ -138,21 +139,27 @@ class FrontierTooLarge(Exception):
     """More non-dominated partial plans than ``max_partials``: search again on a coarser grid."""
 
 
-_ROWS_PER_COMPARISON = 64  # bounds the comparison tensor at 64 x (candidates) x (key length)
-
-
 def _without_dominated(partials: list[Partial]) -> list[Partial]:
-    unique = sorted({partial.key(): partial for partial in partials}.values(), key=Partial.key)
-    keys = torch.tensor([partial.key() for partial in unique], dtype=torch.float64)
-    dominated = torch.empty(len(unique), dtype=torch.bool)
-    for start in range(0, len(unique), _ROWS_PER_COMPARISON):
-        end = start + _ROWS_PER_COMPARISON
-        # The keys are distinct and sorted lexicographically, so only an earlier one can be no larger
-        # everywhere; each row is no larger than itself, hence "more than one". Comparing against every
-        # earlier key, dominated or not, finds the same rows: domination is transitive.
-        no_larger = (keys[:end, None, :] <= keys[None, start:end, :]).all(dim=2)
-        dominated[start:end] = no_larger.sum(dim=0) > 1
-    return [partial for partial, out in zip(unique, dominated.tolist()) if not out]
+    """The partials no other one is at most in every quantity, in key order (of equal keys the last)."""
+    by_key = {partial.key(): partial for partial in partials}
+    ordered = sorted(by_key)
+    quantities = torch.tensor(ordered, dtype=torch.float64).T.contiguous()  # one row per quantity
+    count = len(ordered)
+    dominated = torch.zeros(count, dtype=torch.bool)
+    # Keys are distinct, so a partial is dominated iff another key is <= its own everywhere (its own
+    # always is). All against a block at a time, each comparison within torch's intra-op grain size,
+    # so that it runs on one thread: on a busy machine, waking threads costs more than these small ops.
+    block = max(1, _COMPARISONS_AT_ONCE // count)
+    for start in range(0, count, block):
+        columns = slice(start, start + block)
+        at_most = quantities[0, :, None] <= quantities[0, None, columns]
+        for values in quantities[1:]:
+            at_most &= values[:, None] <= values[None, columns]
+        dominated[columns] = at_most.sum(dim=0) > 1
+    return [by_key[key] for key, out in zip(ordered, dominated.tolist()) if not out]
+
+
+_COMPARISONS_AT_ONCE = 2**15  # at::internal::GRAIN_SIZE
 
 
 def _rounded_up(cost: UnitCost, grid: int) -> UnitCost:
@@ -181,12 +188,9 @@ def pareto_plans(
     """
     partials = [EMPTY]
     for options in reversed(unit_costs):
+        rounded = {strategy: _rounded_up(cost, grid_bytes) for strategy, cost in options.items()}
         partials = _without_dominated(
-            [
-                partial.extend(strategy, _rounded_up(cost, grid_bytes))
-                for partial in partials
-                for strategy, cost in options.items()
-            ]
+            [partial.extend(strategy, cost) for partial in partials for strategy, cost in rounded.items()]
         )
         if len(partials) > max_partials:
             raise FrontierTooLarge(len(partials))
