@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rsdp._compat import all_gather_flat, reduce_scatter_flat, send_and_receive
-from rsdp._fully_shard._ring import WAITED_WORKS, wait_for
+from rsdp._fully_shard._ring import WaitedWorks, wait_for
 
 
 def _free_port() -> int:
@@ -46,6 +46,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
     mine = torch.zeros(args.bytes // 4)
     received, full = torch.zeros_like(mine), torch.zeros(mine.numel() * world)
 
+    kept = WaitedWorks()
+
     def start_exchange() -> list:
         return send_and_receive(group, mine, (rank - 1) % world, received, (rank + 1) % world, 0)
 
@@ -54,7 +56,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
             work.wait()
 
     ops = {
-        "ring exchange": lambda: wait_for(start_exchange()),
+        "ring exchange": lambda: wait_for(start_exchange(), kept),
         "ring exchange, works dropped at once": exchange_dropping_works,
         "all-gather": lambda: all_gather_flat(full, mine),
         "reduce-scatter": lambda: reduce_scatter_flat(mine, full),
@@ -70,7 +72,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
                 op()
             times[name].append((time.perf_counter() - start) / args.ops * 1e3)
             system[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_stime - start_system) / args.ops * 1e3)
-    WAITED_WORKS.clear()
+    kept.clear()
     results.put((rank, times, system))
     dist.destroy_process_group()
 

@@ -172,7 +172,7 @@ class _TrackedWork:
 
 
 def works_lifetime_case():
-    from rsdp._fully_shard._ring import WAITED_WORKS, Ring
+    from rsdp._fully_shard._ring import Ring
 
     torch.manual_seed(0)
     model = TinyLM(vocab=11, dim=8, heads=2, hidden=12, layers=1)
@@ -188,7 +188,7 @@ def works_lifetime_case():
     Ring.exchange = tracked
     try:
         lm_loss(model(tokens), tokens).backward()
-        WAITED_WORKS.clear()
+        model._get_rsdp_state().ring.context.waited_works.clear()
     finally:
         Ring.exchange = real
     return log
