@@ -42,7 +42,9 @@ def rsdp_shard(
 
     Apply it bottom-up, like ``fully_shard``: once per transformer block, then at the root. Each call
     manages the parameters of its subtree that no nested ``rsdp_shard``, ``fully_shard`` or
-    ``replicate`` already manages. Every managed parameter becomes ``nn.Parameter(DTensor)`` with
+    ``replicate`` already manages. The root's call gives the model a ring context of its own
+    (buffers, prefetch predictions, pending collectives: ``_context.py``), which no other model in the
+    process touches. Every managed parameter becomes ``nn.Parameter(DTensor)`` with
     ``Shard(0)`` placement (``(Replicate(), Shard(0))`` on a 2-D mesh) under its original name.
 
     A module wrapped by ``checkpoint_wrapper`` (activation checkpointing, as torchtitan applies it) is
@@ -153,8 +155,10 @@ def rsdp_shard(
     state.operand_slots = operand_slots
 
     insert_module_state(module, state)
-    # One context for the model: this module's and those of the rsdp modules sharded under it before.
-    share_ring_context(rsdp_states_under(module))
+    # A root over rsdp modules sharded before it: one context of their own for the model.
+    states = rsdp_states_under(module)
+    if len(states) > 1:
+        share_ring_context(states)
     state.register_hooks(module)
     _swap_class(module, RSDPModule, "RSDP")
     return module

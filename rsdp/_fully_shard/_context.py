@@ -1,19 +1,23 @@
 """``RingContext``: everything one model's rsdp modules share while a pass runs (FSDP2's root-owned
 comm and state contexts).
 
-One context serves every rsdp module of one model: ``rsdp_shard`` gives the module it shards a new
-context and moves the rsdp modules already sharded under it onto that one (blocks are sharded before
-their root), so the outermost ``rsdp_shard`` call's context is the model's. ``parallelize`` under a
-root that is not rsdp (FSDP2 or replicate) gives its rsdp units one context (``share_ring_context``),
-as that root would. A state finds its context through its ring (``state.ring.context``), which every
+One context serves every rsdp module of one model. A module is sharded onto the process's rootless
+context (``rootless_context``); ``rsdp_shard`` on a module with rsdp modules under it (a root, its
+blocks sharded before it) gives it and them a new context of their own (``share_ring_context``), so a
+model sharded bottom-up has its root's. ``parallelize`` under a root that is not rsdp (FSDP2 or
+replicate) gives its rsdp units one context too, as that root would. Modules that no rsdp root
+gathers (blocks under a plain ``nn.Module`` sharded one by one, a model sharded by one call with no
+units under it) stay on the rootless context, which they share: one backward's rings then still
+carry each other's data (a deferred hop, the reductions, the next ring's first message), as a root
+would let them. A state finds its context through its ring (``state.ring.context``), which every
 ring function has at hand.
 
 A context owns: the ring buffers and the messages laid out in them; the ring order of each pass kind
 (what to prefetch); the parameters left to ride a ring (pending gathers and reductions); the hop a
 planned sub-block deferred; the works of the exchange waited for last; the gradients the backward
 running holds; how many of its forwards are open and how many passes have begun. Two models in one
-process each have their own: sharding, running or failing one never touches another's buffers,
-predictions or queues.
+process each have their own (when sharded bottom-up, or by ``parallelize``): sharding, running or
+failing one never touches another's buffers, predictions or queues.
 
 A pass: the first forward of the context that starts outside a backward is the outermost; it
 ``begin_forward``s (dropping what a pass that raised left behind: ``reset``), and when it ends the
@@ -55,7 +59,7 @@ from ._prefetch import RingOrder
 from ._ring import DeferredHops, RingBuffers, WaitedWorks
 
 # Every context alive, for ``release_ring_buffers()`` without a module; weak, so a model's context
-# goes with it. The engine's one module-level container: it holds no pass state.
+# goes with it. With ``rootless_context``'s one context, the engine's only module-level state.
 _LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -126,6 +130,13 @@ class RingContext:
         self.backward_order.end_of_backward(task)
         self.buffers.end_of_backward(task)
         self._end_queued.discard(task)
+
+
+@functools.cache
+def rootless_context() -> RingContext:
+    """The context of the rsdp modules of this process that no rsdp root (nor ``parallelize``) has
+    given one of their own (see the module docstring)."""
+    return RingContext()
 
 
 def context_of(state) -> RingContext:

@@ -25,9 +25,8 @@ planned sub-block's partials an early exchange of the next ring (``_Boarding``).
 
 Messages live in byte buffers shared by every ring of one model (``RingBuffers``, owned by the
 model's ``RingContext``: two ping-pong message buffers and a scratch, given memory once per pass and
-then reused), so a ring step allocates
-nothing; on CUDA this also keeps NCCL's stream from pinning a freed block per step in the
-caching allocator. They live for one pass, not longer: freed when the outermost rsdp module's forward
+then reused), so a ring step allocates nothing; on CUDA this also keeps NCCL's stream from pinning a
+freed block per step in the caching allocator. They live for one pass, not longer: freed when the outermost rsdp module's forward
 returns and when the backward ends, so they never add to the loss computation's or the optimizer
 step's peak. ``release_ring_buffers()`` frees them at any other time.
 
@@ -142,7 +141,7 @@ class RingBuffers:
     """
 
     def __init__(self, context):
-        self._context = context
+        self._context = context  # its RingContext: the end of a backward that used the buffers frees them
         self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
         self._index: dict[int, tuple[int, int]] = {}  # data_ptr of a live buffer -> (its index, 0)
         self._spans: list[tuple[int, int, int]] = []  # (index, first and last + 1 address) of each live buffer
