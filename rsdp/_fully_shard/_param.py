@@ -109,7 +109,8 @@ class Message:
     ``s`` padded to that tensor's ``chunk`` rows, in its own dtype. The weights and biases of Linears
     that share an input travel as one message, and in backward the weights travel together with the
     gradient partials (in ``reduce_dtype``), so one ring step is one message whatever it carries.
-    Padding rows are never read: views cover the shard's real rows only.
+    Padding rows are never read: views cover the shard's real rows only. One per layout and model:
+    made by its ``RingBuffers.message_of``, whose buffers' views it caches.
     """
 
     def __init__(self, segments: tuple[Segment, ...], buffers):
