@@ -8,7 +8,7 @@ measures the figures behind that choice: each op ``--ops`` times per round, the 
 ``--repeats`` rounds, the median per op in ms, and ``/proc/loadavg`` before and after.
 
 It also shows why a ring keeps an exchange's works referenced until the next exchange has been waited
-for (``rsdp._fully_shard._ring._WaitedWorks``): "ring exchange" is rsdp's, "ring exchange, works dropped
+for (``rsdp._fully_shard._ring.WaitedWorks``): "ring exchange" is rsdp's, "ring exchange, works dropped
 at once" drops them right after ``wait()``, whose gloo buffers then spin in their destructors until
 gloo's event-loop thread lets go of them. The system CPU time per op, summed over the ranks
 (``getrusage``), is the cost that shows on ranks that share cores.

@@ -196,7 +196,7 @@ def works_lifetime_case():
 
 def test_ring_works_are_dropped_only_after_the_next_exchange_is_waited_for(ranks):
     """Dropping a gloo work right after ``wait()`` makes its buffer's destructor spin until gloo's
-    event-loop thread lets go of it (``_ring._WaitedWorks``): 2.4 ms of system time per exchange, summed
+    event-loop thread lets go of it (``_ring.WaitedWorks``): 2.4 ms of system time per exchange, summed
     over 4 ranks sharing 2 cores. Each exchange's works must outlive the next exchange's wait."""
     for log in ranks.run(2, works_lifetime_case):
         last_wait, first_drop = {}, {}  # exchange -> position in the log (a send's work and a receive's)

@@ -45,7 +45,7 @@ Pitfalls this file exists to contain (design.md §3):
   and every work is waited, also when the step's computation raised (``drain``).
 - A gloo work dropped right after ``wait()`` spins in its buffer's destructor until gloo's event-loop
   thread lets go of the buffer, so an exchange's works are kept until the next one has been waited for
-  (``_WaitedWorks``).
+  (``WaitedWorks``).
 - A buffer is received into only after the send that last read it was waited for (ping-pong).
 - On CUDA, ProcessGroupNCCL runs P2P on its own stream, orders it after the compute that produced the
   buffers, and ``wait()`` makes the compute stream wait for the received data.
