@@ -8,7 +8,7 @@ measures the figures behind that choice: each op ``--ops`` times per round, the 
 ``--repeats`` rounds, the median per op in ms, and ``/proc/loadavg`` before and after.
 
 It also shows why a ring keeps an exchange's works referenced until the next exchange has been waited
-for (``rsdp._fully_shard._ring._WaitedWorks``): "ring exchange" is rsdp's, "ring exchange, works dropped
+for (``rsdp._fully_shard._ring.WaitedWorks``): "ring exchange" is rsdp's, "ring exchange, works dropped
 at once" drops them right after ``wait()``, whose gloo buffers then spin in their destructors until
 gloo's event-loop thread lets go of them. The system CPU time per op, summed over the ranks
 (``getrusage``), is the cost that shows on ranks that share cores.
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from forked_ranks import run_ranks
 from rsdp._compat import all_gather_flat, reduce_scatter_flat, send_and_receive
-from rsdp._fully_shard._ring import WAITED_WORKS, wait_for
+from rsdp._fully_shard._ring import WaitedWorks, wait_for
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
@@ -39,6 +39,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
     mine = torch.zeros(args.bytes // 4)
     received, full = torch.zeros_like(mine), torch.zeros(mine.numel() * world)
 
+    kept = WaitedWorks()
+
     def start_exchange() -> list:
         return send_and_receive(group, mine, (rank - 1) % world, received, (rank + 1) % world, 0)
 
@@ -47,7 +49,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
             work.wait()
 
     ops = {
-        "ring exchange": lambda: wait_for(start_exchange()),
+        "ring exchange": lambda: wait_for(start_exchange(), kept),
         "ring exchange, works dropped at once": exchange_dropping_works,
         "all-gather": lambda: all_gather_flat(full, mine),
         "reduce-scatter": lambda: reduce_scatter_flat(mine, full),
@@ -63,7 +65,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
                 op()
             times[name].append((time.perf_counter() - start) / args.ops * 1e3)
             system[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_stime - start_system) / args.ops * 1e3)
-    WAITED_WORKS.clear()
+    kept.clear()
     results.put((rank, times, system))
     dist.destroy_process_group()
 

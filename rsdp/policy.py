@@ -29,6 +29,7 @@ from ._compat import (
     unwrap_activation_checkpoint,
 )
 from ._fully_shard import RSDPModule, rsdp_shard
+from ._fully_shard._context import rsdp_states_under, share_ring_context
 
 
 class Strategy(str, enum.Enum):
@@ -95,6 +96,10 @@ def parallelize(
         share_fsdp_contexts(
             [_state_of(module) for module, strategy in units.items() if strategy is not Strategy.RSDP]
         )
+    if units[model] is not Strategy.RSDP:
+        # An rsdp root's rsdp_shard gives the model's rsdp units one RingContext; under another root
+        # they share one too, so that one backward's rings prefetch and carry each other's data.
+        share_ring_context(rsdp_states_under(model))
     return model
 
 

@@ -434,3 +434,29 @@ def error_inside_a_ring_step_case():
 
 def test_an_error_inside_a_ring_step_leaves_the_process_group_usable(ranks):
     ranks.run(2, error_inside_a_ring_step_case)
+
+
+def hook_raising_after_rsdp_case():
+    """A forward hook registered after rsdp's raises: rsdp's post-forward has closed the forward, so
+    the error path must not close it again (its model's forwards would count one too few open and the
+    next forward would not be an outermost one). Training afterwards stays exact."""
+    from test_training import rsdp_lm, train_and_compare
+
+    rank, world = rank_and_world()
+    model, reference = rsdp_lm(0, vocab=13, dim=6, heads=2, hidden=9, layers=2)
+
+    def raise_in_hook(module, args, output):
+        raise RuntimeError("a user hook failed")
+
+    handle = model.register_forward_hook(raise_in_hook)
+    tokens = torch.randint(0, 13, (world, 5))
+    _raises(RuntimeError, "a user hook failed", lambda: model(tokens[rank : rank + 1]))
+    handle.remove()
+    state = model._get_rsdp_state()
+    assert (state.ring.context.open_forwards, state.forward_depth) == (0, 0)
+    assert state.ring.context.buffers.nbytes == 0  # the outermost forward's end freed them, once
+    train_and_compare(model, reference, steps=2, rows=1, seq=5)
+
+
+def test_a_hook_raising_after_rsdps_post_forward_closes_the_forward_once(ranks):
+    ranks.run(2, hook_raising_after_rsdp_case)

@@ -172,7 +172,7 @@ class _TrackedWork:
 
 
 def works_lifetime_case():
-    from rsdp._fully_shard._ring import WAITED_WORKS, Ring
+    from rsdp._fully_shard._ring import Ring
 
     torch.manual_seed(0)
     model = TinyLM(vocab=11, dim=8, heads=2, hidden=12, layers=1)
@@ -188,7 +188,7 @@ def works_lifetime_case():
     Ring.exchange = tracked
     try:
         lm_loss(model(tokens), tokens).backward()
-        WAITED_WORKS.clear()
+        model._get_rsdp_state().ring.context.waited_works.clear()
     finally:
         Ring.exchange = real
     return log
@@ -196,7 +196,7 @@ def works_lifetime_case():
 
 def test_ring_works_are_dropped_only_after_the_next_exchange_is_waited_for(ranks):
     """Dropping a gloo work right after ``wait()`` makes its buffer's destructor spin until gloo's
-    event-loop thread lets go of it (``_ring._WaitedWorks``): 2.4 ms of system time per exchange, summed
+    event-loop thread lets go of it (``_ring.WaitedWorks``): 2.4 ms of system time per exchange, summed
     over 4 ranks sharing 2 cores. Each exchange's works must outlive the next exchange's wait."""
     for log in ranks.run(2, works_lifetime_case):
         last_wait, first_drop = {}, {}  # exchange -> position in the log (a send's work and a receive's)

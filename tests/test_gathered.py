@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from models import assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
 from rsdp import register_rsdp_forward_method, rsdp_shard
-from rsdp._fully_shard._ring import RING_BUFFERS
 from rsdp.memory import CommCounter, MemoryTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -326,7 +325,8 @@ def replaced_case():
     block.norm.weight = sharded_weight
     with torch.no_grad():
         block(local_rows(x, rank, world))
-    assert RING_BUFFERS.nbytes == 0, RING_BUFFERS.nbytes
+    held = block._get_rsdp_state().ring.context.buffers.nbytes
+    assert held == 0, held
     return True
 
 

@@ -7,7 +7,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from rsdp import release_ring_buffers, rsdp_shard
-from rsdp._fully_shard._ring import RING_BUFFERS
 from rsdp._compat import fully_shard
 from rsdp.memory import CommCounter, MemoryTracker
 
@@ -159,7 +158,7 @@ class TiedLM(nn.Module):
     def forward(self, tokens):
         x = self.embed(tokens)
         if x.requires_grad:
-            x.register_hook(lambda grad: self.buffer_bytes_before_embedding_backward.append(RING_BUFFERS.nbytes))
+            x.register_hook(lambda grad: self.buffer_bytes_before_embedding_backward.append(self._get_rsdp_state().ring.context.buffers.nbytes))
         return self.head(self.blocks(x))
 
 

@@ -1,8 +1,8 @@
 """Two rsdp models in one process: DPO's policy and frozen reference, a distillation teacher, an EMA copy.
 
-rsdp's engine keeps process-wide state between passes (the ring buffers, the order of rings a pass
-predicts for prefetch, gathers riding rings, deferred hops), so two models whose passes interleave must
-not read each other's predictions or overwrite each other's messages. Checked against the
+rsdp's engine keeps state between passes (the ring buffers, the order of rings a pass predicts for
+prefetch, gathers riding rings, deferred hops) in one ``RingContext`` per model, so two models whose
+passes interleave must not read each other's predictions or overwrite each other's messages. Checked against the
 single-process fp64 reference on 2, 3 and 4 ranks, with and without a ring plan, with a frozen
 (``requires_grad=False``) reference and with two trained models:
 
@@ -157,3 +157,48 @@ def test_a_second_model_leaves_the_first_ones_exchanges_as_they_are_alone(ranks)
     alone = ranks.run(4, exchanges_case, "alone")
     for pattern in ("dpo", "alternate"):
         assert ranks.run(4, exchanges_case, pattern) == alone, pattern
+
+
+def teacher_exchanges_case(pattern):
+    """Sends per step, from the fourth on, of a student (TinyLM on 4 ranks: forward and backward) and
+    of a frozen teacher's no_grad forward: run one after the other (``alone``), the teacher called
+    inside the student's forward between two of its blocks (``nested``), or alone with a third model
+    sharded between the student's forward and backward (``shard_between``)."""
+    rank, world = rank_and_world()
+    student, _ = build(False, 0)
+    teacher, _ = build(False, 1)
+    teacher.requires_grad_(False)
+    tokens = local_rows(torch.randint(1, 37, (world * 2, 6), generator=torch.Generator().manual_seed(0)), rank, world)
+    teacher_counter = CommCounter()
+
+    def run_teacher(*_):
+        with torch.no_grad(), teacher_counter:
+            teacher(tokens)
+
+    if pattern == "nested":
+        student.layers[1].register_forward_pre_hook(run_teacher)
+    counts = []
+    for step in range(5):
+        teacher_counter.calls.clear()
+        with CommCounter() as forward:
+            loss = lm_loss(student(tokens), tokens)
+        if pattern == "shard_between":
+            build(False, 2 + step)
+        with CommCounter() as backward:
+            loss.backward()
+        if pattern != "nested":
+            run_teacher()
+        student_forward = forward.calls.copy()
+        if pattern == "nested":
+            student_forward.subtract(teacher_counter.calls)  # the outer counter saw the teacher's too
+        counts.append((dict(+student_forward), dict(backward.calls), dict(teacher_counter.calls)))
+    return counts[3:]
+
+
+def test_each_model_keeps_its_lone_exchanges_when_one_runs_inside_the_other(ranks):
+    """Each model has its own ring context: a teacher's forward inside the student's forward is a pass
+    of its own (its gathers, prefetch and buffers), and neither model's passes cost the other an
+    exchange; sharding another model between a forward and its backward leaves both as they were."""
+    alone = ranks.run(4, teacher_exchanges_case, "alone")
+    for pattern in ("nested", "shard_between"):
+        assert ranks.run(4, teacher_exchanges_case, pattern) == alone, pattern

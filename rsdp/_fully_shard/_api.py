@@ -18,8 +18,8 @@ from .._compat import (
 )
 from ._ops import RingLayer, ring_mixin_for
 from ._param import placements_for, shard_parameter
-from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER
-from ._ring import RING_BUFFERS, new_layer_tags
+from ._context import rsdp_states_under, share_ring_context
+from ._ring import new_layer_tags
 from ._state import RSDPState
 from ._sub_block import RingSubBlock, plan_sub_blocks
 
@@ -42,7 +42,9 @@ def rsdp_shard(
 
     Apply it bottom-up, like ``fully_shard``: once per transformer block, then at the root. Each call
     manages the parameters of its subtree that no nested ``rsdp_shard``, ``fully_shard`` or
-    ``replicate`` already manages. Every managed parameter becomes ``nn.Parameter(DTensor)`` with
+    ``replicate`` already manages. The root's call gives the model a ring context of its own
+    (buffers, prefetch predictions, pending collectives: ``_context.py``), which no other model in the
+    process touches. Every managed parameter becomes ``nn.Parameter(DTensor)`` with
     ``Shard(0)`` placement (``(Replicate(), Shard(0))`` on a 2-D mesh) under its original name.
 
     A module wrapped by ``checkpoint_wrapper`` (activation checkpointing, as torchtitan applies it) is
@@ -75,9 +77,6 @@ def rsdp_shard(
         rsdp_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ring_plan=ring_plan)
         return wrapper
     _check_not_managed(module)
-    RING_BUFFERS.forget()  # sized from now on by this model's messages, not an earlier model's
-    for order in (FORWARD_RING_ORDER, BACKWARD_RING_ORDER):
-        order.forget_predictions()  # nor keep an earlier model's tensors alive for its prefetch
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
     managed, nested = _managed_and_nested_modules(module)
     sharded_by_nested_calls = {
@@ -156,6 +155,10 @@ def rsdp_shard(
     state.operand_slots = operand_slots
 
     insert_module_state(module, state)
+    # A root over rsdp modules sharded before it: one context of their own for the model.
+    states = rsdp_states_under(module)
+    if len(states) > 1:
+        share_ring_context(states)
     state.register_hooks(module)
     _swap_class(module, RSDPModule, "RSDP")
     return module
@@ -188,15 +191,15 @@ class RSDPModule:
         )
 
     def __call__(self, *args, **kwargs):
+        state = self._get_rsdp_state()
+        depth = state.forward_depth
         try:
             return super().__call__(*args, **kwargs)
         except BaseException:
             # A forward that raises skips the post-forward hook. Non-reentrant activation
             # checkpointing does so on purpose (it stops recomputation early), so the sharded
             # parameters must be put back here.
-            state = self._get_rsdp_state()
-            state.fusion.forward_raised()
-            state.end_forward()
+            state.close_raised_forward(depth)
             raise
 
     def _get_rsdp_state(self) -> RSDPState:
@@ -256,8 +259,7 @@ def register_rsdp_forward_method(module: nn.Module, method_name: str) -> None:
         try:
             output = method(*args, **kwargs)
         except BaseException:
-            state.fusion.forward_raised()
-            state.end_forward()
+            state.close_raised_forward(0)
             raise
         return state._post_forward(module, args, output)
 

@@ -7,10 +7,11 @@ they are all-gathered in one flat collective over the shard dimension of the mes
 reduce-scattered in one: per pass, not per module. The outermost rsdp forward gathers the vectors of
 every rsdp module under it at once (``gather_together``; a module's own forward then finds them
 current), and each module's post-backward queues its contributions for one reduce-scatter when the
-backward ends (``PENDING_REDUCTIONS``): a vector's collective costs its latency, not its bytes.
+backward ends (``PendingReductions``, in the model's ``RingContext``): a vector's collective costs
+its latency, not its bytes.
 
 From the second step on even that latency mostly goes: the vectors of the modules first needed after
-the pass's first ring has run travel on that ring's messages (``PENDING_GATHERS``), and the gradients
+the pass's first ring has run travel on that ring's messages (``PendingGathers``), and the gradients
 queued before the backward's last ring on that ring's (``_ring.Rider``), as the previous pass of the
 kind predicts. A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
 what it saves).
@@ -53,7 +54,6 @@ import torch.nn as nn
 
 from .._compat import (
     all_gather_flat,
-    at_end_of_backward,
     current_graph_task_id,
     in_backward,
     in_selective_checkpoint,
@@ -228,7 +228,7 @@ class GatheredParams:
             self.unsynced, self.unsynced_used = None, [False] * count
 
         if state.replicate_group is None and in_backward():
-            PENDING_REDUCTIONS.add(self, contributions, used_here)
+            self.state.ring.context.pending_reductions.add(self, contributions, used_here)
             return
         # Under HSDP each module's reduced gradients join its one all-reduce over replicas at once.
         reduced = torch.empty(self.segment_numel + count, dtype=dtype, device=state.device)
@@ -279,7 +279,7 @@ def gather_together(modules: list[GatheredParams], forward_pass: int | None = No
             module.gathered_in_pass = forward_pass
 
 
-class _PendingGathers:
+class PendingGathers:
     """The gathered parameters that the forward running leaves to its first ring, not to a collective.
 
     The outermost rsdp forward gathers the parameters of every module under it in one all-gather
@@ -352,8 +352,6 @@ class _PendingGathers:
         self._pending, self._candidates = [], []
 
 
-PENDING_GATHERS = _PendingGathers()
-
 
 class _RingAllGather:
     """Pending gathered parameters all-gathered on a forward ring (a ``Rider``): each rank's message
@@ -383,7 +381,7 @@ class _RingAllGather:
             module.gathered_in_pass = self.forward_pass
 
 
-class _PendingReductions:
+class PendingReductions:
     """The gathered parameters' gradients of the backward running, reduce-scattered together: one
     reduce-scatter per backward (per dtype) instead of one per module, as for the gather.
 
@@ -404,7 +402,8 @@ class _PendingReductions:
     leaves its queue behind, dropped when the next forward starts.
     """
 
-    def __init__(self):
+    def __init__(self, context):
+        self._context = context
         self._queued: dict[int, list] = {}  # graph task -> [(module, contributions, used flags)] not reduced yet
         self._order: dict[int, list[GatheredParams]] = {}  # graph task -> every module it queued, in order
         # The first module queued -> every module the last backward that began so queued: two models
@@ -416,7 +415,7 @@ class _PendingReductions:
         task = current_graph_task_id()
         if task not in self._order:
             self._queued[task], self._order[task] = [], []
-            at_end_of_backward(functools.partial(self._reduce, task))
+            self._context.queue_end_of_backward()
         self._queued[task].append((module, contributions, used_here))
         self._order[task].append(module)
 
@@ -436,8 +435,11 @@ class _PendingReductions:
         self._queued[task] = []
         return _RingReduceScatter(ring, queued)
 
-    def _reduce(self, task: int) -> None:
-        order = self._order.pop(task, [])
+    def end_of_backward(self, task: int) -> None:
+        """Reduce-scatter what the backward ``task`` queued and no ring carried."""
+        if task not in self._order:
+            return
+        order = self._order.pop(task)
         if order:
             self._previous_orders[order[0]] = [weakref.ref(module) for module in order]
         batches: dict[tuple, list] = {}
@@ -496,5 +498,3 @@ class _RingReduceScatter:
     def finish(self, region: torch.Tensor) -> None:
         _finish_batch(self.batch, self._segment(region).clone())
 
-
-PENDING_REDUCTIONS = _PendingReductions()

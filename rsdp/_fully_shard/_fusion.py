@@ -34,7 +34,6 @@ import torch.nn as nn
 
 from .._compat import in_backward, saved_tensors_hooks_active
 from ._ops import RingLayer, run_linear_group
-from ._prefetch import FORWARD_RING_ORDER
 
 
 class SharedInputFusion:
@@ -124,7 +123,7 @@ class SharedInputFusion:
             for member in members:
                 self._formed[id(member)] = (group_layer, members)
         if groups:  # the next pass runs other rings: this one says nothing about its order
-            FORWARD_RING_ORDER.forget_this_pass()
+            self.state.ring.context.forward_order.forget_this_pass()
 
     def _all_ranks_agree(self, groups: list[list[nn.Module]]) -> bool:
         """One all-reduce (max and -min at once) over every rank of the mesh, once per module."""

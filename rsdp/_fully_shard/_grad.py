@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from .._compat import (
-    at_end_of_backward,
     current_graph_task_id,
     gradient_hooks,
     local_of,
@@ -81,7 +80,7 @@ class RingGradients:
     def receive(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """``param``'s gradient (its local shard's) from this backward: what its leaf received, or what a
         ring function hands over itself because it arrives after the function returned."""
-        RUNNING_BACKWARD.holds(self)
+        self.state.ring.context.running_backward.holds(self)
         earlier = self._per_param.get(id(param))
         if earlier is None:
             self._per_param[id(param)] = (param, grad)
@@ -91,7 +90,7 @@ class RingGradients:
     def add_reduced(self, reduced: torch.Tensor, finish: Callable[[torch.Tensor], None]) -> None:
         """A flat tensor of reduced gradients from this backward (the gathered parameters'), for
         ``finish`` to write once the replicas have summed it (under HSDP) at the next flush."""
-        RUNNING_BACKWARD.holds(self)
+        self.state.ring.context.running_backward.holds(self)
         self._reduced.append((reduced, finish))
 
     def drop(self) -> None:
@@ -103,19 +102,20 @@ class RingGradients:
         parts = [(grad, functools.partial(write_gradient, param)) for param, grad in self._per_param.values()]
         parts += self._reduced
         self.drop()
-        RUNNING_BACKWARD.flushed(self)
+        running = self.state.ring.context.running_backward
+        running.flushed(self)
         group = self.state.replicate_group
         if group is None:
             for tensor, finish in parts:
                 finish(tensor)
             return
-        RUNNING_BACKWARD.finish_all_reduces()
+        running.finish_all_reduces()
         by_dtype: dict[torch.dtype, list] = {}
         for tensor, finish in parts:
             by_dtype.setdefault(self.state.reduce_dtype(tensor.dtype), []).append((tensor, finish))
         for dtype, same in by_dtype.items():
             flat = torch.cat([tensor.reshape(-1).to(dtype) for tensor, _ in same])
-            RUNNING_BACKWARD.all_reduce(flat, group, same)
+            running.all_reduce(flat, group, same)
 
 
 def _finish(flat: torch.Tensor, parts: list) -> None:
@@ -141,15 +141,16 @@ def write_gradient(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         hook(param)
 
 
-class _RunningBackward:
+class RunningBackward:
     """The states holding gradients of the backward now running, in the order the backward reached
     them (the same on every rank, so the flushes at its end issue matching all-reduces), and the HSDP
     all-reduces started and not yet finished. A backward ends by flushing them all; one that raised
     leaves them behind, and the next forward drops them (``abandon``) rather than let an abandoned
     backward's gradients be added to the next one's."""
 
-    def __init__(self):
-        self.end_task: int | None = None  # the backward whose end is queued to flush
+    def __init__(self, context):
+        self._context = context
+        self.end_task: int | None = None  # the backward whose end is due to flush
         self.pending: dict[int, RingGradients] = {}
         self.in_flight: list[tuple] = []
 
@@ -179,12 +180,16 @@ class _RunningBackward:
         task = current_graph_task_id()
         if task != -1 and task != self.end_task:
             self.end_task = task
-            at_end_of_backward(self._end)
+            self._context.queue_end_of_backward()
+
+    def end_of_backward(self, task: int) -> None:
+        if task == self.end_task:
+            self._end()
 
     def _end(self) -> None:
         """Flush the states whose module ran no post-backward (its inputs needed no gradient, or it has
-        no hooks to run one) and finish the all-reduces. A later end-of-backward callback that adds
-        gradients queues this again."""
+        no hooks to run one) and finish the all-reduces: step 4 of ``RingContext``'s end of backward,
+        after the steps that hand it gradients."""
         self.end_task = None
         for gradients in list(self.pending.values()):
             gradients.flush()
@@ -202,5 +207,3 @@ class _RunningBackward:
         self.in_flight.clear()
         self.end_task = None
 
-
-RUNNING_BACKWARD = _RunningBackward()

@@ -54,7 +54,6 @@ from torch.utils.checkpoint import checkpoint
 
 from .._compat import all_gather_flat, reduce_scatter_flat
 from ._checkpoint import kept_or_run
-from ._collectives import PENDING_GATHERS
 from ._ops import (
     LinearMember,
     RingLayer,
@@ -65,8 +64,7 @@ from ._ops import (
     autocast_like,
     first_message,
 )
-from ._prefetch import FORWARD_RING_ORDER
-from ._param import Segment, message_of, shard_layout
+from ._param import Segment, shard_layout
 from ._ring import Phase
 
 _warned: set[tuple[int, str]] = set()
@@ -251,7 +249,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
         in_features, out_features = full_shape
         dtype = state.matmul_dtype(weight.dtype)
         layout = shard_layout(in_features, ring.size)
-        message = message_of((Segment(layout, weight.shape[1:], dtype),))
+        message = ring.context.buffers.message_of((Segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
 
         def rotate() -> tuple[torch.Tensor]:
@@ -265,7 +263,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
             start = first_message(layer, message, [weight])
             with layer.profiled(Phase.FORWARD):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
-                               carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))
+                               carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
             return (out,)
 
         (out,) = kept_or_run(layer, rotate)
@@ -286,7 +284,7 @@ class _RingInputSplitFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, out_features).to(dtype)
         weight_segments = [Segment(layout, weight.shape[1:], dtype)] if need_x else []
         grad_segments = [Segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
-        message = message_of(tuple(weight_segments + grad_segments))
+        message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
         grad_x = torch.zeros_like(x2d) if need_x else None
 
         def pack_weights(views: list[torch.Tensor]) -> None:

@@ -30,10 +30,9 @@ from torch.profiler import record_function
 
 from .._compat import DTensor, autocast_dtype, profiler_enabled
 from ._checkpoint import kept_or_run
-from ._collectives import PENDING_GATHERS, PENDING_REDUCTIONS
-from ._param import Message, Segment, ShardLayout, message_of, shard_layout
-from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER, ring_begins
-from ._ring import RING_BUFFERS, Phase
+from ._param import Message, Segment, ShardLayout, shard_layout
+from ._prefetch import ring_begins
+from ._ring import Phase
 
 
 class RingLayer:
@@ -76,15 +75,15 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
     """
     state, ring = layer.state, layer.state.ring
     grads = message.tail(weight_segments)
-    weights = message_of(message.segments[:weight_segments])
+    weights = ring.context.buffers.message_of(message.segments[:weight_segments])
     has_grads = len(grad_keys) > 0
     unsynced = has_grads and not state.requires_gradient_sync
     # Its first message carries partials: not prefetchable, but its last exchange may carry the next
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
     # prediction of their sizes the pass follows (``RingBuffers.begin_pass``).
     ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], weights if unsynced else message)
-    RING_BUFFERS.pair(message.nbytes, ring.device)
-    scratch = None if adds else RING_BUFFERS.scratch(grads.nbytes, ring.device)
+    ring.context.buffers.pair(message.nbytes, ring.device)
+    scratch = None if adds else ring.context.buffers.scratch(grads.nbytes, ring.device)
 
     def shard_of(accumulators: list[torch.Tensor], shard: int) -> list[torch.Tensor | None]:
         return [
@@ -114,10 +113,10 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
                 layer.tags[Phase.BACKWARD],
                 lambda buffer: pack_weights(message.views(buffer, ring.rank)),
                 lambda step, buffer: use_weights(ring.weight_shard_at(step), message.views(buffer, ring.weight_shard_at(step))),
-                rider=PENDING_REDUCTIONS.ring_rider(ring),
-                carry_next=BACKWARD_RING_ORDER.next_first,
+                rider=ring.context.pending_reductions.ring_rider(ring),
+                carry_next=ring.context.backward_order.next_first,
             )
-            RING_BUFFERS.trim()
+            ring.context.buffers.trim()
         return None
 
     unsynced = [state.take_unsynced(key) for key in grad_keys]
@@ -159,9 +158,9 @@ def _ring_backward(layer: RingLayer, message: Message, weight_segments: int, gra
             partial.add_(mine)
 
     final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival,
-                           rider=PENDING_REDUCTIONS.ring_rider(ring), carry_next=BACKWARD_RING_ORDER.next_first)
+                           rider=ring.context.pending_reductions.ring_rider(ring), carry_next=ring.context.backward_order.next_first)
     reduced = finished_gradients(state, message, weight_segments, final)
-    RING_BUFFERS.trim()
+    ring.context.buffers.trim()
     return reduced
 
 
@@ -258,7 +257,7 @@ class _RingLinearFunction(torch.autograd.Function):
         # Every member's weight, then the biases there are: the weights of one shard are then adjacent
         # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
         order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
-        message = message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
+        message = ring.context.buffers.message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
         slot = {index: position for position, index in enumerate(order)}
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         stacked = _Stacked(layouts) if len(members) > 1 else None
@@ -299,7 +298,7 @@ class _RingLinearFunction(torch.autograd.Function):
             start = first_message(layer, message, tensors)
             with layer.profiled(Phase.FORWARD):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
-                               carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))
+                               carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
                 if stacked is not None:
                     for member, out in enumerate(outs2d):
                         stacked.copy_member(out, products, member)
@@ -345,7 +344,7 @@ class _RingLinearFunction(torch.autograd.Function):
             Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
             for member, is_bias in wanted
         ]
-        message = message_of(tuple(weight_segments + grad_segments))
+        message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
         grad_x = torch.zeros_like(x2d) if need_x else None
 
         def pack_weights(views: list[torch.Tensor]) -> None:
@@ -395,7 +394,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         dtype = state.compute_dtype(weight.dtype)
         layout = shard_layout(num_embeddings, ring.size)
         # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
-        message = message_of(
+        message = ring.context.buffers.message_of(
             (Segment(layout, weight.shape[1:], dtype), Segment(shard_layout(ring.size, ring.size), torch.Size(), torch.uint8))
         )
         flat_indices = indices.reshape(-1)
@@ -426,7 +425,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
             ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], message)  # the flag: not prefetchable
             with layer.profiled(Phase.FORWARD):
                 final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
-                                       carry_next=FORWARD_RING_ORDER.next_first, rider=PENDING_GATHERS.ring_rider(ring, start))
+                                       carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
             _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
             torch._assert_async(
                 (flag | out_of_range) == 0,
@@ -451,7 +450,7 @@ class _RingEmbeddingFunction(torch.autograd.Function):
         ring = layer.state.ring
         reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
         layout = shard_layout(ctx.num_embeddings, ring.size)
-        message = message_of((Segment(layout, ctx.trailing, reduce_dtype),))
+        message = ring.context.buffers.message_of((Segment(layout, ctx.trailing, reduce_dtype),))
         selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
         dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
         masked = torch.empty(dy.shape, dtype=reduce_dtype, device=dy.device)

@@ -15,7 +15,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import DTensor, Replicate, Shard, outside_inference_mode
-from ._ring import RING_BUFFERS
 
 
 @dataclass(frozen=True)
@@ -110,11 +109,13 @@ class Message:
     ``s`` padded to that tensor's ``chunk`` rows, in its own dtype. The weights and biases of Linears
     that share an input travel as one message, and in backward the weights travel together with the
     gradient partials (in ``reduce_dtype``), so one ring step is one message whatever it carries.
-    Padding rows are never read: views cover the shard's real rows only.
+    Padding rows are never read: views cover the shard's real rows only. One per layout and model:
+    made by its ``RingBuffers.message_of``, whose buffers' views it caches.
     """
 
-    def __init__(self, segments: tuple[Segment, ...]):
+    def __init__(self, segments: tuple[Segment, ...], buffers):
         self.segments = segments
+        self._buffers = buffers  # the ``RingBuffers`` whose views it caches (and which made it)
         self.offsets = []
         offset = 0
         for segment in segments:
@@ -127,7 +128,7 @@ class Message:
         # Views of the ring's own buffers, which outlive a step:
         # ((buffer index, offset), shard, first, transposed) -> views.
         self._ring_views: dict[tuple, list[torch.Tensor]] = {}
-        self._generation = RING_BUFFERS.generation
+        self._generation = buffers.generation
 
     def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:
         """Segments ``first:`` of ``buffer`` (a byte tensor holding one message) as shard ``shard``'s
@@ -136,12 +137,12 @@ class Message:
 
         Views of the ring's buffers are made once and reused (making them is most of a small ring
         step's host time); other buffers get fresh views, since their memory may be reused."""
-        place = RING_BUFFERS.place_of(buffer)
+        place = self._buffers.place_of(buffer)
         if place is None:
             return self._make_views(buffer, shard, first, transposed)
-        if self._generation != RING_BUFFERS.generation:
+        if self._generation != self._buffers.generation:
             self._ring_views.clear()
-            self._generation = RING_BUFFERS.generation
+            self._generation = self._buffers.generation
         key = (place, shard, first, transposed)
         views = self._ring_views.get(key)
         if views is None:
@@ -160,7 +161,7 @@ class Message:
 
     def tail(self, first: int) -> "Message":
         """The message made of segments ``first:``, laid out as they are here (offsets shifted)."""
-        return message_of(self.segments[first:])
+        return self._buffers.message_of(self.segments[first:])
 
     def pack(self, buffer: torch.Tensor, shard: int, tensors: list[torch.Tensor], first: int = 0) -> None:
         """Write ``tensors`` (shard ``shard`` of segments ``first:``) into ``buffer``."""
@@ -178,12 +179,3 @@ class Message:
         if tensor.numel() * tensor.element_size() != self.nbytes:
             return None
         return tensor.view(-1).view(torch.uint8)
-
-
-@functools.lru_cache(maxsize=512)
-def message_of(segments: tuple[Segment, ...]) -> Message:
-    """The one ``Message`` for these segments, so that its views of the ring buffers are reused."""
-    return Message(segments)
-
-
-RING_BUFFERS.on_reset(message_of.cache_clear)

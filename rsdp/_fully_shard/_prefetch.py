@@ -25,9 +25,8 @@ partials there.
 Which ring comes next is learned from the last pass of the same kind that began with the same ring
 (forward: the rings between the start of the outermost rsdp forward and its end; backward: the rings
 of one backward, forward rings recomputed by activation checkpointing included, which take no
-prefetch and make none; two models whose passes interleave, a policy and its reference, each learn
-from their own), and a
-ring is prefetched as its previous call made its first message: the same layout, packed from the same
+prefetch and make none; each model learns from its own, in its ``RingContext``), and a ring is
+prefetched as its previous call made its first message: the same layout, packed from the same
 tensors. A prefetched ring that is not called next (control flow changed, or a different layout) runs
 as usual, its own first exchange and all; the next pass learns the new order.
 
@@ -55,9 +54,9 @@ import math
 
 import torch
 
-from .._compat import at_end_of_backward, current_graph_task_id, in_backward, in_selective_checkpoint
+from .._compat import current_graph_task_id, in_backward, in_selective_checkpoint
 from ._param import Message
-from ._ring import RING_BUFFERS, Phase, Prefetched, Ring
+from ._ring import Phase, Prefetched, Ring
 
 
 @dataclasses.dataclass
@@ -105,9 +104,8 @@ class _NextFirstMessage:
         self.order.arrived(self.tag, self.first.signature(), Prefetched(sent, received, received_in))
 
 
-# Predictions kept per order, one per ring that begins a pass: a few models whose passes interleave
-# (a policy, its frozen reference, a teacher). A model no longer run is forgotten after as many others,
-# or when a model is sharded (``forget_predictions``).
+# Predictions kept per order, one per ring that begins a pass: a model's passes may begin with
+# different rings (a call that skips its first layers). One no longer seen is forgotten after as many others.
 _KEPT_PREDICTIONS = 8
 
 
@@ -116,7 +114,8 @@ class RingOrder:
     that kind that began with each first ring, and the first exchange done ahead for the ring expected
     next."""
 
-    def __init__(self, backward: bool):
+    def __init__(self, context, backward: bool):
+        self._context = context
         self.backward = backward
         # (tag, (message layout, first segment its first exchange sends)) of each ring, in call order:
         # a ring's layout changes when Linears start sharing its ring, and then it is another ring.
@@ -135,11 +134,11 @@ class RingOrder:
     def arrived(self, tag: int, signature: tuple, exchange: Prefetched) -> None:
         """The first exchange of the ring expected next is done (``_NextFirstMessage.alight``)."""
         self._prefetched = (tag, signature, exchange)
-        RING_BUFFERS.prefetched = exchange
+        self._context.buffers.prefetched = exchange
 
     def _take(self) -> tuple | None:
         prefetched, self._prefetched = self._prefetched, None
-        RING_BUFFERS.prefetched = None
+        self._context.buffers.prefetched = None
         return prefetched
 
     def begin(
@@ -152,7 +151,7 @@ class RingOrder:
             self._end_with_backward()
         if not self._this_pass:
             self._previous_pass, self._largest_previous = self._predictions.get(tag, ([], 0))
-            RING_BUFFERS.begin_pass(self.backward, tag)
+            self._context.buffers.begin_pass(self.backward, tag)
         prefetched = self._take()
         prefetchable = tensors is not None and ring.size > 1 and not in_selective_checkpoint()
         first_message = _FirstMessage(ring, message, tensors, first) if prefetchable else None
@@ -209,15 +208,6 @@ class RingOrder:
         self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in predicted}
         self._this_pass, self._forget = [], False
 
-    def forget_predictions(self) -> None:
-        """Drop what earlier passes predict (``rsdp_shard`` calls it, as a new model is made): the first
-        messages they keep hold the tensors of their models, which may be gone. The pass running keeps
-        its own rings' first messages; its next pass learns its order again."""
-        self._predictions.clear()
-        self._previous_pass = []
-        called = {tag for tag, _ in self._this_pass}
-        self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in called}
-
     def abandon(self) -> None:
         """Drop what a pass that raised left (called as a forward starts): its end never came."""
         if self._this_pass or self._prefetched is not None:
@@ -229,15 +219,13 @@ class RingOrder:
         task = current_graph_task_id()
         if task != self._pass_task:
             self._pass_task = task
-            at_end_of_backward(self._end_of_backward)
+            self._context.queue_end_of_backward()
 
-    def _end_of_backward(self) -> None:
-        self._pass_task = -1
-        self.end_pass()
+    def end_of_backward(self, task: int) -> None:
+        if task == self._pass_task:
+            self._pass_task = -1
+            self.end_pass()
 
-
-FORWARD_RING_ORDER = RingOrder(backward=False)
-BACKWARD_RING_ORDER = RingOrder(backward=True)
 
 
 def ring_begins(
@@ -247,5 +235,5 @@ def ring_begins(
     forward ring recomputed in backward (activation checkpointing) is one of the backward's, which
     takes no prefetch (it would overwrite one made for the ring after it)."""
     if not in_backward():
-        return FORWARD_RING_ORDER.begin(ring, tag, message, tensors, first)
-    return BACKWARD_RING_ORDER.begin(ring, tag, message, tensors if phase is Phase.BACKWARD else None, first)
+        return ring.context.forward_order.begin(ring, tag, message, tensors, first)
+    return ring.context.backward_order.begin(ring, tag, message, tensors if phase is Phase.BACKWARD else None, first)

@@ -23,10 +23,10 @@ same neighbour behind its message: the next ring's first message (a forward ring
 sub-block's backward weights) rides a ring's last exchange (``_prefetch.py``), and the last hop of a
 planned sub-block's partials an early exchange of the next ring (``_Boarding``).
 
-Messages live in byte buffers shared by every ring of the process (``RING_BUFFERS``: two ping-pong
-message buffers and a scratch, given memory once per pass and then reused), so a ring step allocates
-nothing; on CUDA this also keeps NCCL's stream from pinning a freed block per step in the
-caching allocator. They live for one pass, not longer: freed when the outermost rsdp module's forward
+Messages live in byte buffers shared by every ring of one model (``RingBuffers``, owned by the
+model's ``RingContext``: two ping-pong message buffers and a scratch, given memory once per pass and
+then reused), so a ring step allocates nothing; on CUDA this also keeps NCCL's stream from pinning a
+freed block per step in the caching allocator. They live for one pass, not longer: freed when the outermost rsdp module's forward
 returns and when the backward ends, so they never add to the loss computation's or the optimizer
 step's peak. ``release_ring_buffers()`` frees them at any other time.
 
@@ -45,7 +45,7 @@ Pitfalls this file exists to contain (design.md §3):
   and every work is waited, also when the step's computation raised (``drain``).
 - A gloo work dropped right after ``wait()`` spins in its buffer's destructor until gloo's event-loop
   thread lets go of the buffer, so an exchange's works are kept until the next one has been waited for
-  (``_WaitedWorks``).
+  (``WaitedWorks``).
 - A buffer is received into only after the send that last read it was waited for (ping-pong).
 - On CUDA, ProcessGroupNCCL runs P2P on its own stream, orders it after the compute that produced the
   buffers, and ``wait()`` makes the compute stream wait for the received data.
@@ -62,13 +62,13 @@ import torch
 import torch.distributed as dist
 
 from .._compat import (
-    at_end_of_backward,
     current_graph_task_id,
     in_backward,
     in_selective_checkpoint,
     outside_inference_mode,
     send_and_receive,
 )
+from ._param import Message, Segment
 
 
 class Phase(enum.IntEnum):
@@ -128,7 +128,8 @@ class _PassSizes:
 
 class RingBuffers:
     """Two flat byte buffers per device for the messages, and one for a backward's own contribution,
-    shared by every ring of the process.
+    shared by every ring of one model (its ``RingContext``), and the ``Message`` layouts whose views
+    of them are cached.
 
     Rings never run concurrently on one rank (a ring layer's computation calls no other ring), so one
     set serves them all: two of the largest message (weights and partials, ~2/W of the largest ring
@@ -139,13 +140,15 @@ class RingBuffers:
     that messages cached.
     """
 
-    def __init__(self):
+    def __init__(self, context):
+        self._context = context  # its RingContext: the end of a backward that used the buffers frees them
         self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
         self._index: dict[int, tuple[int, int]] = {}  # data_ptr of a live buffer -> (its index, 0)
         self._spans: list[tuple[int, int, int]] = []  # (index, first and last + 1 address) of each live buffer
         # Bumped whenever buffers are replaced, so views of old ones are not reused.
         self.generation = 0
-        self._reset_callbacks: list[Callable[[], None]] = []
+        # The one ``Message`` per segment layout, so that its views of these buffers are reused.
+        self._messages: dict[tuple[Segment, ...], Message] = {}
         self._release_task = -1  # the backward at whose end a release is queued
         # (in backward, the tag of the pass's first ring) -> its sizes: each model's passes predict its own.
         self._sizes: dict[tuple[bool, int | None], _PassSizes] = {}
@@ -168,9 +171,12 @@ class RingBuffers:
             sizes = self._sizes[key] = _PassSizes()
         return sizes
 
-    def on_reset(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` whenever buffers are replaced (to drop cached views of them)."""
-        self._reset_callbacks.append(callback)
+    def message_of(self, segments: tuple[Segment, ...]) -> Message:
+        """The one ``Message`` for these segments, so that its views of these buffers are reused."""
+        message = self._messages.get(segments)
+        if message is None:
+            message = self._messages[segments] = Message(segments, self)
+        return message
 
     def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The two message buffers (ping-pong), ``nbytes`` long."""
@@ -284,20 +290,24 @@ class RingBuffers:
     def _reset(self) -> None:
         self.generation += 1
         self._prefixes.clear()
-        for callback in self._reset_callbacks:
-            callback()
+        self._messages.clear()
 
     @property
     def nbytes(self) -> int:
         return sum(buffer.untyped_storage().nbytes() for _, buffer in self._live())
 
     def _release_at_end_of_backward(self) -> None:
-        """Free the buffers when the backward now running ends (queued once per backward; a backward
-        that raised runs no end callbacks, and the next one queues its own)."""
+        """Free the buffers when the backward now running ends (a backward that raised runs no end
+        callbacks, and the next one frees them)."""
         task = current_graph_task_id()
         if task != self._release_task:
             self._release_task = task
-            at_end_of_backward(self.release)
+            self._context.queue_end_of_backward()
+
+    def end_of_backward(self, task: int) -> None:
+        if task == self._release_task:
+            self._release_task = -1
+            self.release()
 
     def release(self) -> None:
         """Free the buffers' memory. The tensors stay, with no storage, and so do the views of them that
@@ -308,29 +318,6 @@ class RingBuffers:
         self._reindex()
         for sizes in self._sizes.values():
             sizes.end()
-
-    def forget(self) -> None:
-        """Forget the buffers (``rsdp_shard`` calls it): the next pass allocates what its own largest
-        message needs. The buffers belong to the process, not to a model, and ``release`` keeps their
-        sizes; without this a model sharded after a larger one got the larger one's buffers back.
-        Nothing is resized: a holder of a buffer (there is none between passes) keeps its memory."""
-        self._sets.clear()
-        self._sizes = {}
-        self._reset()
-        self._reindex()
-        WAITED_WORKS.clear()  # they would keep the last message's buffer alive
-
-
-RING_BUFFERS = RingBuffers()
-
-
-def release_ring_buffers() -> int:
-    """Free the ring's message buffers (the next ring step allocates them again, at the size they had);
-    returns the bytes they held. Useful before measuring memory, or to hand their memory to something
-    else for a while. Sharding a new module makes the buffers forget their sizes."""
-    nbytes = RING_BUFFERS.nbytes
-    RING_BUFFERS.release()
-    return nbytes
 
 
 @dataclasses.dataclass
@@ -371,7 +358,11 @@ class NextFirst(Passenger, typing.Protocol):
 
 
 class Ring:
-    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+    """One rsdp module's ring: its group and neighbours, and (``context``) the ``RingContext`` of its
+    model, which ``rsdp_shard`` sets and may later replace by its root's."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, context):
+        self.context = context
         self.group = group
         self.device = device
         self.size = dist.get_world_size(group)
@@ -413,7 +404,7 @@ class Ring:
         sent as it is gets copied into a ring buffer first).
 
         Exchanges may carry ``Passenger``s behind the message (and rider): a hop deferred by an
-        earlier ring (``DEFERRED_HOPS``) rides the first exchange that is this ring's own, sends its
+        earlier ring (``DeferredHops``) rides the first exchange that is this ring's own, sends its
         message to the end, and sends a message at the start of a buffer (a prefetched one lies behind
         the message of the ring that carried it); ``carry_next(ring)`` may give the next ring's first
         message, which rides the last exchange if that is such an exchange. A prefetched ring takes
@@ -436,10 +427,10 @@ class Ring:
         boarding.fit()
         if boarding:
             # First, so that the message's own (shorter) views below are of the buffers it makes.
-            wide = RING_BUFFERS.pair(boarding.nbytes, self.device)
+            wide = self.context.buffers.pair(boarding.nbytes, self.device)
         if isinstance(start, torch.Tensor) and (rider is not None or boarding):
             start = functools.partial(_copy_message, start)  # into a ring buffer, for what follows it
-        buffers = RING_BUFFERS.pair(nbytes, self.device)
+        buffers = self.context.buffers.pair(nbytes, self.device)
         boarding_at = boarding.steps
         works = []
         held = None  # which of ``buffers`` holds ``current``, if one does
@@ -475,11 +466,11 @@ class Ring:
                 try:
                     during(step, current)
                 except BaseException:
-                    drain(works)
+                    drain(works, self.context.waited_works)
                     raise
             if works or prefetched:
                 if works:
-                    wait_for(works)
+                    wait_for(works, self.context.waited_works)
                 works = []
                 current, held = incoming, arriving
                 if on_arrival is not None:
@@ -533,10 +524,11 @@ class _Boarding:
         self.nbytes = max(self.nbytes, self._ends[step])
 
     def add_deferred_hop(self) -> None:
-        if not DEFERRED_HOPS.pending:
+        deferred_hops = self.ring.context.deferred_hops
+        if not deferred_hops.pending:
             return
         step = next((s for s in range(self.hops) if self._can_board(s)), None)
-        hop = DEFERRED_HOPS.take(self.ring, step is not None)
+        hop = deferred_hops.take(self.ring, step is not None)
         if hop is not None:
             self._add(step, hop)
             self._deferred = hop
@@ -559,7 +551,7 @@ class _Boarding:
         """A prefetched ring must not grow the ring buffers: that would lose its own first message. If
         they are too small it carries nothing (a deferred hop goes alone), and the next pass makes
         them large enough from its start (``RingBuffers.hold``)."""
-        if self and self.prefetched and not RING_BUFFERS.hold(self.nbytes, self.ring.device):
+        if self and self.prefetched and not self.ring.context.buffers.hold(self.nbytes, self.ring.device):
             self._aboard, self._ends, self.nbytes = {}, {}, 0
             if self._deferred is not None:
                 _send_alone(self._deferred)
@@ -632,16 +624,17 @@ class DeferredHop:
         self.arrived(received)
 
 
-class _DeferredHops:
-    """The one hop deferred and not yet sent. The next ``Ring.circulate`` takes it into an exchange when
+class DeferredHops:
+    """The one hop deferred and not yet sent (per ``RingContext``). The next ``Ring.circulate`` takes it into an exchange when
     it can (same group and device, an exchange of its own that sends its message to the end, from a
     buffer's start: ``_Boarding``); otherwise, and when the backward ends with none to take it, it is
     sent alone. Every rank runs the same rings in the same order, so all decide alike (the messages'
     sizes match)."""
 
-    def __init__(self):
+    def __init__(self, context):
+        self._context = context
         self._pending: DeferredHop | None = None
-        self._flush_task = -1  # the backward at whose end a flush is queued
+        self._flush_task = -1  # the backward at whose end a flush is due
 
     def defer(self, hop: DeferredHop) -> None:
         self.flush()
@@ -651,7 +644,7 @@ class _DeferredHops:
             self.flush()
         elif task != self._flush_task:
             self._flush_task = task
-            at_end_of_backward(self._end_of_backward)
+            self._context.queue_end_of_backward()
 
     @property
     def pending(self) -> bool:
@@ -671,9 +664,10 @@ class _DeferredHops:
         if hop is not None:
             _send_alone(hop)
 
-    def _end_of_backward(self) -> None:
-        self._flush_task = -1
-        self.flush()
+    def end_of_backward(self, task: int) -> None:
+        if task == self._flush_task:
+            self._flush_task = -1
+            self.flush()
 
     def abandon(self) -> None:
         """Drop a hop that a backward which raised left behind (called as a forward starts)."""
@@ -682,14 +676,12 @@ class _DeferredHops:
 
 def _send_alone(hop: DeferredHop) -> None:
     received = torch.empty_like(hop.payload)
-    wait_for(hop.ring.exchange(hop.payload, received, hop.tag))
+    wait_for(hop.ring.exchange(hop.payload, received, hop.tag), hop.ring.context.waited_works)
     hop.arrived(received)
 
 
-DEFERRED_HOPS = _DeferredHops()
 
-
-class _WaitedWorks:
+class WaitedWorks:
     """The works of the exchange waited for last, kept referenced until the next one has been waited for.
 
     Dropping a gloo work frees its transport buffer, whose destructor spins (``sched_yield``) until
@@ -711,17 +703,14 @@ class _WaitedWorks:
         self._works = []
 
 
-WAITED_WORKS = _WaitedWorks()
-
-
-def wait_for(works: list) -> None:
-    """Wait for an exchange's works (see ``_WaitedWorks`` for why they stay referenced a while)."""
+def wait_for(works: list, kept: WaitedWorks) -> None:
+    """Wait for an exchange's works (see ``WaitedWorks`` for why ``kept`` references them a while)."""
     for work in works:
         work.wait()
-    WAITED_WORKS.keep(works)
+    kept.keep(works)
 
 
-def drain(works: list) -> None:
+def drain(works: list, kept: WaitedWorks) -> None:
     """Wait for the exchange in flight when a ring step raised, ignoring its own errors (the step's
     error is the one to report). The peers posted the matching operations, so it completes; left
     unwaited, gloo keeps the abandoned operations in its transport, which then spins on the socket and
@@ -731,4 +720,4 @@ def drain(works: list) -> None:
             work.wait()
         except RuntimeError:
             pass
-    WAITED_WORKS.keep(works)
+    kept.keep(works)

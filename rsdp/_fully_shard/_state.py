@@ -34,36 +34,19 @@ from .._compat import (
     DTensor,
     FSDPState,
     MixedPrecisionPolicy,
-    at_end_of_backward,
     autocast_dtype,
     current_graph_task_id,
     get_module_state,
     in_backward,
     outside_inference_mode,
 )
-from ._collectives import PENDING_GATHERS, PENDING_REDUCTIONS, GatheredParams, gather_together
+from ._collectives import GatheredParams, gather_together
+from ._context import rootless_context
 from ._fusion import SharedInputFusion
-from ._grad import RUNNING_BACKWARD, RingGradients
+from ._grad import RingGradients
 from ._operand import RingOperand
 from ._ops import sharded
-from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER
-from ._ring import DEFERRED_HOPS, RING_BUFFERS, Ring
-
-
-# rsdp forwards running now on this thread (nested modules count once each).
-_open_forwards = 0
-# Outermost rsdp forwards begun so far (outside backward): a module's gathered parameters are current if
-# gathered at the start of the pass running.
-_forward_pass = 0
-
-# Graph task id -> the states whose gathered parameters await their post-backward in that backward, in
-# the order their backward began; the end-of-backward callback finishes what remains.
-_awaiting_post_backward: dict[int, list["RSDPState"]] = {}
-
-
-def _finish_post_backwards(task_id: int) -> None:
-    for state in _awaiting_post_backward.pop(task_id, []):
-        state.post_backward()
+from ._ring import Ring
 
 
 def _cast_floating(dtype: torch.dtype, tensor: torch.Tensor) -> torch.Tensor:
@@ -92,7 +75,8 @@ class RSDPState(FSDPState):
             if mesh.device_type == "cuda"
             else torch.device(mesh.device_type)
         )
-        self.ring = Ring(mesh.get_group(mesh.ndim - 1), self.device)
+        # The rootless context until a root's rsdp_shard (or parallelize) gives it the model's.
+        self.ring = Ring(mesh.get_group(mesh.ndim - 1), self.device, rootless_context())
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.ring_modules: list[nn.Module] = []
         self.fusion = SharedInputFusion(self)
@@ -169,18 +153,14 @@ class RSDPState(FSDPState):
 
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        global _open_forwards, _forward_pass
-        outermost = _open_forwards == 0 and not in_backward()
+        context = self.ring.context
+        outermost = context.open_forwards == 0 and not in_backward()
         # Opened before anything that can raise: a forward that raises is closed (``end_forward``),
         # and one closed without being opened would leave every later forward "nested".
-        _open_forwards += 1
+        context.open_forwards += 1
         self.forward_depth += 1
         if outermost:
-            RUNNING_BACKWARD.abandon()
-            PENDING_REDUCTIONS.abandon()
-            DEFERRED_HOPS.abandon()
-            BACKWARD_RING_ORDER.abandon()
-            _forward_pass += 1
+            context.begin_forward()
             self.gather_nested(module)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
@@ -192,8 +172,8 @@ class RSDPState(FSDPState):
             self._await_post_backward()
             return args, kwargs
         if self.gathered is not None:
-            PENDING_GATHERS.needs(self.gathered)
-        if self.gathered is not None and self.gathered.gathered_in_pass != _forward_pass:
+            context.pending_gathers.needs(self.gathered)
+        if self.gathered is not None and self.gathered.gathered_in_pass != context.forward_pass:
             self._adopt_replaced_params()
             self.gathered.gather()
         self._install_params()
@@ -205,7 +185,7 @@ class RSDPState(FSDPState):
         """At the start of an outermost forward: gather the parameters of every rsdp module under
         ``module`` (itself included) that keeps them until its backward, in one collective per
         ``gather_key`` (usually one), in module order, which every rank shares; those the previous
-        forward first needed after a ring had started are left to that ring (``PENDING_GATHERS``).
+        forward first needed after a ring had started are left to that ring (``PendingGathers``).
         Their own forwards then find them current; a module resharded after forward gathers its own,
         as before."""
         if self._nested is None:
@@ -220,11 +200,12 @@ class RSDPState(FSDPState):
             if gathered is not None and not gathered.reshard_after_forward:
                 state._adopt_replaced_params()
                 candidates.append(gathered)
+        context = self.ring.context
         batches: dict[tuple, list] = {}
-        for gathered in PENDING_GATHERS.begin_pass(_forward_pass, candidates):
+        for gathered in context.pending_gathers.begin_pass(context.forward_pass, candidates):
             batches.setdefault(gathered.gather_key, []).append(gathered)
         for batch in batches.values():
-            gather_together(batch, _forward_pass)
+            gather_together(batch, context.forward_pass)
 
     def end_forward(self, backward_follows: bool = False) -> None:
         """Put the sharded parameters back and close the forward (also when it raised). The full
@@ -232,18 +213,24 @@ class RSDPState(FSDPState):
         whether or not they need a gradient) and they are not resharded. The ring buffers are freed
         when the outermost rsdp forward ends, unless it is a recomputation inside backward (the
         backward frees them when it ends)."""
-        global _open_forwards
         self.fusion.end_forward()
         if self.installs_params and not in_backward():
             self.restore_sharded_params()
             if self.gathered is not None and (self.gathered.reshard_after_forward or not backward_follows):
                 self.gathered.free()
-        _open_forwards -= 1
+        context = self.ring.context
+        context.open_forwards -= 1
         self.forward_depth -= 1
-        if _open_forwards == 0 and not in_backward():
-            FORWARD_RING_ORDER.end_pass()
-            PENDING_GATHERS.end_pass()
-            RING_BUFFERS.release()
+        if context.open_forwards == 0 and not in_backward():
+            context.end_forward()
+
+    def close_raised_forward(self, depth: int) -> None:
+        """A call of the module begun at ``forward_depth`` ``depth`` raised: close its forward, unless
+        its post-forward did already (a forward hook registered after rsdp's raised), so that it is
+        never closed twice."""
+        if self.forward_depth > depth:
+            self.fusion.forward_raised()
+            self.end_forward()
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -290,10 +277,7 @@ class RSDPState(FSDPState):
         if self._post_backward_task == task:
             return
         self._post_backward_task = task
-        if task not in _awaiting_post_backward:
-            _awaiting_post_backward[task] = []
-            at_end_of_backward(functools.partial(_finish_post_backwards, task))
-        _awaiting_post_backward[task].append(self)
+        self.ring.context.await_post_backward(self)
 
     def post_backward(self) -> None:
         """Reduce the gathered parameters' gradients, write the module's gradients (``_grad.py``), put the

@@ -66,9 +66,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, gradients_of, saved_tensors_hooks_active
 from ._checkpoint import kept_or_run
 from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard, sharded
-from ._prefetch import BACKWARD_RING_ORDER, FORWARD_RING_ORDER, ring_begins
-from ._param import Segment, message_of, shard_layout
-from ._ring import DEFERRED_HOPS, RING_BUFFERS, DeferredHop, Phase
+from ._prefetch import ring_begins
+from ._param import Segment, shard_layout
+from ._ring import DeferredHop, Phase
 from ._sub_block_cache import SubBlockCache, shard_cache_arguments
 
 _COLWISE = ("colwise", "local_colwise")
@@ -391,7 +391,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
         # sub-block's matmuls use, which autocast, where it is on, may lower further.
         input_dtype = state.compute_dtype(present[0].dtype)
         dtype = state.matmul_dtype(present[0].dtype)
-        message = message_of(block.segments(dtype, ring.size))
+        message = ring.context.buffers.message_of(block.segments(dtype, ring.size))
         cast = [t.to(input_dtype) if t.is_floating_point() else t for t in tensors]
         row_layout = message.segments[-1].layout  # the cached message's: its bounds are computed once
         needs = ctx.needs_input_grad[1:]
@@ -421,7 +421,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
             with layer.profiled(Phase.FORWARD):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, packed), during,
-                               carry_next=FORWARD_RING_ORDER.next_first)
+                               carry_next=ring.context.forward_order.next_first)
             if call.cache is not None:  # every shard has run: the cache takes their keys and values once
                 call.cache.commit()
             return total, call.output_spec, call.output_position
@@ -453,8 +453,8 @@ class _RingSubBlockFunction(torch.autograd.Function):
         grad_segments = [Segment(weight_segments[slot].layout, weight_segments[slot].trailing, reduce_dtype) for slot in grad_index]
         # The partials first, then the weights: a message's first exchange sends the weights alone, and
         # a deferred hop (below) travelling behind it must follow them directly.
-        grads = message_of(tuple(grad_segments))
-        message = message_of(grads.segments + weight_segments)
+        grads = ring.context.buffers.message_of(tuple(grad_segments))
+        message = ring.context.buffers.message_of(grads.segments + weight_segments)
         first_weight = len(grad_segments)
         # The partials' views in the orientation of the gradients autograd gives: those of colwise weights
         # transposed, as their operands are.
@@ -522,7 +522,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
         if grad_index and state.requires_gradient_sync:
             # The first exchange sends the weights alone, so the ring before may have done it.
             prefetched = ring_begins(ring, Phase.BACKWARD, tag, message, weights, first_weight)
-            mine = RING_BUFFERS.scratch(grads.nbytes, ring.device)
+            mine = ring.context.buffers.scratch(grads.nbytes, ring.device)
             unsynced = [state.take_unsynced(key) for key in keys]
 
             def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
@@ -550,14 +550,14 @@ class _RingSubBlockFunction(torch.autograd.Function):
 
             with layer.profiled(Phase.BACKWARD):
                 if ring.size == 1:
-                    buffer = RING_BUFFERS.pair(message.nbytes, ring.device)[0]
+                    buffer = ring.context.buffers.pair(message.nbytes, ring.device)[0]
                     pack(buffer)
                     own_contribution(0, buffer)
                     deliver(finished_gradients(state, grads, 0, mine))
                 else:
                     final = ring.circulate(
                         message.nbytes, tag, pack if prefetched is None else prefetched, own_contribution, on_arrival,
-                        region=region, carry_next=BACKWARD_RING_ORDER.next_first,
+                        region=region, carry_next=ring.context.backward_order.next_first,
                     )
                     # W-1 hops took every partial past every rank but its owner, one hop down. That
                     # hop rides the next ring's first exchange, or goes alone at the end of the backward.
@@ -569,11 +569,11 @@ class _RingSubBlockFunction(torch.autograd.Function):
                         partials[: grads.nbytes].view(reduce_dtype).add_(own.view(reduce_dtype))
                         deliver(finished_gradients(state, grads, 0, partials))
 
-                    DEFERRED_HOPS.defer(DeferredHop(ring, tag, final[: grads.nbytes].clone(), home))
+                    ring.context.deferred_hops.defer(DeferredHop(ring, tag, final[: grads.nbytes].clone(), home))
         else:
             # No partials travel: the weights rotate for the input gradient, and with sync off each
             # rank's contributions to every shard are kept locally until the next synchronised backward.
-            weights_only = message_of(weight_segments)
+            weights_only = ring.context.buffers.message_of(weight_segments)
             totals = [state.unsynced_gradient(key, segment) for key, segment in zip(keys, grad_segments)]
             ring_begins(ring, Phase.BACKWARD, tag, weights_only)
 
@@ -587,9 +587,9 @@ class _RingSubBlockFunction(torch.autograd.Function):
             with layer.profiled(Phase.BACKWARD):
                 ring.circulate(
                     weights_only.nbytes, tag, lambda buffer: pack(buffer, weights_only), during,
-                    carry_next=BACKWARD_RING_ORDER.next_first,
+                    carry_next=ring.context.backward_order.next_first,
                 )
-        RING_BUFFERS.trim()
+        ring.context.buffers.trim()
         grad_inputs = [
             None if g is None else g.to(t.dtype) for g, t in zip(grad_inputs, tensors)
         ]

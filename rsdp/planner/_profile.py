@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import DTensor
 from .._fully_shard import release_ring_buffers
-from .._fully_shard._ring import RING_BUFFERS
 from ..memory import MemoryTracker
 from ..policy import Strategy, parallelize
 
@@ -234,9 +233,7 @@ def measure_peak(model: nn.Module, batch, loss_fn: Callable, optimizer_fn: Calla
     """Peak bytes per rank of a steady-state training step of an already parallelized ``model``:
     parameters and optimizer state plus the step's peak, the maximum over ranks. To check a plan."""
     optimizer = optimizer_fn(model.parameters())
-    # Sized by this model's messages, not by a larger model's measured earlier in the process.
     release_ring_buffers()
-    RING_BUFFERS.forget()
 
     def step() -> None:
         loss_fn(model, batch).backward()

@@ -1,0 +1,175 @@
+"""``RingContext``: everything one model's rsdp modules share while a pass runs (FSDP2's root-owned
+comm and state contexts).
+
+One context serves every rsdp module of one model. A module is sharded onto the process's rootless
+context (``rootless_context``); ``rsdp_shard`` on a module with rsdp modules under it (a root, its
+blocks sharded before it) gives it and them a new context of their own (``share_ring_context``), so a
+model sharded bottom-up has its root's. ``parallelize`` under a root that is not rsdp (FSDP2 or
+replicate) gives its rsdp units one context too, as that root would. Modules that no rsdp root
+gathers (blocks under a plain ``nn.Module`` sharded one by one, a model sharded by one call with no
+units under it) stay on the rootless context, which they share: one backward's rings then still
+carry each other's data (a deferred hop, the reductions, the next ring's first message), as a root
+would let them. A state finds its context through its ring (``state.ring.context``), which every
+ring function has at hand.
+
+A context owns: the ring buffers and the messages laid out in them; the ring order of each pass kind
+(what to prefetch); the parameters left to ride a ring (pending gathers and reductions); the hop a
+planned sub-block deferred; the works of the exchange waited for last; the gradients the backward
+running holds; how many of its forwards are open and how many passes have begun. Two models in one
+process each have their own (when sharded bottom-up, or by ``parallelize``): sharding, running or
+failing one never touches another's buffers, predictions or queues.
+
+A pass: the first forward of the context that starts outside a backward is the outermost; it
+``begin_forward``s (dropping what a pass that raised left behind: ``reset``), and when it ends the
+context ``end_forward``s (forward ring order recorded, pending gathers settled, buffers freed). Each
+backward that touches the context queues ONE end-of-backward callback (``queue_end_of_backward``),
+which finishes, in this order:
+
+1. the post-backward of every module still awaiting it, in the order their backward began (their
+   gathered parameters' gradients queue for reduction; their ring gradients are written);
+2. the hop a planned sub-block deferred and no ring took, sent alone (its partials reach their owners);
+3. the queued reductions of gathered parameters, one reduce-scatter per group, dtype and device;
+4. the gradients still held (written to ``.grad``; under HSDP after their all-reduce), and the
+   all-reduces in flight;
+5. the backward ring order (recorded as the next backward's prediction; an unused prefetch dropped);
+6. the ring buffers (freed; their sizes recorded for the next backward).
+
+Each step acts only if that part was used in the backward ending (a reentrant checkpoint's nested
+backward finishes what it used, as before). Later steps consume what earlier ones produce (1 queues
+for 3, 2 and 3 hand gradients to 4), so no step queues another callback.
+
+Pitfalls:
+- Every rank must finish in the same order: the order is fixed here and what each step issues
+  depends only on the order of modules and rings, which every rank shares.
+- A backward that raised runs no end callback: its leftovers stay until the next outermost forward
+  ``reset``s them (never a later backward's gradients mixed with an abandoned one's).
+- The context a module uses can change when its parent is sharded: read it through the ring at use,
+  never keep it.
+"""
+
+import functools
+import weakref
+
+import torch.nn as nn
+
+from .._compat import at_end_of_backward, current_graph_task_id, get_module_state
+from ._collectives import PendingGathers, PendingReductions
+from ._grad import RunningBackward
+from ._prefetch import RingOrder
+from ._ring import DeferredHops, RingBuffers, WaitedWorks
+
+# Every context alive, for ``release_ring_buffers()`` without a module; weak, so a model's context
+# goes with it. With ``rootless_context``'s one context, the engine's only module-level state.
+_LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()
+
+
+class RingContext:
+    """The shared state of one model's rsdp modules; see the module docstring for the end-of-backward order."""
+
+    def __init__(self):
+        self.buffers = RingBuffers(self)
+        self.waited_works = WaitedWorks()
+        self.deferred_hops = DeferredHops(self)
+        self.forward_order = RingOrder(self, backward=False)
+        self.backward_order = RingOrder(self, backward=True)
+        self.pending_gathers = PendingGathers()
+        self.pending_reductions = PendingReductions(self)
+        self.running_backward = RunningBackward(self)
+        self.open_forwards = 0  # forwards of this context's modules running now (nested modules count once each)
+        # Outermost forwards begun so far (outside backward): a module's gathered parameters are
+        # current if gathered in the pass running.
+        self.forward_pass = 0
+        # Graph task id -> the states awaiting their post-backward in that backward, in the order
+        # their backward began.
+        self._awaiting_post_backward: dict[int, list] = {}
+        self._end_queued: set[int] = set()  # graph tasks whose end-of-backward callback is queued
+        _LIVE_CONTEXTS.add(self)
+
+    def begin_forward(self) -> None:
+        """An outermost forward starts: drop what a pass that raised left behind, count the pass."""
+        self.reset()
+        self.forward_pass += 1
+
+    def end_forward(self) -> None:
+        """The outermost forward ended (or raised)."""
+        self.forward_order.end_pass()
+        self.pending_gathers.end_pass()
+        self.buffers.release()
+
+    def reset(self) -> None:
+        """The one clean-up after a pass that raised (its end never came): queued gradients,
+        reductions, a deferred hop, the backward ring order and the post-backwards it awaited."""
+        self.running_backward.abandon()
+        self.pending_reductions.abandon()
+        self.deferred_hops.abandon()
+        self.backward_order.abandon()
+        self._awaiting_post_backward.clear()
+        self._end_queued.clear()
+
+    def await_post_backward(self, state) -> None:
+        """``state``'s module began its backward: finish it at the end of this backward unless its
+        post-backward runs before."""
+        task = current_graph_task_id()
+        self._awaiting_post_backward.setdefault(task, []).append(state)
+        self.queue_end_of_backward()
+
+    def queue_end_of_backward(self) -> None:
+        """Finish the backward now running at its end (one callback per backward and context)."""
+        task = current_graph_task_id()
+        if task != -1 and task not in self._end_queued:
+            self._end_queued.add(task)
+            at_end_of_backward(functools.partial(self._end_of_backward, task))
+
+    def _end_of_backward(self, task: int) -> None:
+        # The steps may ask for the end again (a reduction hands gradients on): already under way.
+        for state in self._awaiting_post_backward.pop(task, []):
+            state.post_backward()
+        self.deferred_hops.end_of_backward(task)
+        self.pending_reductions.end_of_backward(task)
+        self.running_backward.end_of_backward(task)
+        self.backward_order.end_of_backward(task)
+        self.buffers.end_of_backward(task)
+        self._end_queued.discard(task)
+
+
+@functools.cache
+def rootless_context() -> RingContext:
+    """The context of the rsdp modules of this process that no rsdp root (nor ``parallelize``) has
+    given one of their own (see the module docstring)."""
+    return RingContext()
+
+
+def context_of(state) -> RingContext:
+    return state.ring.context
+
+
+def share_ring_context(states: list) -> None:
+    """Give these rsdp states (and so every ring of theirs) one new context: the rsdp modules of one
+    model, sharded separately (``rsdp_shard``'s nested calls, ``parallelize``'s units under a root
+    that is not rsdp)."""
+    context = RingContext()
+    for state in states:
+        if state.gathered is not None:
+            state.gathered.gathered_in_pass = -1  # counted in its old context's passes
+        state.ring.context = context
+
+
+def rsdp_states_under(module: nn.Module) -> list:
+    from ._state import RSDPState  # the states use the context: imported at call time
+
+    return [state for state in (get_module_state(m) for m in module.modules()) if isinstance(state, RSDPState)]
+
+
+def release_ring_buffers(module: nn.Module | None = None) -> int:
+    """Free the ring's message buffers of ``module``'s model (of every model when ``None``); the next
+    ring step allocates them again, at the size they had. Returns the bytes they held. Useful before
+    measuring memory, or to hand their memory to something else for a while."""
+    if module is None:
+        contexts = list(_LIVE_CONTEXTS)
+    else:
+        contexts = list({id(context_of(state)): context_of(state) for state in rsdp_states_under(module)}.values())
+    nbytes = 0
+    for context in contexts:
+        nbytes += context.buffers.nbytes
+        context.buffers.release()
+    return nbytes
