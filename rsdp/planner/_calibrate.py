@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from .._compat import all_gather_flat, fake_store, reduce_scatter_flat, send_and_receive
-from .._fully_shard._ring import WAITED_WORKS, wait_for
+from .._fully_shard._ring import WaitedWorks, wait_for
 from ._cost_model import Link
 from ..policy import Strategy, parallelize
 from . import _hardware, _models
@@ -123,6 +123,7 @@ def fit_link(sizes: list[float], seconds: list[float], hops: int) -> Link:
 def measure_links(group, device: torch.device, message_bytes=MESSAGE_BYTES, sync=lambda: None) -> dict[str, Link]:
     """Each op's fitted Link on ``group``, from the slowest rank's median time per size."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    kept = WaitedWorks()  # the works of the last exchange, as a ring keeps them (see WaitedWorks)
     links = {}
     for op in LINK_OPS:
         sizes, times = [], []
@@ -131,7 +132,7 @@ def measure_links(group, device: torch.device, message_bytes=MESSAGE_BYTES, sync
             whole = torch.zeros(shard.numel() * world, device=device)
             received = torch.zeros_like(shard)
             run = {
-                "send_recv": lambda: wait_for(send_and_receive(group, shard, (rank - 1) % world, received, (rank + 1) % world, 0)),
+                "send_recv": lambda: wait_for(send_and_receive(group, shard, (rank - 1) % world, received, (rank + 1) % world, 0), kept),
                 "all_gather": lambda: all_gather_flat(whole, shard, group=group),
                 "reduce_scatter": lambda: reduce_scatter_flat(shard, whole, group=group),
                 "all_reduce": lambda: dist.all_reduce(whole, group=group),
@@ -145,7 +146,6 @@ def measure_links(group, device: torch.device, message_bytes=MESSAGE_BYTES, sync
             sizes.append(whole.numel() * whole.element_size() * BUS_FRACTION[op](world))
             times.append(float(slowest))
         links[op] = fit_link(sizes, times, HOPS[op](world))
-    WAITED_WORKS.clear()
     return links
 
 
