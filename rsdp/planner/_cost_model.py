@@ -19,11 +19,14 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   backward; its all-gather output and its reduce-scatter input (P each) outlive the part's phase and
   are carried (``_profile.Carried``); a root's unsharded parameters stay for the whole step;
 - replicate: an unsharded copy of the parameters (P) from its forward to its backward (the FSDP-based
-  ``replicate`` all-gathers over one rank into a buffer of its own), and in backward the gradients, the
-  reduce-scatter input and the divided copy (2P); the reduce-scatter input is carried;
-- rsdp: the ring's two messages of a shard of the part's largest layer in forward, two messages of a
-  weight shard and a gradient partial and the scratch of the next contribution in backward (5 shards),
-  carried for the rest of the pass; its vectors (norm weights, biases; V bytes) gathered whole and kept
+  ``replicate`` all-gathers over one rank into a buffer of its own), and in backward the gradients
+  beside it; FSDP2's post-backward then frees the copy, copies the gradients into the reduce-scatter
+  input (carried) and frees them, and reduces into the gradient;
+- rsdp: the ring's two messages of a weight shard of the part's largest ring in forward; in backward
+  two messages of a weight shard and a gradient partial and the scratch of the next contribution for
+  a Linear ring (5 shards), two messages of a partial for an Embedding's; carried for the rest of the
+  pass (a part with no ring, norms only, holds none; an rsdp root's forward frees them before the
+  loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
   reduce-scatter at the end of the backward.
@@ -58,9 +61,9 @@ Gathered weights and ring weight messages move in ``param_dtype``, reductions an
 ``reduce_dtype``. Not modelled: the optimizer step's time, FSDP's host time per collective, and the
 first gather of a pass (not overlapped with anything).
 
-The estimate is an upper bound of what a run measures (``tests/test_planner.py`` runs plans of several
-shapes, every strategy and mixed, and compares): where the timing of a buffer depends on its
-neighbours, it is counted as if it lived as long as it can. What it does not see: buffers a
+The estimate is within 15% of what a run measures, so far from above (``tests/test_planner.py`` runs
+plans of several shapes, every strategy and mixed, and compares): where the timing of a buffer depends
+on its neighbours, it is counted as if it lived as long as it can. What it does not see: buffers a
 communication backend allocates internally, a matrix that an rsdp module uses in an op with no ring
 form (gathered whole, with a warning at run time), and that rsdp gathers the vectors of every part at
 the start of the pass at once (each part's are counted at its own forward: at that start the pass
@@ -140,8 +143,11 @@ class PartCounts:
     param_bytes: int = 0
     largest_param_bytes: int = 0
     vector_bytes: int = 0  # of 1-D parameters: gathered whole under rsdp
-    # One module's own parameters, or the Linears' called on one input: what rsdp's messages are shards of.
+    # The weights of one ring (an Embedding's, or the Linears' called on one input), in the stored dtype:
+    # what rsdp's messages are shards of; of them the Linears', whose backward message carries the
+    # weights beside the partials and needs a scratch (an Embedding's carries its partial alone).
     largest_layer_bytes: int = 0
+    largest_linear_bytes: int = 0
     layers: int = 0
     forward_flops: int = 0
     linear_flops: int = 0  # of them, the Linears' GEMMs (what rsdp splits into shards)
@@ -164,7 +170,6 @@ class PartCounts:
                 self.vector_bytes += nbytes if param.dim() < 2 else 0
         if layer_bytes:  # a tied weight is stored once but still moves wherever it is used
             self.layers += 1
-            self.largest_layer_bytes = max(self.largest_layer_bytes, layer_bytes)
 
 
 @dataclasses.dataclass
@@ -328,6 +333,10 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
     serial_of: dict[int, int] = {}  # live input's id -> its serial number
     serials = itertools.count()
 
+    def weight_bytes(module: nn.Module) -> int:  # in the stored dtype: the meta copy may be cast
+        _, itemsize = getattr(module, "_rsdp_original_params", {}).get("weight", (None, module.weight.element_size()))
+        return module.weight.numel() * itemsize
+
     def note_linear(module: nn.Linear, args) -> None:
         if not current["forward"]:  # a checkpointed region recomputing in backward
             return
@@ -336,9 +345,15 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
             serial_of[id(tensor)] = next(serials)
             weakref.finalize(tensor, serial_of.pop, id(tensor), None)
         key = (id(part), serial_of[id(tensor)])
-        shared_input[key] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        shared_input[key] += weight_bytes(module)  # a bias is a vector: gathered whole, not rotated
         part.largest_layer_bytes = max(part.largest_layer_bytes, shared_input[key])
+        part.largest_linear_bytes = max(part.largest_linear_bytes, shared_input[key])
         part.linear_flops += 2 * tensor.numel() * module.out_features
+
+    def note_embedding(module: nn.Embedding, args) -> None:
+        if current["forward"]:
+            part = current["section"]
+            part.largest_layer_bytes = max(part.largest_layer_bytes, weight_bytes(module))
 
     def note_root_layer(module: nn.Module, args) -> None:
         if current["forward"]:
@@ -354,6 +369,8 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
             handles.append(module.register_forward_pre_hook(note_root_layer))
         if isinstance(module, nn.Linear):
             handles.append(module.register_forward_pre_hook(note_linear))
+        if isinstance(module, nn.Embedding):
+            handles.append(module.register_forward_pre_hook(note_embedding))
 
     gradients: set[int] = set()
 
@@ -398,11 +415,20 @@ class _Parallelism:
         self.reduce_ratio = cost.reduce_dtype.itemsize / stored if cost.reduce_dtype else self.compute_ratio
         self.compute = int(self.params * self.compute_ratio)  # a gathered copy, its gradient
         self.reduced = int(self.params * self.reduce_ratio)  # the gradient as it is reduced
-        # Two messages of a weight shard and a gradient partial of its largest layer, and the scratch of
-        # the next contribution.
-        shard = math.ceil(counts.largest_layer_bytes / world)
-        ring = shard * (2 * self.compute_ratio + 3 * self.reduce_ratio)
-        self.ring = int(ring) if strategy is Strategy.RSDP else 0
+        # The ring's buffers: in forward two messages of a weight shard of its largest ring; in backward
+        # two messages of a weight shard and a gradient partial and the scratch of the next contribution
+        # for a Linear ring, two of a partial for an Embedding's (its gradient needs no weights, and
+        # its sparse contribution is added into the arrived partial).
+        def shard(nbytes: int) -> int:
+            return math.ceil(nbytes / world)
+
+        rsdp = strategy is Strategy.RSDP
+        self.ring_forward = int(2 * shard(counts.largest_layer_bytes) * self.compute_ratio) if rsdp else 0
+        ring = max(
+            shard(counts.largest_linear_bytes) * (2 * self.compute_ratio + 3 * self.reduce_ratio),
+            shard(counts.largest_layer_bytes) * 2 * self.reduce_ratio,
+        )
+        self.ring = int(ring) if rsdp else 0
         self.vectors = int(counts.vector_bytes * self.compute_ratio)
 
     def seconds(self, flops: float, backward: bool) -> float:
@@ -451,21 +477,29 @@ class _Parallelism:
             forward_bytes, backward_bytes = (0, 2 * compute), (local, 2 * compute + local)
             carried = Carried(gather=compute, reduce=reduced, ringed=below_ring_root)
         elif self.strategy is Strategy.REPLICATE:
-            # The copy lives from forward to backward; in backward, the gradients, then beside them the
-            # reduce-scatter input, its divided copy and the reduced gradient, the copy freed (the
-            # gradient, in the parameters' dtype, replaces it).
-            forward_bytes, backward_bytes = (compute, compute), (params - compute, compute + 2 * reduced)
+            # The copy lives from forward to backward. In backward autograd makes the gradients beside it
+            # (the phase's compute peak); FSDP2's post-backward then frees the copy, copies the gradients
+            # into the reduce-scatter input and frees them, and reduces into the gradient (a replicated
+            # reduce-scatter is a copy): at most the larger of the input and the input and gradient less
+            # the freed gradients, once the phase's activations are gone.
+            forward_bytes = (compute, compute)
+            backward_bytes = (params - compute, compute)
+            reducing = backward.delta + max(reduced, 2 * reduced - compute)
             carried = Carried(reduce=reduced, ringed=below_ring_root)
         else:
             # Vectors: gathered with a send and a receive buffer, kept; their gradients and the
             # contributions, which wait for the backward's one reduce-scatter at its end (counted twice:
-            # its input is the concatenation of all of them). The ring buffers are carried.
+            # its input is the concatenation of all of them). The ring buffers are carried; a part with
+            # no ring of its own (vectors only) holds them only below an rsdp root's forward.
             forward_bytes, backward_bytes = (vectors, 3 * vectors), (local + vectors, local + 2 * vectors)
-            carried = Carried(ring=self.ring, ringed=True)
+            carried = Carried(ring=self.ring, ringed=below_ring_root or self.ring > 0, ring_forward=self.ring_forward)
+        backward_peak = backward.peak + backward_bytes[1]
+        if self.strategy is Strategy.REPLICATE:
+            backward_peak = max(backward_peak, reducing)
         return UnitCost(
             self.static,
             Phase(forward.delta + forward_bytes[0], forward.peak + forward_bytes[1], self.seconds(counts.forward_flops, backward=False)),
-            Phase(backward.delta + backward_bytes[0], backward.peak + backward_bytes[1], self.seconds(2 * counts.forward_flops, backward=True)),
+            Phase(backward.delta + backward_bytes[0], backward_peak, self.seconds(2 * counts.forward_flops, backward=True)),
             0.0,
             carried,
             self.optimizer_step,
@@ -490,6 +524,7 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         largest_param_bytes=max(counts.before.largest_param_bytes, counts.after.largest_param_bytes),
         vector_bytes=counts.before.vector_bytes + counts.after.vector_bytes,
         largest_layer_bytes=max(counts.before.largest_layer_bytes, counts.after.largest_layer_bytes),
+        largest_linear_bytes=max(counts.before.largest_linear_bytes, counts.after.largest_linear_bytes),
         itemsize=max(counts.before.itemsize, counts.after.itemsize),
     )
     root = _Parallelism(whole, strategy, cost)
@@ -501,7 +536,7 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         before_bytes = (vectors, 3 * vectors)
         middle_bytes = (head.local, head.local + 2 * vectors)
         after_bytes = (local - head.local - vectors, local + 2 * vectors)
-        carried = Carried(ring=root.ring, ringed=True)
+        carried = Carried(ring=root.ring, ringed=True, ring_forward=root.ring_forward)
     else:
         # FSDP2 does not reshard its root after forward and replicate keeps its copy: the parameters are
         # whole from the first forward to the end of the backward, the head's gradient from the head's

@@ -64,16 +64,18 @@ class Carried:
       module's backward (prefetch);
     - ``reduce``: FSDP2 (and the FSDP-based ``replicate``) keeps a module's reduce-scatter input until
       the next such module's reduce, or the backward's end;
-    - ``ring``: the ring's message buffers, one set per process, grown to the largest message and
-      refilled to that size whenever a pass runs a ring: a plan's largest, in every phase that runs
-      with them (``ringed``: an rsdp part's, and every part's below an rsdp root, whose forward holds
-      them throughout), and in every backward phase after the first that does.
+    - ``ring``, ``ring_forward``: the ring's message buffers in backward and in forward (weight shards
+      alone), one set per process, given the largest message of the pass when it runs its first ring:
+      a plan's largest, in every phase that runs with them (``ringed``: an rsdp part's that has a ring,
+      and every part's below an rsdp root, whose forward holds them throughout), and in every
+      backward phase after the first that does.
     """
 
     gather: int = 0
     reduce: int = 0
     ring: int = 0
     ringed: bool = False
+    ring_forward: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

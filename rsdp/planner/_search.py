@@ -26,7 +26,7 @@ cost model's; measured phases contain them already and carry nothing), where the
   (``since_gathering_ringed``: among those that hold the ring's buffers);
 - ``ringed_forward``, ``ringed_backward``: the highest levels among the phases that hold the ring's
   buffers (forwards of rsdp units or below an rsdp root; backwards from the first such on), and
-  ``ring``: the largest buffers, which they may hold;
+  ``ring_forward``, ``ring``: the largest buffers of a forward and of a backward, which they may hold;
 - ``optimizer_step``: what the optimizer step allocates for their parameters.
 
 A partial plan no better than another in all of them can be dropped without losing the optimum
@@ -62,6 +62,7 @@ class Partial(NamedTuple):
     since_gathering_ringed: float
     ringed_backward: float
     ring: float
+    ring_forward: float
     static: float
     optimizer_step: float
     seconds: float
@@ -103,6 +104,7 @@ class Partial(NamedTuple):
             ringed_peak if reduces else max(self.since_gathering_ringed, ringed_peak),
             max(self.ringed_backward, ringed_peak, prefetched_ringed),
             max(self.ring, carried.ring),
+            max(self.ring_forward, carried.ring_forward),
             self.static + cost.static_bytes,
             self.optimizer_step + cost.optimizer_step_bytes,
             self.seconds + cost.seconds,
@@ -110,7 +112,7 @@ class Partial(NamedTuple):
         )
 
 
-EMPTY = Partial(-math.inf, -math.inf, 0.0, -math.inf, 0.0, -math.inf, 0.0, 0.0, -math.inf, -math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0, ())
+EMPTY = Partial(-math.inf, -math.inf, 0.0, -math.inf, 0.0, -math.inf, 0.0, 0.0, -math.inf, -math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, ())
 
 
 def predicted_peak(partial: Partial, root: RootCost) -> float:
@@ -118,8 +120,12 @@ def predicted_peak(partial: Partial, root: RootCost) -> float:
     it, plus parameters and optimizer state."""
     carried = root.carried
     ring = max(partial.ring, carried.ring)
-    # Below an rsdp root every unit's phases hold the ring's buffers, and the root's own do too.
-    root_ring = ring if carried.ringed else 0
+    ring_forward = max(partial.ring_forward, carried.ring_forward)
+    # Below an rsdp root every unit's phases hold the ring's buffers, and the root's own do too; its
+    # forward's end frees them, so the loss runs without them, the root's own head (a ring of its own:
+    # ``carried.ring``) with the backward's, which its backward begins.
+    root_ring = ring_forward if carried.ringed else 0
+    middle_ring = max(root_ring, ring if carried.ring else 0)
     backward_ring = ring if carried.ringed or partial.ringed_backward > -math.inf else 0
     start = root.before.delta
     after_forward = start + partial.activations
@@ -127,8 +133,8 @@ def predicted_peak(partial: Partial, root: RootCost) -> float:
     end_of_backward = before_backward + partial.backward_delta
     return root.static_bytes + partial.static + max(
         root.before.peak + root_ring,
-        start + max(partial.forward_peak, partial.until_gathering + carried.gather, partial.ringed_forward + ring),
-        after_forward + root.middle.peak + max(partial.gather, carried.gather) + root_ring,
+        start + max(partial.forward_peak, partial.until_gathering + carried.gather, partial.ringed_forward + ring_forward),
+        after_forward + root.middle.peak + max(partial.gather, carried.gather) + middle_ring,
         before_backward + max(partial.backward_peak, partial.ringed_backward + ring),
         end_of_backward + root.after.peak + partial.retained + backward_ring,
         end_of_backward + root.after.delta + max(root.optimizer_step_bytes + partial.optimizer_step, root.optimizer_step_floor_bytes),
@@ -170,7 +176,8 @@ def _rounded_up(cost: UnitCost, grid: int) -> UnitCost:
         return Phase(up(p.delta), up(p.peak), p.seconds)
 
     carried = dataclasses.replace(
-        cost.carried, gather=up(cost.carried.gather), reduce=up(cost.carried.reduce), ring=up(cost.carried.ring)
+        cost.carried, gather=up(cost.carried.gather), reduce=up(cost.carried.reduce), ring=up(cost.carried.ring),
+        ring_forward=up(cost.carried.ring_forward),
     )
     return UnitCost(
         up(cost.static_bytes), phase(cost.forward), phase(cost.backward), cost.optimizer_seconds, carried,
