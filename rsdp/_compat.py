@@ -208,6 +208,15 @@ def selective_checkpoint_region():
     return None
 
 
+def selective_checkpoint_policy():
+    """The policy function of the innermost selective-activation-checkpoint region whose forward is now
+    running (``create_selective_checkpoint_contexts``' ``policy_fn``), or None outside one."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, _SELECTIVE_CHECKPOINT_MODES):
+            return getattr(mode, "policy_fn", None)
+    return None
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype ``torch.autocast`` runs matrix products in on ``device_type`` now, or None where it is off
     (``torch.is_autocast_enabled(device_type)`` and ``torch.get_autocast_dtype``: torch >= 2.4)."""

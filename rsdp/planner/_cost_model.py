@@ -84,7 +84,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .._compat import TorchDispatchMode
+from .._compat import TorchDispatchMode, selective_checkpoint_policy
+from .._fully_shard._checkpoint import _recompute_all_but_ring_outputs  # ring_checkpoint_context's policy
 from ..policy import Strategy
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
 from ._repeated_blocks import repeated_blocks
@@ -121,6 +122,10 @@ class CostModel:
     # stay in the parameters' own dtype.
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    # What the caching allocator reserves per allocated byte at the peak (1: allocated bytes, as on CPU
+    # ranks; a GPU preset's figure otherwise, ``_hardware``): every byte figure is scaled by it, so the
+    # predicted peak, and what the budget is compared with, is the reserved peak.
+    reserved_per_allocated: float = 1.0
     # Time terms that ``rsdp calibrate`` measures (the defaults leave only the three numbers above).
     partial_gemm_efficiency: float = 1.0  # FLOP/s of 1/world_size-row GEMMs over that of whole ones
     gemm_flops_per_s: float | None = None  # whole GEMMs' rate (None: flops_per_s), for the shards' penalty
@@ -148,6 +153,10 @@ class PartCounts:
     # weights beside the partials and needs a scratch (an Embedding's carries its partial alone).
     largest_layer_bytes: int = 0
     largest_linear_bytes: int = 0
+    # The outputs of its rings (Linears, Embeddings) inside a ``ring_checkpoint_context`` region, which
+    # saves nothing else: rsdp keeps them from the forward for the recomputation (``_fully_shard/_checkpoint.py``).
+    # (Another selective policy saves matmul outputs itself, which the count holds already.)
+    checkpointed_ring_output_bytes: int = 0
     layers: int = 0
     forward_flops: int = 0
     linear_flops: int = 0  # of them, the Linears' GEMMs (what rsdp splits into shards)
@@ -355,6 +364,10 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
             part = current["section"]
             part.largest_layer_bytes = max(part.largest_layer_bytes, weight_bytes(module))
 
+    def note_ring_output(module: nn.Module, args, output) -> None:
+        if current["forward"] and isinstance(output, torch.Tensor) and selective_checkpoint_policy() is _recompute_all_but_ring_outputs:
+            current["section"].checkpointed_ring_output_bytes += output.untyped_storage().nbytes()
+
     def note_root_layer(module: nn.Module, args) -> None:
         if current["forward"]:
             current["section"].add_layer(module, seen)
@@ -371,6 +384,8 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
             handles.append(module.register_forward_pre_hook(note_linear))
         if isinstance(module, nn.Embedding):
             handles.append(module.register_forward_pre_hook(note_embedding))
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            handles.append(module.register_forward_hook(note_ring_output))
 
     gradients: set[int] = set()
 
@@ -447,7 +462,9 @@ class _Parallelism:
             # The shards' penalty is on the Linears' GEMM time alone (at the whole GEMMs' rate): attention
             # and elementwise work are not split.
             linear = counts.linear_flops * flops / counts.forward_flops if counts.forward_flops else 0.0
-            penalty = linear / (cost.gemm_flops_per_s or cost.flops_per_s) * (1 / cost.partial_gemm_efficiency - 1)
+            # A measured efficiency above 1 (timing noise on a loaded host) is no speed-up: no negative penalty.
+            efficiency = min(cost.partial_gemm_efficiency, 1.0)
+            penalty = linear / (cost.gemm_flops_per_s or cost.flops_per_s) * (1 / efficiency - 1)
             gemms = (compute + penalty) / rings / world
             host = cost.ring_step_host_s
             step = overlap(gemms, host)
@@ -491,7 +508,11 @@ class _Parallelism:
             # contributions, which wait for the backward's one reduce-scatter at its end (counted twice:
             # its input is the concatenation of all of them). The ring buffers are carried; a part with
             # no ring of its own (vectors only) holds them only below an rsdp root's forward.
-            forward_bytes, backward_bytes = (vectors, 3 * vectors), (local + vectors, local + 2 * vectors)
+            # Ring outputs inside a selective checkpointing region are kept from the forward to the
+            # recomputation, which takes them instead of running the ring again.
+            kept = counts.checkpointed_ring_output_bytes
+            forward_bytes = (vectors + kept, 3 * vectors + kept)
+            backward_bytes = (local + vectors - kept, local + 2 * vectors)
             carried = Carried(ring=self.ring, ringed=below_ring_root or self.ring > 0, ring_forward=self.ring_forward)
         backward_peak = backward.peak + backward_bytes[1]
         if self.strategy is Strategy.REPLICATE:
@@ -510,9 +531,32 @@ def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, 
     """Every unit's cost under ``strategy``, below a root under ``root_strategy``."""
     phases, below_ring_root = counts.activations, root_strategy is Strategy.RSDP
     return {
-        name: _Parallelism(part, strategy, cost).unit(phases.forward[name], phases.backward[name], below_ring_root)
+        name: _reserved(_Parallelism(part, strategy, cost).unit(phases.forward[name], phases.backward[name], below_ring_root), cost)
         for name, part in counts.units.items()
     }
+
+
+def _reserved(estimate, cost: CostModel):
+    """``estimate`` (a ``UnitCost`` or ``RootCost`` of allocated bytes) in bytes the caching allocator
+    reserves for them: every byte figure times ``cost.reserved_per_allocated``. A plan's peak is a
+    maximum of sums of these figures, so it scales by the same factor."""
+    factor = cost.reserved_per_allocated
+    if factor == 1.0:
+        return estimate
+
+    def scaled(value):
+        if isinstance(value, Phase):
+            return dataclasses.replace(value, delta=round(value.delta * factor), peak=round(value.peak * factor))
+        if isinstance(value, Carried):
+            return dataclasses.replace(value, **{f: round(getattr(value, f) * factor) for f in ("gather", "reduce", "ring", "ring_forward")})
+        return value
+
+    changes = {field.name: scaled(getattr(estimate, field.name)) for field in dataclasses.fields(estimate)}
+    changes.update({
+        field.name: round(getattr(estimate, field.name) * factor)
+        for field in dataclasses.fields(estimate) if field.name.endswith("bytes")
+    })
+    return dataclasses.replace(estimate, **changes)
 
 
 def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCost:
@@ -551,7 +595,7 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         carried = Carried(gather=gathering)
     # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts').
     largest_param = max(part.largest_param_bytes for part in (*counts.units.values(), counts.before, counts.after))
-    return RootCost(
+    return _reserved(RootCost(
         root.static,
         Phase(before.delta + before_bytes[0], before.peak + before_bytes[1], embedding.seconds(counts.before.forward_flops, backward=False)),
         Phase(
@@ -564,4 +608,4 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         carried,
         root.optimizer_step,
         int(largest_param * cost.optimizer_step_bytes_per_largest_param_byte),
-    )
+    ), cost)
