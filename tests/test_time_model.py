@@ -8,6 +8,7 @@ import pytest
 from rsdp import CostModel, Strategy
 from rsdp.planner import _hardware
 from rsdp.planner._cost_model import Link, PartCounts, _Parallelism
+from rsdp.planner._profile import Phase
 
 WORLD = 4
 PART = PartCounts(param_bytes=4_000_000, largest_layer_bytes=2_000_000, layers=2, forward_flops=8e9, linear_flops=6e9,
@@ -110,3 +111,46 @@ def test_profiles_old_and_new_load_and_presets_cite_their_sources(tmp_path):
     broken.write_text(json.dumps({"flops_per_s": 1e12, "bandwidth_bytes_per_s": 1e10, "latency_s": 1e-5, "links": {"gossip": {}}}))
     with pytest.raises(ValueError, match="unknown ops in links"):
         _hardware.load(str(broken))
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_activation_checkpointing_recomputes_in_backward(mode):
+    """The backward phase pays what checkpointing runs again: full checkpointing a block's whole forward,
+    torchtitan's selective policy the ops it does not save (every second matmul among them), none nothing."""
+    import torch
+
+    from models import TinyLM
+    from rsdp.planner._cost_model import count
+    from rsdp.planner._models import apply_activation_checkpointing
+    from rsdp.planner._plan import _next_token_loss
+    from rsdp.planner._profile import find_units
+
+    model = TinyLM(vocab=64, dim=32, heads=4, hidden=64, layers=2)
+    for module in model.modules():  # Llama's Linears: no biases (the policy counts mm, not addmm)
+        if isinstance(module, torch.nn.Linear):
+            module.register_parameter("bias", None)
+    model = apply_activation_checkpointing(model, mode)
+    counts = count(model, find_units(model), torch.zeros(2, 16, dtype=torch.long), _next_token_loss)
+    block = counts.units["layers.0"]
+    recomputed = {"none": 0, "full": block.forward_flops}.get(mode)
+    if recomputed is None:
+        # Of a block's six matmuls, every second is recomputed (attention is saved).
+        assert block.recomputed_flops == block.linear_flops / 2
+    else:
+        assert block.recomputed_flops == recomputed
+    cost = CostModel(WORLD, flops_per_s=1e12, bandwidth_bytes_per_s=1e18, latency_s=0.0)
+    backward = _Parallelism(block, Strategy.FSDP, cost).unit(*(Phase(0, 0, 0.0),) * 2, False).backward
+    assert backward.seconds == pytest.approx((2 * block.forward_flops + block.recomputed_flops) / 1e12)
+
+
+def test_the_optimizer_step_moves_its_state_at_the_memory_bandwidth():
+    """AdamW's step is memory-bound: 20 parameter-sized reads and writes per step (foreach AdamW) of the
+    rank's shard (of all of it when replicated), at the preset's memory bandwidth; unknown bandwidth
+    (a CPU profile): not modelled."""
+    cost = CostModel(WORLD, flops_per_s=1e12, bandwidth_bytes_per_s=1e18, latency_s=0.0, memory_bandwidth_bytes_per_s=2e12)
+    for strategy, local in ((Strategy.FSDP, PART.param_bytes / WORLD), (Strategy.REPLICATE, PART.param_bytes)):
+        unit = _Parallelism(PART, strategy, cost).unit(*(Phase(0, 0, 0.0),) * 2, False)
+        assert unit.optimizer_seconds == pytest.approx(20 * local / 2e12)
+    assert _hardware.PRESETS["h100-sxm-nvlink"].cost_model(8).memory_bandwidth_bytes_per_s == 3.35e12
+    unknown = CostModel(WORLD, flops_per_s=1e12, bandwidth_bytes_per_s=1e18, latency_s=0.0)
+    assert _Parallelism(PART, Strategy.FSDP, unknown).unit(*(Phase(0, 0, 0.0),) * 2, False).optimizer_seconds == 0.0

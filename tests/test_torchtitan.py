@@ -214,11 +214,35 @@ def test_a_failing_rank_fails_the_launch_with_its_error(workdir):
         (dict(dp_strategy="auto"), "dp_memory_budget"),
         (dict(dp_strategy="auto", dp_memory_budget="lots"), "not a size"),
         (dict(dp_strategy="rsdp", dp_memory_budget="60GiB"), "would do nothing with dp_strategy=rsdp: only dp_strategy=auto"),
+        (dict(dp_hardware="h100-pcie"), "parallelism.dp_hardware: .* neither a preset"),
     ],
 )
 def test_bad_parallelism_flags_are_named(fields, message):
     with pytest.raises(ValueError, match=message):
         ParallelismConfig(spmd_backend="partial_dtensor", **fields)
+
+
+def test_auto_plans_for_a_named_hardware_or_the_devices_preset(monkeypatch):
+    """auto's cost model comes from dp_hardware (a preset or a calibrated profile), by default the
+    preset matching the device (CPU ranks: this project's calibrated CPU host; an H100's NVLink preset
+    within a host of 8, InfiniBand beyond; a GPU no preset matches is refused); the old number flags
+    override its numbers."""
+    import torch
+
+    from rsdp.planner import _hardware
+
+    default = ParallelismConfig(spmd_backend="partial_dtensor")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default.hardware_name(2) == "cpu-gloo" and default.hardware(2) == _hardware.PRESETS["cpu-gloo"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert (default.hardware_name(8), default.hardware_name(16)) == ("h100-sxm-nvlink", "h100-sxm-infiniband")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    with pytest.raises(ValueError, match="parallelism.dp_hardware: rsdp: no hardware preset matches 'NVIDIA H200'"):
+        default.hardware(8)
+    named = ParallelismConfig(spmd_backend="partial_dtensor", dp_hardware="h100-sxm-infiniband", dp_flops_per_s=1e14)
+    assert named.hardware(128) == _hardware.PRESETS["h100-sxm-infiniband"]
+    assert named.hardware(128).cost_model(128, flops_per_s=named.dp_flops_per_s).flops_per_s == 1e14
 
 
 def meta_model(registry, flavor="debugmodel"):

@@ -186,7 +186,7 @@ def step_flops_per_s(model: nn.Module, loss_fn: Callable, batch: torch.Tensor) -
     """One unsharded forward and backward of ``model`` on this host: the FLOPs the cost model counts
     for it (backward twice forward) over its median time."""
     counts = count(model, find_units(model), batch, loss_fn)
-    flops = 3 * sum(part.forward_flops for part in (*counts.units.values(), counts.before, counts.after))
+    flops = sum(3 * part.forward_flops + part.recomputed_flops for part in (*counts.units.values(), counts.before, counts.after))
 
     def step() -> None:
         loss_fn(model, batch).backward()

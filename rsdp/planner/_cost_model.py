@@ -122,6 +122,13 @@ class CostModel:
     # stay in the parameters' own dtype.
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    # The optimizer step's time: bytes it moves per parameter byte on one rank, at the device's memory
+    # bandwidth (None: not modelled). torch's foreach AdamW (the default on GPUs) reads and writes 20
+    # parameter-sized tensors per step: lerp_ of the first moment (3), mul_ and addcmul_ of the second
+    # (2 + 3), the decoupled weight decay's mul_ (2), sqrt, div_ and add_ of the denominator (2 each),
+    # addcdiv_ into the parameter (4).
+    memory_bandwidth_bytes_per_s: float | None = None
+    optimizer_traffic_per_param_byte: float = 20.0
     # What the caching allocator reserves per allocated byte at the peak (1: allocated bytes, as on CPU
     # ranks; a GPU preset's figure otherwise, ``_hardware``): every byte figure is scaled by it, so the
     # predicted peak, and what the budget is compared with, is the reserved peak.
@@ -159,6 +166,7 @@ class PartCounts:
     checkpointed_ring_output_bytes: int = 0
     layers: int = 0
     forward_flops: int = 0
+    recomputed_flops: int = 0  # what activation checkpointing runs again in its backward
     linear_flops: int = 0  # of them, the Linears' GEMMs (what rsdp splits into shards)
     itemsize: int = 0  # of its parameters as the model stores them (before a mixed-precision cast)
 
@@ -368,6 +376,28 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
         if current["forward"] and isinstance(output, torch.Tensor) and selective_checkpoint_policy() is _recompute_all_but_ring_outputs:
             current["section"].checkpointed_ring_output_bytes += output.untyped_storage().nbytes()
 
+    # Activation checkpointing's recomputation in backward: a unit's module runs its forward again.
+    # Counted from the outermost such forward to its end (ops a selective policy saved are not run
+    # again: the checkpoint's mode answers them before this one sees them).
+    unit_of = {id(m): per_unit[name] for name in units for m in meta.get_submodule(name).modules()}
+    recomputing = {"depth": 0, "section": None, "flops_at_entry": 0}
+
+    def recompute_begins(module: nn.Module, args) -> None:
+        if current["forward"] or (recomputing["depth"] == 0 and id(module) not in unit_of):
+            return
+        if recomputing["depth"] == 0:
+            recomputing.update(section=unit_of[id(module)], flops_at_entry=storages.flops)
+            storages.counting_flops = True
+        recomputing["depth"] += 1
+
+    def recompute_ends(module: nn.Module, args, output) -> None:
+        if current["forward"] or recomputing["depth"] == 0:
+            return
+        recomputing["depth"] -= 1
+        if recomputing["depth"] == 0:
+            recomputing["section"].recomputed_flops += storages.flops - recomputing["flops_at_entry"]
+            storages.counting_flops = False
+
     def note_root_layer(module: nn.Module, args) -> None:
         if current["forward"]:
             current["section"].add_layer(module, seen)
@@ -378,6 +408,8 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
         handles.append(module.register_forward_pre_hook(lambda m, args, name=name: switch_to(per_unit[name])))
         handles.append(module.register_forward_hook(lambda m, args, out: switch_to(after)))
     for module in meta.modules():
+        handles.append(module.register_forward_pre_hook(recompute_begins))
+        handles.append(module.register_forward_hook(recompute_ends))
         if id(module) not in in_units and any(True for _ in module.parameters(recurse=False)):
             handles.append(module.register_forward_pre_hook(note_root_layer))
         if isinstance(module, nn.Linear):
@@ -445,6 +477,19 @@ class _Parallelism:
         )
         self.ring = int(ring) if rsdp else 0
         self.vectors = int(counts.vector_bytes * self.compute_ratio)
+
+    @property
+    def optimizer_seconds(self) -> float:
+        """The optimizer step over this part's parameters on one rank: memory-bound, its traffic over the
+        device's memory bandwidth (not modelled where that is unknown)."""
+        bandwidth = self.cost.memory_bandwidth_bytes_per_s
+        return self.local * self.cost.optimizer_traffic_per_param_byte / bandwidth if bandwidth else 0.0
+
+    @property
+    def backward_flops(self) -> int:
+        """Twice the forward's (the gradients of the inputs and of the weights), and what activation
+        checkpointing recomputes."""
+        return 2 * self.counts.forward_flops + self.counts.recomputed_flops
 
     def seconds(self, flops: float, backward: bool) -> float:
         """This part's phase: compute of ``flops`` overlapped with moving its weights (and in
@@ -520,8 +565,8 @@ class _Parallelism:
         return UnitCost(
             self.static,
             Phase(forward.delta + forward_bytes[0], forward.peak + forward_bytes[1], self.seconds(counts.forward_flops, backward=False)),
-            Phase(backward.delta + backward_bytes[0], backward_peak, self.seconds(2 * counts.forward_flops, backward=True)),
-            0.0,
+            Phase(backward.delta + backward_bytes[0], backward_peak, self.seconds(self.backward_flops, backward=True)),
+            self.optimizer_seconds,
             carried,
             self.optimizer_step,
         )
@@ -604,7 +649,7 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
             head.seconds(counts.after.forward_flops, backward=False) + head.seconds(2 * counts.after.forward_flops, backward=True),
         ),
         Phase(after.delta + after_bytes[0], after.peak + after_bytes[1], embedding.seconds(2 * counts.before.forward_flops, backward=True)),
-        0.0,
+        root.optimizer_seconds,
         carried,
         root.optimizer_step,
         int(largest_param * cost.optimizer_step_bytes_per_largest_param_byte),

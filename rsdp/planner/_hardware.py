@@ -52,6 +52,7 @@ class Hardware:
     links: dict[str, Link] = dataclasses.field(default_factory=dict)
     gemm_flops_per_s: float | None = None
     reserved_per_allocated: float = 1.0  # the caching allocator's reserved peak per allocated byte
+    memory_bandwidth_bytes_per_s: float | None = None  # the device memory's: the optimizer step's time
 
     def efficiency_at(self, world_size: int) -> float:
         """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
@@ -77,7 +78,8 @@ class Hardware:
             param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             partial_gemm_efficiency=self.efficiency_at(world_size), ring_step_host_s=self.ring_step_host_s,
             host_overlaps_compute=self.host_overlaps_compute, gemm_flops_per_s=self.gemm_flops_per_s,
-            reserved_per_allocated=self.reserved_per_allocated, **self.links,
+            reserved_per_allocated=self.reserved_per_allocated,
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s, **self.links,
         )
         fields.update({name: value for name, value in overrides.items() if value is not None})
         if {"bandwidth_bytes_per_s", "latency_s"} & {k for k, v in overrides.items() if v is not None}:
@@ -93,12 +95,15 @@ class Hardware:
             "ring_step_host_s": self.ring_step_host_s, "host_overlaps_compute": self.host_overlaps_compute,
             "links": {op: dataclasses.asdict(link) for op, link in self.links.items()},
             "gemm_flops_per_s": self.gemm_flops_per_s, "reserved_per_allocated": self.reserved_per_allocated,
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
         }
 
 
-_CHIPS = {  # dense BF16 peak FLOP/s and its source
-    "h100-sxm": (989e12, "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: BF16 Tensor Core 989 TFLOP/s dense, 1,979 with sparsity)"),
-    "a100-sxm": (312e12, "NVIDIA A100 Tensor Core GPU datasheet (A100 SXM: BF16 Tensor Core 312 TFLOP/s dense)"),
+_CHIPS = {  # dense BF16 peak FLOP/s, memory bandwidth, and their source
+    "h100-sxm": (989e12, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: BF16 Tensor Core 989 TFLOP/s dense, "
+                 "1,979 with sparsity; GPU memory bandwidth 3.35 TB/s)"),
+    "a100-sxm": (312e12, 2.039e12, "NVIDIA A100 Tensor Core GPU datasheet (A100 SXM: BF16 Tensor Core 312 TFLOP/s dense; "
+                 "A100 80GB SXM memory bandwidth 2,039 GB/s)"),
 }
 # What a training step achieves of the peak, and the partial GEMMs' efficiency, where measured.
 _ACHIEVED = {
@@ -149,22 +154,57 @@ _LATENCY = "latency 5 us: assumed (NCCL small-message order of magnitude), not f
 
 
 def _preset(chip: str, link: str, rate: float, link_source: str) -> Hardware:
-    peak, peak_source = _CHIPS[chip]
+    peak, memory_bandwidth, peak_source = _CHIPS[chip]
     achieved = _ACHIEVED.get(chip)
     links, links_source = _NCCL_H100_NVLINK if (chip, link) == ("h100-sxm", "nvlink") else ({}, _LATENCY)
     reserved, reserved_source = _RESERVED_PER_ALLOCATED
     if achieved is None:
         return Hardware(peak, rate, _LATENCY_S, f"{peak_source} (no achieved rate measured: step times are lower bounds); "
-                        f"{link_source}; {links_source}; {reserved_source}", links=links, reserved_per_allocated=reserved)
+                        f"{link_source}; {links_source}; {reserved_source}", links=links, reserved_per_allocated=reserved,
+                        memory_bandwidth_bytes_per_s=memory_bandwidth)
     return Hardware(
         peak * achieved["fraction"], rate, _LATENCY_S,
         f"{peak_source}; {achieved['source']}; {link_source}; {links_source}; {reserved_source}",
         partial_gemm_efficiency=achieved["partial_gemm_efficiency"], ring_step_host_s=achieved["ring_step_host_s"],
         links=links, gemm_flops_per_s=achieved["gemm_flops_per_s"], reserved_per_allocated=reserved,
+        memory_bandwidth_bytes_per_s=memory_bandwidth,
     )
 
 
+# This project's CPU host, calibrated: what CPU ranks plan with when no profile is given (its own
+# calibration replaces it: ``rsdp calibrate``). No caching allocator: allocated bytes.
+_CPU_GLOO = Hardware(
+    1.352e10, 1.502e9, 501.2e-6,
+    "this project's `rsdp calibrate` on its 2-core CPU host, 2 gloo ranks, fp32, load average 7-10 (docs/planner.md, "
+    "Calibrated time model (a)): a benchmark LM step's rate, whole GEMMs' rate, partial GEMMs at W = 2, 4, 8 (above 1 "
+    "is noise: charged as 1), host per ring step, each op's fitted link",
+    partial_gemm_efficiency={2: 0.828, 4: 1.022, 8: 1.020}, ring_step_host_s=622.6e-6, host_overlaps_compute=False,
+    links={
+        "send_recv": Link(501.2e-6, 1.502e9), "all_gather": Link(41.2e-6, 0.298e9),
+        "reduce_scatter": Link(75.7e-6, 0.047e9), "all_reduce": Link(1184.9e-6, 2.115e9),
+    },
+    gemm_flops_per_s=1.619e10,
+)
+
 PRESETS = {f"{chip}-{link}": _preset(chip, link, rate, source) for (chip, link), (rate, source) in _LINKS.items()}
+PRESETS["cpu-gloo"] = _CPU_GLOO
+GPUS_PER_HOST = 8  # the presets' hosts: NVLink within one, InfiniBand between them
+
+
+def preset_for_this_device(world_size: int) -> str:
+    """The name of the preset matching this process's device: an H100's or A100's, on NVLink up to one
+    host of ``GPUS_PER_HOST`` and InfiniBand beyond; on CPU ranks this project's calibrated CPU host."""
+    if not torch.cuda.is_available():
+        return "cpu-gloo"
+    name = torch.cuda.get_device_name()
+    link = "nvlink" if world_size <= GPUS_PER_HOST else "infiniband"
+    for chip, marker in (("h100-sxm", "H100"), ("a100-sxm", "A100")):
+        if marker in name:
+            return f"{chip}-{link}"
+    raise ValueError(
+        f"rsdp: no hardware preset matches {name!r} ({', '.join(PRESETS)}); name one, or a profile that "
+        "`torchrun -m rsdp calibrate --out profile.json` measured on these GPUs."
+    )
 
 
 def from_json(values: dict, source: str) -> Hardware:
@@ -178,6 +218,7 @@ def from_json(values: dict, source: str) -> Hardware:
                for op, link in values.get("links", {}).items()},
         gemm_flops_per_s=float(values["gemm_flops_per_s"]) if values.get("gemm_flops_per_s") else None,
         reserved_per_allocated=float(values.get("reserved_per_allocated", 1.0)),
+        memory_bandwidth_bytes_per_s=float(values["memory_bandwidth_bytes_per_s"]) if values.get("memory_bandwidth_bytes_per_s") else None,
     )
 
 

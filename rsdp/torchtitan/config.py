@@ -6,8 +6,10 @@
 - ``dp_overrides``: per-module exceptions, ``"layers.0=replicate,lm_head=fsdp"`` (module names as in
   ``named_modules()``, globs as in :func:`rsdp.parallelize`; the root is ``root``);
 - ``dp_memory_budget``: bytes per rank for ``auto``, e.g. ``"60GiB"``;
-- ``dp_flops_per_s`` / ``dp_bandwidth_bytes_per_s`` / ``dp_latency_s``: the cost model ``auto`` plans
-  with (the model is still on the meta device when the plan is made, so it is estimated, not measured);
+- ``dp_hardware``: the hardware ``auto``'s cost model plans for, a preset or a profile ``rsdp calibrate``
+  wrote (the model is still on the meta device when the plan is made, so it is estimated, not
+  measured); by default the preset matching the device; ``dp_flops_per_s`` / ``dp_bandwidth_bytes_per_s``
+  / ``dp_latency_s`` override its numbers;
 - ``dp_measure_memory``: log what each step holds per rank, to check a plan against its budget.
 
 ``RSDPTrainer`` is torchtitan's Trainer with that config, and the measurement.
@@ -26,6 +28,8 @@ from torchtitan.trainer import Trainer
 
 from .._fully_shard import release_ring_buffers
 from ..memory import MemoryTracker
+from ..planner import _hardware
+from ..planner._hardware import Hardware
 from ..planner._profile import parameter_and_optimizer_bytes, without_cyclic_gc
 from ..planner.cli import parse_bytes
 from ..policy import Strategy, name_matches
@@ -47,14 +51,19 @@ class ParallelismConfig(TorchTitanParallelismConfig):
     dp_memory_budget: str = ""
     """Bytes per rank for dp_strategy=auto: parameters, gradients, optimizer state and activations ("60GiB")."""
 
-    dp_flops_per_s: float = 400e12
-    """auto's cost model: achieved FLOP/s per device."""
+    dp_hardware: str = ""
+    """auto's cost model: a hardware preset (h100-sxm-nvlink, h100-sxm-infiniband, a100-sxm-nvlink,
+    a100-sxm-infiniband, cpu-gloo) or a profile JSON from `rsdp calibrate`; empty: the preset matching the
+    device (an H100's or A100's, NVLink up to 8 ranks, InfiniBand beyond; cpu-gloo on CPU ranks)."""
 
-    dp_bandwidth_bytes_per_s: float = 100e9
-    """auto's cost model: data-parallel bandwidth per device."""
+    dp_flops_per_s: float | None = None
+    """auto's cost model: achieved FLOP/s per device, overriding dp_hardware's."""
 
-    dp_latency_s: float = 10e-6
-    """auto's cost model: seconds per message."""
+    dp_bandwidth_bytes_per_s: float | None = None
+    """auto's cost model: bytes/s per device, overriding dp_hardware's (and its per-op links)."""
+
+    dp_latency_s: float | None = None
+    """auto's cost model: seconds per message, overriding dp_hardware's (and its per-op links)."""
 
     dp_measure_memory: bool = False
     """Log each step's memory per rank (the most of any rank): parameters and optimizer state plus the
@@ -69,6 +78,8 @@ class ParallelismConfig(TorchTitanParallelismConfig):
                 "parallelism.dp_strategy=auto plans against a memory budget: pass "
                 "--parallelism.dp_memory_budget, e.g. 60GiB."
             )
+        if self.dp_hardware:
+            self.hardware(world_size=1)
         if self.dp_memory_budget:
             self.memory_budget_bytes()
             if self.dp_strategy != "auto" and not self.dp_measure_memory:
@@ -91,6 +102,20 @@ class ParallelismConfig(TorchTitanParallelismConfig):
                 )
             rules["" if name == ROOT else name] = Strategy(strategy)
         return rules
+
+    def hardware_name(self, world_size: int) -> str:
+        """``dp_hardware``, or the preset matching this device for ``world_size`` ranks."""
+        try:
+            return self.dp_hardware or _hardware.preset_for_this_device(world_size)
+        except ValueError as error:
+            raise ValueError(f"parallelism.dp_hardware: {error}") from None
+
+    def hardware(self, world_size: int) -> Hardware:
+        """The preset or profile :meth:`hardware_name` names."""
+        try:
+            return _hardware.load(self.hardware_name(world_size))
+        except ValueError as error:
+            raise ValueError(f"parallelism.dp_hardware: {error}") from None
 
     def memory_budget_bytes(self) -> int:
         try:

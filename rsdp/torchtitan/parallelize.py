@@ -19,7 +19,7 @@ from torchtitan.distributed.compile import apply_compile
 
 from .._compat import FSDPModule, MixedPrecisionPolicy
 from .._fully_shard import RSDPModule
-from ..planner import CostModel, plan
+from ..planner import plan
 from ..planner._models import flash_attention_for_counting, next_token_loss
 from ..policy import Strategy, name_matches, parallelize
 from .config import ROOT, ParallelismConfig, log_once
@@ -86,7 +86,8 @@ def data_parallel_rules(
     if parallelism.dp_strategy == "auto":
         chosen = _plan(model, parallel_dims, training, parallelism, ac_config, dump_folder)
         log_once(
-            "rsdp: dp_strategy=auto planned with the cost model (activations in mixed_precision_param, under "
+            f"rsdp: dp_strategy=auto planned with the cost model for {parallelism.hardware_name(_dp_world(parallel_dims))} "
+            "(activations in mixed_precision_param, under "
             f"the run's activation checkpointing); it chose\n{chosen}"
         )
         defaults = chosen.strategies
@@ -134,14 +135,14 @@ def _plan(
     model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig, parallelism: ParallelismConfig,
     ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
 ):
-    world = parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]).size()
-    cost_model = CostModel(
-        world_size=world,
+    world = _dp_world(parallel_dims)
+    cost_model = parallelism.hardware(world).cost_model(
+        world,
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         flops_per_s=parallelism.dp_flops_per_s,
         bandwidth_bytes_per_s=parallelism.dp_bandwidth_bytes_per_s,
         latency_s=parallelism.dp_latency_s,
-        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
-        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
     )
     sample = torch.zeros(training.local_batch_size, training.seq_len + 1, dtype=torch.long, device="meta")
     counted = flash_attention_for_counting(copy.deepcopy(model))  # on the meta device: no memory
@@ -151,6 +152,10 @@ def _plan(
         counted, memory_budget=parallelism.memory_budget_bytes(), sample_input=sample, cost_model=cost_model,
         loss_fn=next_token_loss,
     )
+
+
+def _dp_world(parallel_dims: ParallelDims) -> int:
+    return parallel_dims.get_mesh(["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]).size()
 
 
 def _check_supported(model: nn.Module, parallel_dims: ParallelDims, parallelism: ParallelismConfig) -> None:
