@@ -37,12 +37,13 @@ parameters, their gradients and the optimizer state are in the model's own dtype
 unsharded gradients and ring weight messages in ``param_dtype``, reduce-scatter inputs and ring
 partials in ``reduce_dtype`` (FSDP2 casts while it copies the gradients into the reduce-scatter input).
 Activation checkpointing applied to the model is counted as it runs (what regions save, their
-recomputation in backward). The caching allocator's fragmentation is not counted: the estimate is of
-allocated bytes, not reserved ones.
+recomputation in backward); rsdp units under ``ring_checkpoint_context`` also keep their ring outputs.
+The caching allocator (``CostModel.reserved_per_allocated``, a GPU preset's): every byte figure is
+scaled to what the allocator reserves for it, a fixed fraction (1 on CPU ranks: allocated bytes).
 
 Time (``_Parallelism.seconds``; the constants come from ``rsdp calibrate`` or a preset, ``_hardware``).
-Compute is the counted FLOPs (backward twice forward) at ``flops_per_s``, the achieved rate of whole
-GEMMs. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
+Compute is the counted FLOPs (backward twice forward, plus what activation checkpointing recomputes)
+at ``flops_per_s``, the achieved rate of whole GEMMs. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
 (``Link``; bytes as nccl-tests' busbw counts them: (W-1)/W of the whole for a ring collective).
 Overlap, per strategy, where a device computes (``host_overlaps_compute``; where the host computes, as
 on CPU ranks, it runs the transfers and its own work too, so every "longer of" below is a sum):
@@ -58,8 +59,9 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
 - replicate: the gradient's all-reduce (2(W-1) hops, 2(W-1)/W of the bytes) overlaps the backward.
 
 Gathered weights and ring weight messages move in ``param_dtype``, reductions and partials in
-``reduce_dtype``. Not modelled: the optimizer step's time, FSDP's host time per collective, and the
-first gather of a pass (not overlapped with anything).
+``reduce_dtype``. The optimizer step is memory-bound: its traffic per parameter byte over the device's
+memory bandwidth (where known). Not modelled: FSDP's host time per collective, and the first gather of
+a pass (not overlapped with anything).
 
 The estimate is within 15% of what a run measures, so far from above (``tests/test_planner.py`` runs
 plans of several shapes, every strategy and mixed, and compares): where the timing of a buffer depends
