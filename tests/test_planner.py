@@ -22,7 +22,7 @@ from test_training import train_and_compare
 MiB = 2**20
 
 phases = st.builds(Phase, st.integers(-50, 50), st.integers(0, 80), st.floats(0.1, 5.0))
-carried = st.builds(Carried, st.integers(0, 20), st.integers(0, 20), st.integers(0, 20), st.booleans())
+carried = st.builds(Carried, st.integers(0, 20), st.integers(0, 20), st.integers(0, 20), st.booleans(), st.integers(0, 20))
 unit_costs = st.builds(UnitCost, st.integers(0, 60), phases, phases, st.floats(0.0, 1.0), carried, st.integers(0, 20))
 roots = st.builds(
     RootCost, st.integers(0, 30), phases, phases, phases, st.floats(0.0, 1.0), carried, st.integers(0, 20), st.integers(0, 20)
