@@ -116,19 +116,7 @@ def _resize_batch(sample: torch.Tensor, batch_size: int) -> torch.Tensor:
     return sample.repeat(repeats, *([1] * (sample.dim() - 1)))[:batch_size]
 
 
-def plan(
-    model: nn.Module,
-    *,
-    memory_budget: int,
-    sample_input: torch.Tensor,
-    mesh: DeviceMesh | None = None,
-    batch_sizes: Sequence[int] | None = None,
-    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _next_token_loss,
-    optimizer_fn: Callable = torch.optim.AdamW,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    strategies: Sequence[Strategy] = tuple(Strategy),
-    cost_model: CostModel | None = None,
-) -> Plan:
+def plan(model: nn.Module, *, memory_budget: int, **planner_args) -> Plan:
     """The fastest plan per sample whose peak memory per rank fits ``memory_budget`` bytes.
 
     Every rank must call it, with the unsharded ``model`` (it is not modified: every measurement runs
@@ -155,21 +143,13 @@ def plan(
     Args:
         memory_budget: bytes per rank for parameters, optimizer state, gradients, activations and
             every transient buffer of one training step.
-        sample_input: one rank's batch; its first dimension is resized to each of ``batch_sizes``.
-        batch_sizes: per-rank batch sizes to consider (default: the sample's).
-        loss_fn: ``loss_fn(model, batch) -> loss`` (default: next-token cross-entropy on token ids).
-        optimizer_fn: builds the optimizer from parameters (its state is part of the budget).
-        strategies: the strategies a module may take.
-        cost_model: estimate for another cluster instead of measuring on this one.
+        planner_args: :class:`Planner`'s (``sample_input``, ``batch_sizes``, ``loss_fn``, ...).
 
     Raises:
         ValueError: no plan fits (the message gives the smallest budget that would); a batch size is
             not positive; the default ``loss_fn`` meets a model that does not map token ids to logits.
     """
-    return Planner(
-        model, sample_input=sample_input, mesh=mesh, batch_sizes=batch_sizes, loss_fn=loss_fn,
-        optimizer_fn=optimizer_fn, mp_policy=mp_policy, strategies=strategies, cost_model=cost_model,
-    ).plan(memory_budget)
+    return Planner(model, **planner_args).plan(memory_budget)
 
 
 class Planner:
@@ -177,7 +157,15 @@ class Planner:
     chooses for a budget. Every rank builds it and calls :meth:`plan` with the same budgets: measured
     plans run collectives (the profile when built, a verification run when a budget needs one).
 
-    The arguments are :func:`plan`'s, less ``memory_budget``.
+    Args:
+        sample_input: one rank's batch; its first dimension is resized to each of ``batch_sizes``.
+        mesh: the ranks the plan trains on (default: every rank, on one dimension).
+        batch_sizes: per-rank batch sizes to consider (default: the sample's).
+        loss_fn: ``loss_fn(model, batch) -> loss`` (default: next-token cross-entropy on token ids).
+        optimizer_fn: builds the optimizer from parameters (its state is part of the budget).
+        mp_policy: the mixed precision policy the plan trains with.
+        strategies: the strategies a module may take.
+        cost_model: estimate for another cluster instead of measuring on this one.
     """
 
     def __init__(
