@@ -14,7 +14,7 @@ from ._fully_shard import (
     ring_checkpoint_context,
     rsdp_shard,
 )
-from .planner import CostModel, Plan, plan
+from .planner import CostModel, Plan, Planner, plan
 from .policy import Strategy, parallelize
 
-__all__ = ["CostModel", "MixedPrecisionPolicy", "Plan", "RSDPModule", "Strategy", "parallelize", "plan", "register_rsdp_forward_method", "release_ring_buffers", "ring_checkpoint_context", "rsdp_shard"]
+__all__ = ["CostModel", "MixedPrecisionPolicy", "Plan", "Planner", "RSDPModule", "Strategy", "parallelize", "plan", "register_rsdp_forward_method", "release_ring_buffers", "ring_checkpoint_context", "rsdp_shard"]

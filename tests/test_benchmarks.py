@@ -2,6 +2,7 @@
 
 import json
 import math
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +36,8 @@ def assert_succeeded(done: subprocess.CompletedProcess) -> None:
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
 
 
-@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "rtp"])
-def test_benchmark_reports_sane_figures(strategy, tmp_path):
-    out = tmp_path / "results.json"
-    done = run(f"{strategy}_benchmark.py", "--use_synthetic_data", *TINY, f"--json={out}")
-    assert_succeeded(done)
-    assert "batch 2/2" in done.stdout and "tokens/s" in done.stdout
-    result = json.loads(out.read_text())
+def assert_sane(result: dict, strategy: str) -> None:
+    """One strategy's JSON result: positive speeds, memory and traffic, phases within the step."""
     assert result["strategy"] == strategy and result["world_size"] == 2
     assert result["data_parallel_size"] == (1 if strategy == "tp" else 2)
     assert result["tokens_per_s"] > 0 and result["sequences_per_s"] > 0
@@ -53,7 +49,17 @@ def test_benchmark_reports_sane_figures(strategy, tmp_path):
     phases = result["phase_times_s"]
     assert list(phases) == ["forward", "backward", "optimizer"] and all(seconds > 0 for seconds in phases.values())
     assert sum(phases.values()) <= result["step_time_s"], (phases, result["step_time_s"])  # the same rank's steps
+
+
+# fsdp and rtp run through compare.py below, which runs their scripts.
+@pytest.mark.parametrize("strategy", ["dp", "tp"])
+def test_benchmark_reports_sane_figures(strategy, tmp_path):
+    out = tmp_path / "results.json"
+    done = run(f"{strategy}_benchmark.py", "--use_synthetic_data", *TINY, f"--json={out}")
+    assert_succeeded(done)
+    assert "batch 2/2" in done.stdout and "tokens/s" in done.stdout
     assert "phases         forward " in done.stdout
+    assert_sane(json.loads(out.read_text()), strategy)
 
 
 def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
@@ -65,7 +71,10 @@ def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
     table_rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert [row.split("|")[1].strip() for row in table_rows] == ["strategy", "---", "fsdp", "rtp"]
     assert chart.stat().st_size > 0
+    assert "batch 2/2" in done.stdout and "tokens/s" in done.stdout and "phases         forward " in done.stdout
     results = json.loads(out.read_text())
+    for strategy in ("fsdp", "rtp"):
+        assert_sane(results[strategy], strategy)
     # Same initial model, same per-rank batches, gradients averaged: the same training run.
     assert results["rtp"]["final_loss"] == pytest.approx(results["fsdp"]["final_loss"], rel=1e-5)
     assert len(results["rtp"]["step_time_rounds_s"]) == 2
@@ -77,10 +86,15 @@ def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
     assert results["rtp"]["exchanges_per_step"] == 2 + 4, results["rtp"]["exchanges_per_step"]
 
 
-def test_tp_rejects_heads_that_do_not_divide_over_ranks():
-    done = run("tp_benchmark.py", "--use_synthetic_data", *TINY, "--nproc=4")
-    assert done.returncode != 0
-    assert "--nhead 2 is not divisible by the 4 ranks" in done.stderr
+def test_tp_rejects_heads_that_do_not_divide_over_ranks(monkeypatch, capsys):
+    """In process: the check runs before any rank starts (a subprocess would only add imports)."""
+    script = BENCHMARKS / "tp_benchmark.py"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [str(script), "--use_synthetic_data", *TINY, "--nproc=4"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code != 0
+    assert "--nhead 2 is not divisible by the 4 ranks" in capsys.readouterr().err
 
 
 def test_collective_latency_tabulates_every_op():

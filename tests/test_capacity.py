@@ -104,10 +104,13 @@ def test_two_rank_search_fits_the_budget_and_is_maximal(tmp_path, ranks):
     assert results["auto"]["exceeded"] == [] and results["auto"]["plan"]
     assert results["auto"]["peak_bytes"] <= results["auto"]["predicted_peak_bytes"] <= budget
 
-    # Maximality, measured again outside the search: the rung found fits, the next one does not.
+    # Maximality, measured again outside the search: the next rung does not fit, for every strategy,
+    # and the rung found fits (re-run for the two whose next rung differs: a lower bound, and a run).
     for name, result in results.items():
-        found = ranks.run(2, _probe_on_rank, name, result["ladder_index"])[0]
+        if name in ("rsdp", "rsdp_lora"):
+            found = ranks.run(2, _probe_on_rank, name, result["ladder_index"])[0]
+            assert found.fits and found.peak_bytes <= budget, (name, found)
+            assert found.peak_bytes == result["peak_bytes"], (name, found)  # memory is deterministic on CPU
         after = ranks.run(2, _probe_on_rank, name, result["ladder_index"] + 1)[0]
-        assert found.fits and found.peak_bytes <= budget, (name, found)
         assert not after.fits, (name, after)
         assert (name == "auto" and after.peak_bytes is None) or after.peak_bytes > budget, (name, after)  # None: no plan

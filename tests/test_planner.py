@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from models import TinyLM, twin
-from rsdp import CostModel, Strategy, parallelize, plan
+from rsdp import CostModel, Planner, Strategy, parallelize, plan
 from rsdp.memory import MemoryTracker
 from rsdp.planner._plan import _next_token_loss
 from rsdp.planner import measure_peak
@@ -242,32 +242,28 @@ def lm():
 
 
 def budgets_case(budgets_mib):
+    """One profile, a plan per budget; then a budget too small, whose error names the smallest that fits,
+    which a second, separate ``plan`` call then finds a plan for."""
     model, tokens = lm(), torch.randint(0, 512, (4, 32))
+    planner = Planner(model, sample_input=tokens)
     results = []
     for budget in budgets_mib:
-        chosen = plan(model, memory_budget=int(budget * MiB), sample_input=tokens)
+        chosen = planner.plan(int(budget * MiB))
         peak = measure_peak(parallelize(copy.deepcopy(model), chosen), tokens[: chosen.batch_size], _next_token_loss)
         results.append((budget, chosen.predicted_peak_bytes, peak, str(chosen)))
+    with pytest.raises(ValueError, match="smallest budget that fits is") as error:
+        planner.plan(MiB)
+    smallest = int(str(error.value).split("(")[1].split(" bytes")[0])
+    assert plan(model, memory_budget=smallest, sample_input=tokens).verified_peak_bytes <= smallest
     return results
 
 
-def test_planned_peak_fits_budget_and_prediction_on_4_ranks(ranks):
+def test_planned_peaks_fit_budgets_and_an_infeasible_one_names_the_smallest_on_4_ranks(ranks):
     for budget, predicted, measured, table in ranks.run(4, budgets_case, [8.0, 4.0, 3.6])[0]:
         print(f"budget {budget} MiB: predicted {predicted / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB\n{table}")
         assert measured <= budget * MiB, table
         assert abs(measured - predicted) <= 0.1 * predicted, table
-
-
-def infeasible_case():
-    model, tokens = lm(), torch.randint(0, 512, (4, 32))
-    with pytest.raises(ValueError, match="smallest budget that fits is") as error:
-        plan(model, memory_budget=MiB, sample_input=tokens)
-    smallest = int(str(error.value).split("(")[1].split(" bytes")[0])
-    assert plan(model, memory_budget=smallest, sample_input=tokens).verified_peak_bytes <= smallest
-
-
-def test_infeasible_budget_names_the_smallest_that_fits(ranks):
-    ranks.run(2, infeasible_case)
+        assert f"of a {budget:.2f} MiB budget" in table
 
 
 def planned_training_case():

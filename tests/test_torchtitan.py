@@ -277,6 +277,40 @@ def test_replicated_or_tied_head_joins_the_root():
         rules(tied, dp_overrides="root=rsdp")
 
 
+def torchtitan_embedding_case():
+    """torchtitan's Embedding (its forward reads ``weight.to_local()``) under rsdp, each rank on its
+    own rows, against ``nn.Embedding`` on the whole batch: output, and the gradient averaged over
+    ranks as FSDP2's is; and what the step sent."""
+    import torch
+    import torch.distributed as dist
+    from torchtitan.models.common.embedding import Embedding
+
+    from rsdp import rsdp_shard
+    from rsdp.memory import CommCounter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    sharded = Embedding(Embedding.Config(num_embeddings=13, embedding_dim=6)).double()
+    reference = torch.nn.Embedding(13, 6).double()
+    reference.weight.data.copy_(sharded.weight.data)
+    rsdp_shard(sharded)
+    tokens = torch.randint(0, 13, (2 * world + 1, 5))
+    mine = tokens.tensor_split(world)[rank]
+    with CommCounter() as sent:
+        out = sharded(mine)
+        (out * out).sum().backward()
+    expected = reference(tokens)
+    (expected * expected).sum().div(world).backward()
+    torch.testing.assert_close(out, expected.tensor_split(world)[rank])
+    torch.testing.assert_close(sharded.weight.grad.full_tensor(), reference.weight.grad)
+    return dict(sent.calls)
+
+
+def test_torchtitans_embedding_rotates_and_is_exact(ranks):
+    for calls in ranks.run(2, torchtitan_embedding_case):
+        assert calls == {"c10d::send": 2}, calls  # one exchange forward, one backward: nothing gathered
+
+
 def test_chunked_loss_makes_an_rsdp_head_fsdp_unless_an_override_names_it():
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 

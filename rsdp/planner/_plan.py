@@ -4,6 +4,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -115,23 +116,13 @@ def _resize_batch(sample: torch.Tensor, batch_size: int) -> torch.Tensor:
     return sample.repeat(repeats, *([1] * (sample.dim() - 1)))[:batch_size]
 
 
-def plan(
-    model: nn.Module,
-    *,
-    memory_budget: int,
-    sample_input: torch.Tensor,
-    mesh: DeviceMesh | None = None,
-    batch_sizes: Sequence[int] | None = None,
-    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _next_token_loss,
-    optimizer_fn: Callable = torch.optim.AdamW,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    strategies: Sequence[Strategy] = tuple(Strategy),
-    cost_model: CostModel | None = None,
-) -> Plan:
+def plan(model: nn.Module, *, memory_budget: int, **planner_args) -> Plan:
     """The fastest plan per sample whose peak memory per rank fits ``memory_budget`` bytes.
 
     Every rank must call it, with the unsharded ``model`` (it is not modified: every measurement runs
     on a copy). Units are the modules the root calls (containers expanded); the root keeps the rest.
+    ``plan(model, memory_budget=b, ...)`` is ``Planner(model, ...).plan(b)``; a :class:`Planner` profiles
+    once and plans for any number of budgets.
 
     1. Profile: for each batch size, root strategy and unit strategy, one training step of the model
        with that root and every unit under that strategy is measured on the actual ranks (memory with
@@ -140,28 +131,84 @@ def plan(
        latency, for a cluster of ``cost_model.world_size`` devices; no process group is needed.
     2. Search: a mixed plan is predicted by replaying the measured phases; the search over plans is
        exact for that prediction (see ``_search``), and minimises step time per sample.
-    3. Verify (measured plans only): the chosen plan itself is run once. Parallelisms interact at module boundaries in ways
-       a replay of uniform runs does not see (FSDP2 frees a module's all-gather buffers at the next
-       module's unshard), so the fastest plans (up to 8) are run: the first that fits and whose
-       measured peak is within 10% of its prediction is returned; failing that, the first that fits
-       (its table shows prediction and measurement); failing that, the plan predicted smallest.
+    3. Verify (measured plans only): the chosen plan itself is run once. Parallelisms interact at module
+       boundaries in ways a replay of uniform runs does not see (FSDP2 frees a module's all-gather
+       buffers at the next module's unshard), so the fastest plans (up to 8) are run: the first that
+       fits and whose measured peak is within 10% of its prediction is returned; failing that, the
+       first that fits (its table shows prediction and measurement); failing that, the plan predicted
+       smallest.
     4. Never slower than a uniform plan: phase times are noisy, so a uniform plan (measured outright in
        step 1) that fits and ran faster per sample than the chosen plan's verification run wins.
 
     Args:
         memory_budget: bytes per rank for parameters, optimizer state, gradients, activations and
             every transient buffer of one training step.
-        sample_input: one rank's batch; its first dimension is resized to each of ``batch_sizes``.
-        batch_sizes: per-rank batch sizes to consider (default: the sample's).
-        loss_fn: ``loss_fn(model, batch) -> loss`` (default: next-token cross-entropy on token ids).
-        optimizer_fn: builds the optimizer from parameters (its state is part of the budget).
-        strategies: the strategies a module may take.
-        cost_model: estimate for another cluster instead of measuring on this one.
+        planner_args: :class:`Planner`'s (``sample_input``, ``batch_sizes``, ``loss_fn``, ...).
 
     Raises:
         ValueError: no plan fits (the message gives the smallest budget that would); a batch size is
             not positive; the default ``loss_fn`` meets a model that does not map token ids to logits.
     """
+    return Planner(model, **planner_args).plan(memory_budget)
+
+
+class Planner:
+    """:func:`plan`'s profile and search, made once when the planner is built; :meth:`plan` then
+    chooses for a budget. Every rank builds it and calls :meth:`plan` with the same budgets: measured
+    plans run collectives (the profile when built, a verification run when a budget needs one).
+
+    Args:
+        sample_input: one rank's batch; its first dimension is resized to each of ``batch_sizes``.
+        mesh: the ranks the plan trains on (default: every rank, on one dimension).
+        batch_sizes: per-rank batch sizes to consider (default: the sample's).
+        loss_fn: ``loss_fn(model, batch) -> loss`` (default: next-token cross-entropy on token ids).
+        optimizer_fn: builds the optimizer from parameters (its state is part of the budget).
+        mp_policy: the mixed precision policy the plan trains with.
+        strategies: the strategies a module may take.
+        cost_model: estimate for another cluster instead of measuring on this one.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        sample_input: torch.Tensor,
+        mesh: DeviceMesh | None = None,
+        batch_sizes: Sequence[int] | None = None,
+        loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _next_token_loss,
+        optimizer_fn: Callable = torch.optim.AdamW,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        strategies: Sequence[Strategy] = tuple(Strategy),
+        cost_model: CostModel | None = None,
+    ):
+        batch_sizes = _checked_batch_sizes(batch_sizes, sample_input)
+        if loss_fn is _next_token_loss:
+            _check_next_token_batch(model, sample_input)
+        units = find_units(model)
+        if not units:
+            raise ValueError(f"rsdp.plan: {type(model).__name__} has no submodule with parameters to plan for.")
+        if cost_model is not None:
+            counted = {
+                size: count(model, units, _resize_batch(sample_input, size), loss_fn, cost_model.param_dtype)
+                for size in batch_sizes
+            }
+            self._choice = _EstimatedChoice(counted, units, cost_model, strategies)
+            return
+        mesh = mesh or _default_mesh()
+
+        def measure(batch_size: int, assignment: dict[str, Strategy]) -> tuple[dict[str, UnitCost], RootCost, int]:
+            batch = _resize_batch(sample_input, batch_size)
+            return profile(model, assignment, batch, loss_fn, optimizer_fn, mesh, mp_policy, sample_input.device)
+
+        self._choice = _MeasuredChoice(measure, units, batch_sizes, strategies, mesh.size())
+
+    def plan(self, memory_budget: int) -> Plan:
+        """The fastest plan per sample whose peak memory per rank fits ``memory_budget`` bytes (see
+        :func:`plan`)."""
+        return dataclasses.replace(self._choice.choose(memory_budget), memory_budget=memory_budget)
+
+
+def _checked_batch_sizes(batch_sizes: Sequence[int] | None, sample_input: torch.Tensor) -> list[int]:
     source = "batch_sizes" if batch_sizes else "sample_input's first dimension"
     batch_sizes = list(batch_sizes or [sample_input.shape[0]])
     if not all(isinstance(size, numbers.Integral) and size > 0 for size in batch_sizes):
@@ -170,103 +217,136 @@ def plan(
             "the step time per sample, which an empty batch does not have. (A plan, once chosen, also "
             "runs ranks with different or empty batches.)"
         )
-    if loss_fn is _next_token_loss:
-        _check_next_token_batch(model, sample_input)
-    units = find_units(model)
-    if not units:
-        raise ValueError(f"rsdp.plan: {type(model).__name__} has no submodule with parameters to plan for.")
-    if cost_model is None:
-        mesh = mesh or _default_mesh()
-    world = cost_model.world_size if cost_model else mesh.size()
+    return batch_sizes
 
-    def measure(batch_size: int, assignment: dict[str, Strategy]):
-        batch = _resize_batch(sample_input, batch_size)
-        return profile(model, assignment, batch, loss_fn, optimizer_fn, mesh, mp_policy, sample_input.device)
 
-    if cost_model is not None:
-        counted = {
-            size: count(model, units, _resize_batch(sample_input, size), loss_fn, cost_model.param_dtype)
-            for size in batch_sizes
-        }
-        return plan_from_counts(counted, units, memory_budget=memory_budget, cost_model=cost_model, strategies=strategies)
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    """A plan the search found, with the two numbers plans are compared by."""
 
-    measured_uniform: list[Plan] = []  # every uniform run, as a plan
+    seconds_per_sample: float
+    peak: float
+    plan: Plan
 
-    def costs(batch_size: int, root_strategy: Strategy) -> tuple[dict[Strategy, dict[str, UnitCost]], RootCost]:
-        """Every unit's cost under every strategy, and the root's, with the root under ``root_strategy``."""
-        runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
-        unit_costs_, root_, peak = runs[root_strategy]  # measured outright: a plan whose numbers are facts
-        seconds = sum(c.seconds for c in unit_costs_.values()) + root_.seconds
-        rows = _rows(root_strategy, root_, [(name, root_strategy, cost) for name, cost in unit_costs_.items()])
-        measured_uniform.append(
-            Plan(rows, batch_size, world, peak, seconds, memory_budget, verified_peak_bytes=peak, verified_step_seconds=seconds)
+
+class _EstimatedChoice:
+    """Plans from the cost model's estimates: the fastest predicted to fit is chosen, unverified."""
+
+    def __init__(self, counted: dict[int, Counts], units: list[str], cost_model: CostModel, strategies: Sequence[Strategy]):
+        self._candidates = _candidates(
+            units, list(counted), strategies,
+            lambda size, root: _estimated_costs(counted[size], strategies, root, cost_model),
+            cost_model.world_size,
         )
-        return {s: runs[s][0] for s in strategies}, runs[root_strategy][1]
 
-    candidates = _candidates(units, batch_sizes, strategies, costs, world, memory_budget)
+    def choose(self, memory_budget: int) -> Plan:
+        fitting = [c for c in self._candidates if c.peak <= memory_budget]
+        if fitting:
+            return min(fitting, key=lambda c: (c.seconds_per_sample, c.peak)).plan
+        smallest = min(self._candidates, key=lambda c: c.peak).plan
+        _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
 
-    measured: dict[tuple, tuple[int, float]] = {}
 
-    def verified(candidate: Plan) -> Plan:
-        if _key(candidate) not in measured:
-            unit_costs, root, peak = measure(candidate.batch_size, candidate.strategies)
-            measured[_key(candidate)] = (peak, sum(c.seconds for c in unit_costs.values()) + root.seconds)
-        peak, seconds = measured[_key(candidate)]
+class _MeasuredChoice:
+    """Plans from uniform runs measured on the ranks, the chosen one verified by running it (steps 1, 3
+    and 4 of :func:`plan`). Verification runs are kept, so a second budget reruns no plan."""
+
+    def __init__(self, measure: Callable, units: list[str], batch_sizes: list[int], strategies: Sequence[Strategy], world: int):
+        self._measure = measure
+        self._uniform: list[Plan] = []  # every uniform run, as a plan whose numbers are facts
+        self._runs: dict[tuple, tuple[int, float]] = {}  # plan key -> measured (peak, seconds)
+
+        def costs(batch_size: int, root_strategy: Strategy) -> tuple[dict[Strategy, dict[str, UnitCost]], RootCost]:
+            """Every unit's cost under every strategy, and the root's, with the root under ``root_strategy``."""
+            runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
+            unit_costs, root, peak = runs[root_strategy]
+            seconds = sum(c.seconds for c in unit_costs.values()) + root.seconds
+            rows = _rows(root_strategy, root, [(name, root_strategy, cost) for name, cost in unit_costs.items()])
+            self._uniform.append(Plan(rows, batch_size, world, peak, seconds, 0, verified_peak_bytes=peak, verified_step_seconds=seconds))
+            return {s: runs[s][0] for s in strategies}, root
+
+        self._candidates = _candidates(units, batch_sizes, strategies, costs, world)
+
+    def choose(self, memory_budget: int) -> Plan:
+        fitting = [c.plan for c in sorted(self._candidates, key=lambda c: (c.seconds_per_sample, c.peak)) if c.peak <= memory_budget]
+        unconfirmed = None  # the fastest that fits though running it did not confirm its prediction
+        for candidate in map(self._verified, fitting[:MAX_VERIFICATIONS]):
+            if candidate.verified_peak_bytes <= memory_budget:
+                if _confirmed(candidate):
+                    return self._no_slower_than_uniform(candidate, memory_budget)
+                unconfirmed = unconfirmed or candidate
+        if unconfirmed is not None:
+            return self._no_slower_than_uniform(unconfirmed, memory_budget)
+        # The plans of least predicted peak, run: several, because plans a few kilobytes apart swap places
+        # from run to run (the search keeps the faster of near-equal peaks, and times are noisy), and the
+        # budget an error names must be one a second call finds a plan for.
+        by_peak = sorted((c.plan for c in self._candidates), key=lambda p: (p.predicted_peak_bytes, _key(p)))
+        smallest = [self._verified(candidate) for candidate in by_peak[:SMALLEST_VERIFIED]]
+        fits = [p for p in smallest if p.verified_peak_bytes <= memory_budget]
+        if fits:
+            return min(fits, key=lambda p: p.verified_step_seconds / p.batch_size)
+        needed = min(smallest, key=lambda p: max(p.predicted_peak_bytes, p.verified_peak_bytes))
+        _raise_infeasible(memory_budget, needed, max(needed.predicted_peak_bytes, needed.verified_peak_bytes))
+
+    def _verified(self, candidate: Plan) -> Plan:
+        if _key(candidate) not in self._runs:
+            unit_costs, root, peak = self._measure(candidate.batch_size, candidate.strategies)
+            self._runs[_key(candidate)] = (peak, sum(c.seconds for c in unit_costs.values()) + root.seconds)
+        peak, seconds = self._runs[_key(candidate)]
         return dataclasses.replace(candidate, verified_peak_bytes=peak, verified_step_seconds=seconds)
 
-    def no_slower_than_uniform(chosen: Plan) -> Plan:
+    def _no_slower_than_uniform(self, chosen: Plan, memory_budget: int) -> Plan:
         """Phase times are noisy; a uniform plan that fits and ran faster per sample wins."""
         best = chosen
-        for uniform in measured_uniform:
+        for uniform in self._uniform:
             per_sample = uniform.verified_step_seconds / uniform.batch_size
             if uniform.verified_peak_bytes <= memory_budget and per_sample < best.verified_step_seconds / best.batch_size:
                 best = uniform
         return best
-
-    fitting = [c[2] for c in sorted(candidates, key=lambda c: (c[0], c[1])) if c[1] <= memory_budget]
-    unconfirmed = None  # the fastest that fits though running it did not confirm its prediction
-    for candidate in map(verified, fitting[:MAX_VERIFICATIONS]):
-        if candidate.verified_peak_bytes <= memory_budget:
-            if _confirmed(candidate):
-                return no_slower_than_uniform(candidate)
-            unconfirmed = unconfirmed or candidate
-    if unconfirmed is not None:
-        return no_slower_than_uniform(unconfirmed)
-    # The plans of least predicted peak, run: several, because plans a few kilobytes apart swap places
-    # from run to run (the search keeps the faster of near-equal peaks, and times are noisy), and the
-    # budget an error names must be one a second call finds a plan for.
-    by_peak = sorted((c[2] for c in candidates), key=lambda c: (c.predicted_peak_bytes, _key(c)))
-    smallest = [verified(candidate) for candidate in by_peak[:SMALLEST_VERIFIED]]
-    fits = [c for c in smallest if c.verified_peak_bytes <= memory_budget]
-    if fits:
-        return min(fits, key=lambda c: c.verified_step_seconds / c.batch_size)
-    needed = min(smallest, key=lambda c: max(c.predicted_peak_bytes, c.verified_peak_bytes))
-    _raise_infeasible(memory_budget, needed, max(needed.predicted_peak_bytes, needed.verified_peak_bytes))
-
 
 
 def _estimated_costs(counts: Counts, strategies: Sequence[Strategy], root_strategy: Strategy, cost_model: CostModel):
     return {s: estimate_units(counts, s, root_strategy, cost_model) for s in strategies}, estimate_root(counts, root_strategy, cost_model)
 
 
-def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, world: int, memory_budget: int) -> list[tuple]:
-    """(seconds per sample, predicted peak, Plan) of the plans worth considering: the search's best plan
-    per (batch size, root strategy) for each peak, then only those faster than every smaller one."""
-    candidates = []
+def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, world: int) -> list[_Candidate]:
+    """The plans worth considering: the search's best plan per (batch size, root strategy) for each peak,
+    then only those faster per sample than every plan of smaller or equal peak."""
+    found = []
+    # The units' costs depend on the root's strategy only through whether it rotates (the cost model's
+    # FSDP and replicate roots give the same ones): a search already made is reused.
+    frontiers: dict[tuple, list[Partial]] = {}
     for batch_size in batch_sizes:
         for root_strategy in strategies:
             by_strategy, root = costs(batch_size, root_strategy)
             unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
-            for partial in _search(unit_costs):
+            searched = tuple(tuple(options.items()) for options in unit_costs)
+            if searched not in frontiers:
+                frontiers[searched] = _search(unit_costs)
+            for partial in frontiers[searched]:
                 peak = predicted_peak(partial, root)
                 seconds = partial.seconds + root.seconds
-                candidates.append(
-                    (seconds / (batch_size * world), peak, _Candidate(units, unit_costs, partial, root_strategy, root, batch_size))
-                )
-    return [
-        (per_sample, peak, candidate.build(world, peak, per_sample * candidate.batch_size * world, memory_budget))
-        for per_sample, peak, candidate in _useful(candidates)
-    ]
+                found.append(_Found(seconds / (batch_size * world), peak, partial, root_strategy, root, batch_size, unit_costs))
+    useful, fastest = [], math.inf
+    for f in sorted(found, key=lambda f: (f.peak, f.seconds_per_sample)):
+        if f.seconds_per_sample < fastest:
+            assignments = [(name, s, costs[s]) for name, s, costs in zip(units, f.partial.choices, f.unit_costs)]
+            rows = _rows(f.root_strategy, f.root, assignments)
+            useful.append(_Candidate(f.seconds_per_sample, f.peak, Plan(rows, f.batch_size, world, int(f.peak), f.seconds_per_sample * f.batch_size * world, 0)))
+            fastest = f.seconds_per_sample
+    return useful
+
+
+class _Found(NamedTuple):
+    """A plan the search found, before it is known to be worth building."""
+
+    seconds_per_sample: float
+    peak: float
+    partial: Partial
+    root_strategy: Strategy
+    root: RootCost
+    batch_size: int
+    unit_costs: list[dict[Strategy, UnitCost]]
 
 
 def plan_from_counts(
@@ -274,16 +354,8 @@ def plan_from_counts(
     strategies: Sequence[Strategy] = tuple(Strategy),
 ) -> Plan:
     """:func:`plan` with a cost model, from meta-device counts already made (batch size -> counts)."""
-    candidates = _candidates(
-        units, list(counted), strategies,
-        lambda size, root: _estimated_costs(counted[size], strategies, root, cost_model),
-        cost_model.world_size, memory_budget,
-    )
-    fitting = [c for c in candidates if c[1] <= memory_budget]
-    if fitting:
-        return min(fitting, key=lambda c: (c[0], c[1]))[2]
-    smallest = min(candidates, key=lambda c: c[1])[2]
-    _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
+    chosen = _EstimatedChoice(counted, units, cost_model, strategies).choose(memory_budget)
+    return dataclasses.replace(chosen, memory_budget=memory_budget)
 
 
 def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel) -> tuple[float, float]:
@@ -332,34 +404,7 @@ def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> list[Partial]:
             grid *= 2
 
 
-@dataclasses.dataclass(frozen=True)
-class _Candidate:
-    units: list[str]
-    unit_costs: list[dict[Strategy, UnitCost]]
-    partial: Partial
-    root_strategy: Strategy
-    root: RootCost
-    batch_size: int
-
-    def build(self, world: int, peak: float, seconds: float, budget: int) -> Plan:
-        assignments = [
-            (name, strategy, costs[strategy])
-            for name, strategy, costs in zip(self.units, self.partial.choices, self.unit_costs)
-        ]
-        return Plan(_rows(self.root_strategy, self.root, assignments), self.batch_size, world, int(peak), seconds, budget)
-
-
 def _rows(root_strategy: Strategy, root: RootCost, assignments: list[tuple[str, Strategy, UnitCost]]) -> tuple[PlanRow, ...]:
     rows = [PlanRow("", root_strategy, root.static_bytes, root.before.delta + root.middle.delta, root.seconds)]
     rows += [PlanRow(name, s, cost.static_bytes, cost.forward.delta, cost.seconds) for name, s, cost in assignments]
     return tuple(rows)
-
-
-def _useful(candidates: list[tuple]) -> list[tuple]:
-    """Only plans faster per sample than every plan with a smaller or equal peak can ever be chosen."""
-    kept, fastest = [], math.inf
-    for candidate in sorted(candidates, key=lambda c: (c[1], c[0])):
-        if candidate[0] < fastest:
-            kept.append(candidate)
-            fastest = candidate[0]
-    return kept
