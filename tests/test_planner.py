@@ -229,6 +229,13 @@ def test_a_gpus_reserved_bytes_scale_every_allocated_byte():
     for policy in (dict.fromkeys(names, Strategy.FSDP), {name: order[i % 3] for i, name in enumerate(names)}):
         allocated = cost_model_peak(model, policy, tokens, 8)
         assert cost_model_peak(model, policy, tokens, 8, reserved_per_allocated=factor) == pytest.approx(factor * allocated, rel=1e-4)
+    # What a plan and the planner's error say they compared with the budget.
+    h100 = _hardware.PRESETS["h100-sxm-nvlink"].cost_model(8)
+    assert "MiB reserved" in str(plan(model, memory_budget=2**30, sample_input=tokens, cost_model=h100))
+    with pytest.raises(ValueError, match=r"per rank \(reserved by the caching allocator"):
+        plan(model, memory_budget=MiB // 8, sample_input=tokens, cost_model=h100)
+    cpu = _hardware.PRESETS["cpu-gloo"].cost_model(8)
+    assert "reserved" not in str(plan(model, memory_budget=2**30, sample_input=tokens, cost_model=cpu))
 
 
 def test_units_keep_tied_modules_with_the_root():

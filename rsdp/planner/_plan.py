@@ -51,6 +51,9 @@ class Plan:
     memory_budget: int
     verified_peak_bytes: int | None = None  # the chosen plan's peak, measured by running it once
     verified_step_seconds: float | None = None  # and its step time in that run
+    # The prediction is what the caching allocator reserves, not what tensors hold: a cost model whose
+    # hardware has a reserved-per-allocated factor (GPU presets).
+    peak_is_reserved: bool = False
 
     @property
     def strategies(self) -> dict[str, Strategy]:
@@ -72,7 +75,8 @@ class Plan:
             )
         verified = "" if self.verified_peak_bytes is None else f" (measured {self.verified_peak_bytes / MiB:.2f} MiB)"
         lines.append(
-            f"\nbatch {self.batch_size} per rank: predicted peak {self.predicted_peak_bytes / MiB:.2f} MiB{verified} "
+            f"\nbatch {self.batch_size} per rank: predicted peak {self.predicted_peak_bytes / MiB:.2f} MiB"
+            f"{' reserved' if self.peak_is_reserved else ''}{verified} "
             f"of a {self.memory_budget / MiB:.2f} MiB budget, step {self.predicted_step_seconds * 1e3:.1f} ms, "
             f"{self.samples_per_second:.2f} samples/s"
         )
@@ -233,6 +237,7 @@ class _EstimatedChoice:
     """Plans from the cost model's estimates: the fastest predicted to fit is chosen, unverified."""
 
     def __init__(self, counted: dict[int, Counts], units: list[str], cost_model: CostModel, strategies: Sequence[Strategy]):
+        self._peak_is_reserved = cost_model.reserved_per_allocated != 1
         self._candidates = _candidates(
             units, list(counted), strategies,
             lambda size, root: _estimated_costs(counted[size], strategies, root, cost_model),
@@ -242,9 +247,12 @@ class _EstimatedChoice:
     def choose(self, memory_budget: int) -> Plan:
         fitting = [c for c in self._candidates if c.peak <= memory_budget]
         if fitting:
-            return min(fitting, key=lambda c: (c.seconds_per_sample, c.peak)).plan
-        smallest = min(self._candidates, key=lambda c: c.peak).plan
+            return self._as_counted(min(fitting, key=lambda c: (c.seconds_per_sample, c.peak)).plan)
+        smallest = self._as_counted(min(self._candidates, key=lambda c: c.peak).plan)
         _raise_infeasible(memory_budget, smallest, smallest.predicted_peak_bytes)
+
+    def _as_counted(self, plan_: Plan) -> Plan:
+        return dataclasses.replace(plan_, peak_is_reserved=self._peak_is_reserved)
 
 
 class _MeasuredChoice:
@@ -378,8 +386,9 @@ def _key(plan_: Plan) -> tuple:
 
 def _raise_infeasible(budget: int, smallest: Plan, needed: int) -> None:
     assignment = ", ".join(f"{name or '(root)'}={s.value}" for name, s in smallest.strategies.items())
+    counted = " (reserved by the caching allocator, as the cost model's hardware counts it)" if smallest.peak_is_reserved else ""
     raise ValueError(
-        f"rsdp.plan: no plan fits {budget / MiB:.2f} MiB per rank; the smallest budget that fits is "
+        f"rsdp.plan: no plan fits {budget / MiB:.2f} MiB per rank{counted}; the smallest budget that fits is "
         f"{needed / MiB:.2f} MiB ({needed} bytes, batch size {smallest.batch_size} per rank: {assignment})."
     )
 

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model, "world_size": args.world_size, "seq_len": args.seq_len,
         "activation_checkpoint": args.activation_checkpoint, "mixed_precision": args.mixed_precision,
         "budget_bytes": args.budget, "cost_model": {k: str(v) for k, v in vars(cost_model).items()},
+        "peak_bytes_are": "reserved" if cost_model.reserved_per_allocated != 1 else "allocated",
         "strategies": uniform,
         "plan": {
             "local_batch_size": chosen.batch_size,
