@@ -56,7 +56,8 @@ from .._compat import at_end_of_backward, current_graph_task_id, get_module_stat
 from ._collectives import PendingGathers, PendingReductions
 from ._grad import RunningBackward
 from ._prefetch import RingOrder
-from ._ring import DeferredHops, RingBuffers, WaitedWorks
+from ._buffers import RingBuffers
+from ._ring import DeferredHops, WaitedWorks
 
 # Every context alive, for ``release_ring_buffers()`` without a module; weak, so a model's context
 # goes with it. With ``rootless_context``'s one context, the engine's only module-level state.

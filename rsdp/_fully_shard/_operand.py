@@ -64,7 +64,8 @@ from ._ops import (
     autocast_like,
     first_message,
 )
-from ._param import Segment, shard_layout
+from ._param import shard_layout
+from ._wire import Segment
 from ._ring import Phase
 
 _warned: set[tuple[int, str]] = set()

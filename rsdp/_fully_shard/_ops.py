@@ -30,7 +30,8 @@ from torch.profiler import record_function
 
 from .._compat import DTensor, autocast_dtype, profiler_enabled
 from ._checkpoint import kept_or_run
-from ._param import Message, Segment, ShardLayout, shard_layout
+from ._param import ShardLayout, shard_layout
+from ._wire import Message, Segment
 from ._prefetch import ring_begins
 from ._ring import Phase
 

@@ -55,7 +55,7 @@ import math
 import torch
 
 from .._compat import current_graph_task_id, in_backward, in_selective_checkpoint
-from ._param import Message
+from ._wire import Message
 from ._ring import Phase, Prefetched, Ring
 
 
@@ -134,11 +134,11 @@ class RingOrder:
     def arrived(self, tag: int, signature: tuple, exchange: Prefetched) -> None:
         """The first exchange of the ring expected next is done (``_NextFirstMessage.alight``)."""
         self._prefetched = (tag, signature, exchange)
-        self._context.buffers.prefetched = exchange
+        self._context.buffers.keep(exchange.sent, exchange.received)
 
     def _take(self) -> tuple | None:
         prefetched, self._prefetched = self._prefetched, None
-        self._context.buffers.prefetched = None
+        self._context.buffers.keep()
         return prefetched
 
     def begin(

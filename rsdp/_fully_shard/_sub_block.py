@@ -67,7 +67,8 @@ from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, gradient
 from ._checkpoint import kept_or_run
 from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard, sharded
 from ._prefetch import ring_begins
-from ._param import Segment, shard_layout
+from ._param import shard_layout
+from ._wire import Segment
 from ._ring import DeferredHop, Phase
 from ._sub_block_cache import SubBlockCache, shard_cache_arguments
 
