@@ -27,7 +27,7 @@ Pitfalls:
 
 import torch
 
-from .._compat import current_graph_task_id, in_backward, in_selective_checkpoint, outside_inference_mode
+from .._compat import in_backward, in_selective_checkpoint, outside_inference_mode
 from ._wire import Message, Segment
 
 
@@ -95,7 +95,6 @@ class RingBuffers:
         self.generation = 0
         # The one ``Message`` per segment layout, so that its views of these buffers are reused.
         self._messages: dict[tuple[Segment, ...], Message] = {}
-        self._release_task = -1  # the backward at whose end a release is queued
         # (in backward, the tag of the pass's first ring) -> its sizes: each model's passes predict its own.
         self._sizes: dict[tuple[bool, int | None], _PassSizes] = {}
         self._pass_keys: dict[bool, int | None] = {False: None, True: None}
@@ -150,7 +149,7 @@ class RingBuffers:
             return torch.zeros(nbytes, dtype=torch.uint8, device=device)
         backward = in_backward()
         if backward:
-            self._release_at_end_of_backward()
+            self._context.end_with_backward(self)
         size = self._pass_sizes(backward).ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
@@ -250,18 +249,10 @@ class RingBuffers:
     def nbytes(self) -> int:
         return sum(buffer.untyped_storage().nbytes() for _, buffer in self._live())
 
-    def _release_at_end_of_backward(self) -> None:
-        """Free the buffers when the backward now running ends (a backward that raised runs no end
-        callbacks, and the next one frees them)."""
-        task = current_graph_task_id()
-        if task != self._release_task:
-            self._release_task = task
-            self._context.queue_end_of_backward()
-
-    def end_of_backward(self, task: int) -> None:
-        if task == self._release_task:
-            self._release_task = -1
-            self.release()
+    def end_of_backward(self) -> None:
+        """The backward that used the buffers ended (a backward that raised runs no end callbacks, and
+        the next one frees them)."""
+        self.release()
 
     def release(self) -> None:
         """Free the buffers' memory. The tensors stay, with no storage, and so do the views of them that

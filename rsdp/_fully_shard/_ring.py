@@ -26,7 +26,7 @@ planned sub-block's partials an early exchange of the next ring (``_Boarding``).
 Messages live in the ring buffers of the model's ``RingContext`` (``_buffers.py``); ``circulate``
 asks for them at the size of its message and its passengers.
 
-Pitfalls this file exists to contain (design.md §3):
+Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
   disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
 - NCCL ignores tags and needs every rank to issue P2P ops in the same order: ``circulate`` issues one
@@ -134,13 +134,12 @@ class Ring:
         start: torch.Tensor | Callable[[torch.Tensor], None] | Prefetched,
         during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
-        hops: int | None = None,
+        *,
         region: Callable[[int], slice] | None = None,
         carry_next: "Callable[[Ring], NextFirst | None] | None" = None,
         rider: "Rider | None" = None,
     ) -> torch.Tensor:
-        """Pass a message of ``nbytes`` bytes ``hops`` (default W-1) times down the ring; return the one
-        held last.
+        """Pass a message of ``nbytes`` bytes W-1 times down the ring; return the one held last.
 
         ``start`` is this rank's first message: a byte tensor sent as it is, a function that writes it
         into the buffer it is given, or the first exchange done already (prefetched). At step k,
@@ -160,15 +159,15 @@ class Ring:
         first message); a deferred hop it cannot take goes alone before its first exchange.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
-        hops = self.size - 1 if hops is None else hops
+        hops = self.size - 1
         prefetched = isinstance(start, Prefetched)
         rider_at = nbytes
         if rider is not None:
-            if prefetched or hops != self.size - 1 or region is not None:
-                raise AssertionError("a rider needs a message not yet sent and all of the ring's W-1 steps")
+            if prefetched or region is not None:
+                raise AssertionError("a rider needs a whole message not yet sent")
             rider_at = _aligned(nbytes)
             nbytes = rider_at + rider.nbytes
-        boarding = _Boarding(self, nbytes, hops, prefetched, region)
+        boarding = _Boarding(self, nbytes, prefetched, region)
         boarding.add_deferred_hop()
         if carry_next is not None:
             boarding.add_next_first(carry_next)
@@ -239,8 +238,9 @@ class _Boarding:
     buffers: behind the message (and rider), each after the one before, each at a multiple of 16 bytes,
     its lead over what precedes it."""
 
-    def __init__(self, ring: Ring, nbytes: int, hops: int, prefetched: bool, region: Callable[[int], slice] | None):
-        self.ring, self.message_nbytes, self.hops, self.prefetched, self.region = ring, nbytes, hops, prefetched, region
+    def __init__(self, ring: Ring, nbytes: int, prefetched: bool, region: Callable[[int], slice] | None):
+        self.ring, self.message_nbytes, self.prefetched, self.region = ring, nbytes, prefetched, region
+        self.hops = ring.size - 1
         self._aboard: dict[int, list[tuple[Passenger, int]]] = {}  # step -> (passenger, where its data starts)
         self._ends: dict[int, int] = {}
         self.nbytes = 0
@@ -382,17 +382,14 @@ class DeferredHops:
     def __init__(self, context):
         self._context = context
         self._pending: DeferredHop | None = None
-        self._flush_task = -1  # the backward at whose end a flush is due
 
     def defer(self, hop: DeferredHop) -> None:
         self.flush()
         self._pending = hop
-        task = current_graph_task_id()
-        if task == -1:  # outside a backward nothing says a ring follows soon
+        if current_graph_task_id() == -1:  # outside a backward nothing says a ring follows soon
             self.flush()
-        elif task != self._flush_task:
-            self._flush_task = task
-            self._context.queue_end_of_backward()
+        else:
+            self._context.end_with_backward(self)
 
     @property
     def pending(self) -> bool:
@@ -412,14 +409,13 @@ class DeferredHops:
         if hop is not None:
             _send_alone(hop)
 
-    def end_of_backward(self, task: int) -> None:
-        if task == self._flush_task:
-            self._flush_task = -1
-            self.flush()
+    def end_of_backward(self) -> None:
+        """The backward that deferred the hop ended with no ring to take it: it goes alone."""
+        self.flush()
 
     def abandon(self) -> None:
         """Drop a hop that a backward which raised left behind (called as a forward starts)."""
-        self._pending, self._flush_task = None, -1
+        self._pending = None
 
 
 def _send_alone(hop: DeferredHop) -> None:
@@ -435,9 +431,8 @@ class WaitedWorks:
     Dropping a gloo work frees its transport buffer, whose destructor spins (``sched_yield``) until
     gloo's event-loop thread has let go of the buffer; right after ``wait()`` returns, that thread is
     usually still in the completion it has just signalled. One exchange later it has long let go, so
-    the works are dropped then, with no spin. On 4 ranks sharing 2 cores the spins cost 2.4 ms of
-    system time per exchange, summed over the ranks, and made an exchange take 6× as long
-    (``benchmarks/collective_latency.py`` runs both). The works hold nothing else of note: the
+    the works are dropped then, with no spin (what the spins cost: ``benchmarks/collective_latency.py``,
+    docs/benchmarks.md). The works hold nothing else of note: the
     buffers they read and wrote are the ring's own, or parameters.
     """
 
