@@ -14,8 +14,9 @@ group's first member computed. ``RingInputSplitFunction`` serves a weight stored
 Face's ``Conv1D``), which a ``RingOperand`` meets in ``addmm`` / ``mm`` / ``@`` (``_operand.py``).
 
 Pitfalls:
-- A group's padding rows hold stale bytes of earlier messages: a GEMM over them is used only where
-  their products land in columns never read (forward) or are multiplied by no gradient that is read.
+- A group's padding rows hold stale bytes of earlier messages: the forward's products over them land
+  in columns never read, and the backward runs the input-gradient GEMM over the whole group only
+  when no member is padded (a zero gradient column does not cancel a stale NaN).
 - The first exchange of a forward ring may have been done ahead, by the ring before
   (``_ring_function.first_message``): the weights packed must be the ones it would pack.
 """
