@@ -192,7 +192,7 @@ class RingBuffers:
             return
         freed = False
         for index, buffer in list(self._live()):
-            kept = self._kept_end(index, buffer)
+            kept = self._kept_end(index, buffer) if self._kept else 0
             need = upcoming[index] if kept <= upcoming[index] else kept
             storage = buffer.untyped_storage()
             if 8 * storage.nbytes() > 9 * need:  # more than an eighth to spare

@@ -83,9 +83,9 @@ class RingContext:
         # their backward began.
         self._awaiting_post_backward: dict[int, list] = {}
         self._end_queued: set[int] = set()  # graph tasks whose end-of-backward callback is queued
-        # id(part) -> the graph task at whose end the part (buffers, a ring order, the deferred hop,
-        # the running backward) finishes: the last backward that used it.
-        self._due: dict[int, int] = {}
+        # part -> the graph task at whose end the part (buffers, a ring order, the deferred hop, the
+        # running backward) finishes: the last backward that used it. Keyed by identity.
+        self._due: dict[object, int] = {}
         LIVE_CONTEXTS.add(self)
 
     def begin_forward(self) -> None:
@@ -122,13 +122,13 @@ class RingContext:
         the end of the last backward that used the part (a reentrant checkpoint's nested backward ends
         before the one it runs in)."""
         task = current_graph_task_id()
-        if task != -1 and self._due.get(id(part)) != task:
-            self._due[id(part)] = task
+        if task != -1 and self._due.get(part) != task:
+            self._due[part] = task
             self.queue_end_of_backward()
 
     def _end_if_due(self, part, task: int) -> None:
-        if self._due.get(id(part)) == task:
-            del self._due[id(part)]
+        if self._due.get(part) == task:
+            del self._due[part]
             part.end_of_backward()
 
     def queue_end_of_backward(self) -> None:

@@ -137,7 +137,8 @@ class RingOrder:
 
     def _take(self) -> tuple | None:
         prefetched, self._prefetched = self._prefetched, None
-        self._context.buffers.keep()
+        if prefetched is not None:
+            self._context.buffers.keep()
         return prefetched
 
     def begin(

@@ -95,17 +95,15 @@ def write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     else:
         dst.copy_(a @ b)
 
-def _nothing(shard: int, views: list[torch.Tensor]) -> None:
-    pass
-
-
 class DenseContribution:
     """A contribution that is every element of its shard's gradients (a GEMM): written into a scratch
     buffer while the partial travels, added to the partial when it arrives.
 
     ``write(shard, views)`` writes this rank's contribution to shard ``shard`` of every gradient into
-    ``views``. ``earlier(shard, views)``, given to each step, adds what backwards without
-    synchronisation kept for the shard."""
+    ``views``. ``earlier(shard, views)``, where given, adds what backwards without synchronisation
+    kept for the shard."""
+
+    computes_ahead = True
 
     def __init__(self, write: Callable[[int, list[torch.Tensor]], None]):
         self.write = write
@@ -114,35 +112,44 @@ class DenseContribution:
         """Ask for the scratch buffer (after the message buffers: the order of requests is the pass's)."""
         self._grads, self._scratch = grads, ring.context.buffers.scratch(grads.nbytes, ring.device)
 
-    def _computed(self, shard: int, earlier) -> list[torch.Tensor]:
-        mine = self._grads.views(self._scratch, shard)
-        self.write(shard, mine)
-        earlier(shard, mine)
-        return mine
-
     def add_to(self, shard: int, views: list[torch.Tensor]) -> None:
         """Add the contribution to shard ``shard`` into ``views`` (a local accumulator's)."""
-        for view, part in zip(views, self._computed(shard, _nothing)):
+        mine = self._grads.views(self._scratch, shard)
+        self.write(shard, mine)
+        for view, part in zip(views, mine):
             view.add_(part)
 
     def start(self, shard: int, partials: list[torch.Tensor], earlier) -> None:
         """The first partial: the contribution itself."""
         self.write(shard, partials)
-        earlier(shard, partials)
+        if earlier is not None:
+            earlier(shard, partials)
 
     def ahead(self, shard: int, earlier) -> None:
         """While the partial of ``shard`` travels to this rank: its contribution, into the scratch."""
-        self._computed(shard, earlier)
+        mine = self._grads.views(self._scratch, shard)
+        self.write(shard, mine)
+        if earlier is not None:
+            earlier(shard, mine)
 
-    def arrived(self, shard: int, partials: list[torch.Tensor], earlier) -> None:
-        for partial, mine in zip(partials, self._grads.views(self._scratch, shard)):
-            partial.add_(mine)
+    def arrival(self, ring: Ring, message: Message, first: int, earlier) -> Callable[[int, torch.Tensor], None]:
+        """The ring's ``on_arrival``: add the contribution computed while the partial travelled."""
+        grads, scratch = self._grads, self._scratch
+
+        def arrived(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.partial_shard_at(step)
+            for partial, mine in zip(message.views(buffer, shard, first), grads.views(scratch, shard)):
+                partial.add_(mine)
+
+        return arrived
 
 
 class SparseContribution:
     """A contribution of a few rows (an ``index_add_``): added straight into the partial held, with no
     scratch buffer and no dense addition. ``add(shard, views)`` adds this rank's contribution to shard
     ``shard`` into ``views``."""
+
+    computes_ahead = False
 
     def __init__(self, add: Callable[[int, list[torch.Tensor]], None]):
         self.add = add
@@ -156,14 +163,22 @@ class SparseContribution:
     def start(self, shard: int, partials: list[torch.Tensor], earlier) -> None:
         for partial in partials:
             partial.zero_()
-        self.arrived(shard, partials, earlier)
-
-    def ahead(self, shard: int, earlier) -> None:
-        pass
-
-    def arrived(self, shard: int, partials: list[torch.Tensor], earlier) -> None:
         self.add(shard, partials)
-        earlier(shard, partials)
+        if earlier is not None:
+            earlier(shard, partials)
+
+    def arrival(self, ring: Ring, message: Message, first: int, earlier) -> Callable[[int, torch.Tensor], None]:
+        """The ring's ``on_arrival``: add the contribution into the partial that arrived."""
+        add = self.add
+
+        def arrived(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.partial_shard_at(step)
+            partials = message.views(buffer, shard, first)
+            add(shard, partials)
+            if earlier is not None:
+                earlier(shard, partials)
+
+        return arrived
 
 
 class RingWeights:
@@ -207,7 +222,7 @@ def ring_backward(
             _rotate_weights(layer, weights_only, weights)
         return None
     earlier = [state.take_unsynced(key) for key in grad_keys]
-    return _reduce_on_ring(layer, message, weight_segments, earlier, weights, contribution)
+    return _reduce_on_ring(layer, message, grads, weight_segments, earlier, weights, contribution)
 
 
 def _unsynced_shards(state, grads: Message, totals: list[torch.Tensor | None], shard: int) -> list[torch.Tensor | None]:
@@ -232,17 +247,23 @@ def _rotate_weights(layer: RingLayer, message: Message, weights: RingWeights) ->
     ring.context.buffers.trim()
 
 
-def _reduce_on_ring(layer: RingLayer, message: Message, weight_segments: int, unsynced: list, weights, contribution) -> list[torch.Tensor]:
-    """The weights and the partials round the ring: the partial of shard ``ring.partial_shard_at(k)``
-    is held at step k and reaches its owner after W-1 hops, reduced. ``unsynced``: what backwards
-    without synchronisation kept for each gradient (None where nothing), added on the way."""
+def _reduce_on_ring(layer: RingLayer, message: Message, grads: Message, weight_segments: int, unsynced: list, weights, contribution) -> list[torch.Tensor]:
+    """The weights and the partials (``grads``, segments ``weight_segments:`` of ``message``) round the
+    ring: the partial of shard ``ring.partial_shard_at(k)`` is held at step k and reaches its owner
+    after W-1 hops, reduced. ``unsynced``: what backwards without synchronisation kept for each
+    gradient (None where nothing), added on the way."""
     state, ring = layer.state, layer.state.ring
-    grads = message.tail(weight_segments)
 
-    def earlier(shard: int, views: list[torch.Tensor]) -> None:
+    def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
         for view, total in zip(views, _unsynced_shards(state, grads, unsynced, shard)):
             if total is not None:
                 view.add_(total)
+
+    earlier = None  # nothing kept: no call per step
+    for total in unsynced:
+        if total is not None:
+            earlier = add_unsynced
+    ahead = contribution.computes_ahead
 
     def start(buffer: torch.Tensor) -> None:
         if weight_segments:
@@ -254,13 +275,10 @@ def _reduce_on_ring(layer: RingLayer, message: Message, weight_segments: int, un
         if weight_segments:
             shard = ring.weight_shard_at(step)
             weights.use(shard, message.views(buffer, shard)[:weight_segments])
-        if step + 1 < ring.size:
+        if ahead and step + 1 < ring.size:
             contribution.ahead(ring.partial_shard_at(step + 1), earlier)
 
-    def on_arrival(step: int, buffer: torch.Tensor) -> None:
-        shard = ring.partial_shard_at(step)
-        contribution.arrived(shard, message.views(buffer, shard, weight_segments), earlier)
-
+    on_arrival = contribution.arrival(ring, message, weight_segments, earlier)
     final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival,
                            rider=ring.context.pending_reductions.ring_rider(ring), carry_next=ring.context.backward_order.next_first)
     reduced = finished_gradients(state, message, weight_segments, final)

@@ -562,6 +562,7 @@ class _SubBlockBackward:
         prefetched = ring_begins(ring, Phase.BACKWARD, tag, message, self.weights, self.first_weight)
         self.mine = ring.context.buffers.scratch(self.grads.nbytes, ring.device)
         self.unsynced = [self.state.take_unsynced(key) for key in self.keys]
+        self.has_unsynced = any(total is not None for total in self.unsynced)
         pack = functools.partial(self._pack, message)
         with self.layer.profiled(Phase.BACKWARD):
             if ring.size == 1:
@@ -592,14 +593,16 @@ class _SubBlockBackward:
             rank, message = self.ring.rank, self.message
             own = self.grads.views(self.mine, rank, transposed=self.grads_transposed)
             self.step(rank, message.views(buffer, rank, self.first_weight, self.block.transposed), own, add=False)
-            self._add_unsynced(rank, self.grads.views(self.mine, rank))
+            if self.has_unsynced:
+                self._add_unsynced(rank, self.grads.views(self.mine, rank))
 
     def _partials_arrived(self, hop: int, buffer: torch.Tensor) -> None:
         shard, message = self.ring.weight_shard_at(hop), self.message
         into = message.views(buffer, shard, transposed=self.grads_transposed)[: self.first_weight]
         operands = message.views(buffer, shard, self.first_weight, self.block.transposed)
         self.step(shard, operands, into, add=hop > 1)  # hop 1 starts it
-        self._add_unsynced(shard, message.views(buffer, shard)[: self.first_weight])
+        if self.has_unsynced:
+            self._add_unsynced(shard, message.views(buffer, shard)[: self.first_weight])
 
     def _region(self, hop: int) -> slice:
         return slice(self.weights_start, None) if hop == 0 else slice(None)  # nothing added to a partial yet
