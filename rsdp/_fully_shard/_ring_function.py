@@ -95,6 +95,7 @@ def write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     else:
         dst.copy_(a @ b)
 
+
 class DenseContribution:
     """A contribution that is every element of its shard's gradients (a GEMM): written into a scratch
     buffer while the partial travels, added to the partial when it arrives.
