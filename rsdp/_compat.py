@@ -1,9 +1,16 @@
 """Every torch name rsdp needs that moved between releases or is private, behind one version guard.
 
-rsdp is written against torch's public API (DTensor, DeviceMesh, torch.distributed P2P). Two things are
-not public: the composable-state registry that lets a parent ``fully_shard`` recognise an rsdp module as
-already managed, and FSDP2's state class that its traversal stops at. Both live here so that a torch
-upgrade breaks one file, not the engine.
+rsdp is written against torch's public API (DTensor, DeviceMesh, torch.distributed P2P). What is not
+public lives here, so that a torch upgrade breaks one file, not the engine: the composable-state
+registry that lets a parent ``fully_shard`` recognise an rsdp module as already managed, FSDP2's state
+class that its traversal stops at, the autograd engine's graph-task queries, the tensor-subclass and
+dispatch-mode machinery the ring operand uses, torch's pytree, and a few private functions and ops.
+A name that moved or is missing in some supported release is looked up with a fallback (``try``, or
+``getattr`` with a default) and commented with the releases it covers.
+
+Used in place, not here, as torch's own public code uses them: ``nn.Module``'s ``_parameters`` and
+``_modules`` dicts, a tensor's ``_version`` counter, and an ATen op's ``_schema`` /
+``_overloadpacket`` seen by a ``TorchDispatchMode``.
 """
 
 import contextlib
@@ -49,11 +56,21 @@ except ImportError:
 
 from torch.distributed._composable_state import _get_module_state, _insert_module_state
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.distributed.utils import _apply_to_tensors as apply_to_tensors
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode_stack,
     is_traceable_wrapper_subclass,
 )
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+# A tensor subclass with no storage of its own (``RingOperand``), and ops on it without its
+# ``__torch_function__``.
+make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+
+# Causal flash attention as the planner's FLOP counter sees it (an ATen op with no public name).
+flash_attention_op = torch.ops.aten._scaled_dot_product_flash_attention
 
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` were renamed ``*_single`` (the old names warn).
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -64,8 +81,7 @@ def send_and_receive(group, send: torch.Tensor, to: int, receive: torch.Tensor, 
     """Start sending ``send`` to group rank ``to`` and receiving ``receive`` from group rank ``source``
     as one batch (NCCL runs them as one group, which W=2, where both peers are one rank, needs);
     returns the works. For CPU tensors this is what ``batch_isend_irecv`` does, without its per-call
-    checks and ``P2POp`` objects (on torch's fake process group, 39% of the Python calls of an rsdp
-    step of Llama blocks at W=8)."""
+    checks and ``P2POp`` objects (their share of a step's host time: docs/benchmarks.md)."""
     if send.device.type == "cpu":
         return [group.send([send], to, tag), group.recv([receive], source, tag)]
     return batched_send_and_receive(group, send, to, receive, source, tag)
@@ -83,7 +99,7 @@ def batched_send_and_receive(group, send: torch.Tensor, to: int, receive: torch.
 
 
 def local_of(tensor: DTensor) -> torch.Tensor:
-    """A DTensor's local tensor with no autograd op (``to_local()`` is a differentiable op, ~10 µs)."""
+    """A DTensor's local tensor with no autograd op (``to_local()`` is a differentiable op)."""
     return tensor._local_tensor
 
 
@@ -101,6 +117,9 @@ def sharded_like(local: torch.Tensor, param: DTensor) -> DTensor:
 
 # Refills a tensor autograd saved without bumping its version (FSDP2 refills its unsharded parameters so).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+# A check of a device value that does not wait for the device (a device-side assert on CUDA).
+assert_async = torch._assert_async
 
 
 def flatten_mesh(mesh):
@@ -158,8 +177,8 @@ def profiler_enabled() -> bool:
 
 def gradients_of(output: torch.Tensor, inputs: list[torch.Tensor], grad_output: torch.Tensor) -> tuple:
     """``torch.autograd.grad(output, inputs, grad_output, allow_unused=True)`` as the engine call it makes
-    (private: ``run_backward``), without its argument handling: ~12 µs a call, and a planned
-    sub-block's backward calls it once per shard. ``grad_output`` must match ``output`` in shape and
+    (private: ``run_backward``), without its argument handling, which a planned sub-block's backward
+    would pay once per shard. ``grad_output`` must match ``output`` in shape and
     dtype (``torch.autograd.grad`` checks that)."""
     if not hasattr(_engine, "run_backward"):  # guard: the engine's Python binding changed
         return torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
@@ -242,9 +261,8 @@ def share_fsdp_contexts(states: list) -> bool:
     below it: under an rsdp or replicate root every FSDP unit is a root of its own, with contexts of its
     own. A unit's reduce-scatter input (a copy of its whole unsharded gradient) is released when the
     next unit of the same context reduces, or when the backward ends; with a context per unit each was
-    held to the end of the backward, so every FSDP unit's whole gradient was alive at once (llama3 debug
-    model on 2 ranks, four FSDP blocks under a replicate root: 16.4 MiB more at the end of the backward
-    than under an FSDP root). Shared contexts give FSDP2's one-root behaviour: each reduce-scatter input
+    held to the end of the backward, so every FSDP unit's whole gradient would be alive at once
+    (measured: docs/benchmarks.md). Shared contexts give FSDP2's one-root behaviour: each reduce-scatter input
     is released at the next unit's, one end-of-backward callback finishes every unit, and one forward
     order drives the backward prefetch. Each root initialises the communication context at its first
     forward; the shared one is initialised once, so that a later root does not replace its streams or
@@ -285,11 +303,15 @@ __all__ = [
     "RowwiseParallel",
     "Shard",
     "TorchDispatchMode",
+    "DisableTorchFunctionSubclass",
     "all_gather_flat",
+    "apply_to_tensors",
+    "assert_async",
     "at_end_of_backward",
     "autocast_dtype",
     "current_graph_task_id",
     "flatten_mesh",
+    "flash_attention_op",
     "fully_shard",
     "get_module_state",
     "in_backward",
@@ -301,6 +323,10 @@ __all__ = [
     "sharded_like",
     "gradient_hooks",
     "local_of",
+    "make_wrapper_subclass",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_unflatten",
     "insert_module_state",
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",

@@ -26,9 +26,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
-from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass
+from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 
 def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:

@@ -29,7 +29,8 @@ from ._compat import (
     unwrap_activation_checkpoint,
 )
 from ._fully_shard import RSDPModule, rsdp_shard
-from ._fully_shard._context import rsdp_states_under, share_ring_context
+from ._fully_shard._context import share_ring_context
+from ._fully_shard._state import rsdp_states_under
 
 
 class Strategy(str, enum.Enum):

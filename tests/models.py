@@ -1,17 +1,25 @@
-"""Models and checks the rank-side test functions share."""
+"""Models and checks the rank-side test functions share: TinyLM (GELU blocks), the Llama-shaped
+LlamaLM that ring plans shard, and the training loop every trajectory test compares with."""
 
 import copy
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.checkpoint import checkpoint
 
-from rsdp import release_ring_buffers
-from rsdp._compat import DTensor
+from rsdp import release_ring_buffers, rsdp_shard
+from rsdp._compat import DTensor, fully_shard
 from rsdp.memory import MemoryTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from host_overhead import LLAMA_PLAN as HF_PLAN  # noqa: E402  Hugging Face's, keys from the model's root
 
 
 class Block(nn.Module):
@@ -118,3 +126,152 @@ def training_step_transient(model: nn.Module, loss) -> int:
     with MemoryTracker() as tracker:
         step()
     return tracker.peak_bytes
+
+
+TRAJECTORY_RTOL = 1e-6
+
+
+def shard_lm(model, strategy_per_layer, mesh=None):
+    for layer, strategy in zip(model.layers, strategy_per_layer):
+        if strategy == "rsdp":
+            rsdp_shard(layer, mesh=mesh)
+        else:
+            fully_shard(layer, mesh=mesh or init_device_mesh("cpu", (dist.get_world_size(),)))
+    return model
+
+
+def rsdp_lm(seed, *, mesh=None, **config):
+    """A TinyLM with rsdp_shard on every block and the root, and its fp64 reference."""
+    torch.manual_seed(seed)
+    model = TinyLM(**config).double()
+    reference = twin(model)
+    shard_lm(model, ["rsdp"] * len(model.layers), mesh=mesh)
+    rsdp_shard(model, mesh=mesh)
+    return model, reference
+
+
+def train_and_compare(model, reference, *, steps, rows, seq, micro_batches=1, sync_last_only=False, clip=None, backward=torch.Tensor.backward):
+    """Train both with AdamW on the same global batches; compare losses, gradients and parameters.
+    ``backward(loss)`` runs the sharded model's backwards."""
+    rank, world = rank_and_world()
+    dp_size = world
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    vocab = reference.embed.num_embeddings
+    for step in range(steps):
+        batches = [torch.randint(0, vocab, (world * rows, seq)) for _ in range(micro_batches)]
+        losses = []
+        for index, tokens in enumerate(batches):
+            if sync_last_only:
+                model.set_requires_gradient_sync(index == micro_batches - 1)
+            loss = lm_loss(model(local_rows(tokens, rank, world)), local_rows(tokens, rank, world))
+            backward(loss / micro_batches)
+            losses.append(loss.detach())
+        reference_loss = sum(lm_loss(reference(tokens), tokens) for tokens in batches) / micro_batches
+        reference_loss.backward()
+
+        mean_loss = torch.stack(losses).mean()
+        dist.all_reduce(mean_loss)
+        assert_close(mean_loss / dp_size, reference_loss.detach(), what=f"loss at step {step}", rtol=TRAJECTORY_RTOL)
+        assert_param_grads_match(model, reference, 1.0, rtol=TRAJECTORY_RTOL, atol=1e-9)
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            assert_close(norm.full_tensor(), reference_norm, what="grad norm", rtol=TRAJECTORY_RTOL)
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+    assert_params_match(model, reference, rtol=TRAJECTORY_RTOL, atol=1e-9)
+
+
+# torchtitan's vocabulary, keys from the block.
+TITAN_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with biased q/k/v (Qwen2-style) and a biased o; head counts read from
+    the shapes, as tensor parallelism requires. Returns ``(output, None)`` like Hugging Face's."""
+
+    def __init__(self, dim, heads, kv_heads, head_dim):
+        super().__init__()
+        self.head_dim, self.groups = head_dim, heads // kv_heads
+        self.q_proj = nn.Linear(dim, heads * head_dim)
+        self.k_proj = nn.Linear(dim, kv_heads * head_dim)
+        self.v_proj = nn.Linear(dim, kv_heads * head_dim)
+        self.o_proj = nn.Linear(heads * head_dim, dim)
+
+    def forward(self, x, attention_bias=None):
+        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias)
+        return self.o_proj(out.transpose(1, 2).flatten(2)), None
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    """Llama-shaped block (RMSNorm, causal attention, SwiGLU) whose sub-blocks a ring plan names."""
+
+    def __init__(self, dim, heads, kv_heads, head_dim, hidden):
+        super().__init__()
+        self.input_norm, self.post_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.self_attn = Attention(dim, heads, kv_heads, head_dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        seq = x.shape[1]
+        causal = torch.full((seq, seq), float("-inf"), dtype=x.dtype).triu(1)
+        x = x + self.self_attn(self.input_norm(x), attention_bias=causal)[0]
+        return x + self.mlp(self.post_norm(x))
+
+
+class LlamaLM(nn.Module):
+    def __init__(self, vocab, dim, heads, kv_heads, head_dim, hidden, layers):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, heads, kv_heads, head_dim, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+class ScaledMLP(MLP):
+    """An MLP that does not return its rowwise Linear's output: a ring plan must refuse it."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)  # not the rowwise Linear's own output
+
+
+def planned_llama(model_class=None, mesh=None, vocab=13):
+    """A 2-block fp64 ``LlamaLM`` (or subclass) with heads and hidden units over the shard group,
+    sharded with the Hugging Face ring plan (on ``mesh``, else all ranks), and its single-process twin."""
+    shards = rank_and_world()[1] if mesh is None else mesh.size(mesh.ndim - 1)
+    model = (model_class or LlamaLM)(vocab=vocab, dim=6, heads=2 * shards, kv_heads=shards, head_dim=2, hidden=3 * shards, layers=2)
+    model = model.double()
+    reference = twin(model)
+    for layer in model.layers:
+        rsdp_shard(layer, mesh=mesh, ring_plan=HF_PLAN)
+    rsdp_shard(model, mesh=mesh)
+    return model, reference

@@ -15,11 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import assert_close, full, local_rows, rank_and_world
+from models import HF_PLAN, LlamaLM, assert_close, full, local_rows, rank_and_world
 from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
 from test_operand import GPTLike, loss_of
-from test_sub_block import HF_PLAN, LlamaLM
 
 VOCAB = 29
 

@@ -17,11 +17,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from models import TinyLM, lm_loss, local_rows, rank_and_world, twin
+from models import (
+    LlamaLM,
+    TinyLM,
+    lm_loss,
+    local_rows,
+    planned_llama,
+    rank_and_world,
+    shard_lm,
+    train_and_compare,
+    twin,
+)
 from rsdp import ring_checkpoint_context, rsdp_shard
 from rsdp.memory import CommCounter
-from test_sub_block import LlamaLM, planned_llama
-from test_training import shard_lm, train_and_compare
 
 SAVE_MATMULS = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
 CONTEXTS = {"none": None, "full": None, "ring": ring_checkpoint_context, "sac-mm": SAVE_MATMULS}

@@ -13,9 +13,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
 import rsdp
-from models import TinyLM, assert_close, assert_param_grads_match, rank_and_world, twin
+from models import (
+    LlamaBlock,
+    ScaledMLP,
+    TITAN_PLAN,
+    TinyLM,
+    assert_close,
+    assert_param_grads_match,
+    rank_and_world,
+    rsdp_lm,
+    train_and_compare,
+    twin,
+)
 from rank_pool import RankFailure, RankPool
-from test_sub_block import TITAN_PLAN, Block, ScaledMLP
 from rsdp import Strategy, parallelize, rsdp_shard
 from rsdp._compat import Shard, fully_shard
 
@@ -420,7 +430,7 @@ def error_inside_a_ring_step_case():
     group stays usable and idle (left unwaited, gloo's transport thread spun on the socket, a core
     per rank, and a later collective timed out)."""
     torch.manual_seed(0)
-    block = Block(6, 2, 2, 3, 4)
+    block = LlamaBlock(6, 2, 2, 3, 4)
     block.mlp = ScaledMLP(6, 4)
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     _raises(ValueError, "must return its rowwise Linear's output", lambda: block(torch.randn(1, 3, 6)))
@@ -440,8 +450,6 @@ def hook_raising_after_rsdp_case():
     """A forward hook registered after rsdp's raises: rsdp's post-forward has closed the forward, so
     the error path must not close it again (its model's forwards would count one too few open and the
     next forward would not be an outermost one). Training afterwards stays exact."""
-    from test_training import rsdp_lm, train_and_compare
-
     rank, world = rank_and_world()
     model, reference = rsdp_lm(0, vocab=13, dim=6, heads=2, hidden=9, layers=2)
 

@@ -57,9 +57,9 @@ def test_llama_block_without_a_plan_rotates_at_most_4_rings_per_pass(ranks):
 
 
 def test_benchmark_decoder_layer_needs_no_more_exchanges_than_rtp(ranks):
-    """RTP's code issues 27 sends per decoder layer and step at W=4 (shared/design.md §7); rsdp issued
-    54 sends and 2 collectives before Linears sharing an input were fused and the weights and
-    gradient partials of backward travelled in one message. Counted before any ring is prefetched."""
+    """RTP's code issues 27 sends per decoder layer and step at W=4 (``benchmarks/rtp/``); rsdp needs no
+    more, with Linears sharing an input fused and the weights and gradient partials of backward in
+    one message. Counted before any ring is prefetched."""
     for counts in ranks.run(4, exchanges_case, "benchmark", None, 1):
         total = sum(c["sends"] + c["collectives"] for c in counts.values())
         assert counts["forward"]["sends"] == counts["backward"]["sends"] == 4 * 3, counts  # q+k+v, out, linear1, linear2
@@ -215,22 +215,22 @@ def profile_ranges_case():
     ranges the rings opened in a step without it."""
     from torch.profiler import profile
 
-    from rsdp._fully_shard import _ops
+    from rsdp._fully_shard import _ring_function
 
     torch.manual_seed(0)
     model = TinyLM(vocab=11, dim=8, heads=2, hidden=12, layers=1)
     rsdp_shard(model)
     tokens = torch.randint(0, 11, (2, 3))
     lm_loss(model(tokens), tokens).backward()  # the first step agrees on fusion groups
-    opened, real = [], _ops.record_function
-    _ops.record_function = lambda name: opened.append(name) or real(name)
+    opened, real = [], _ring_function.record_function
+    _ring_function.record_function = lambda name: opened.append(name) or real(name)
     try:
         lm_loss(model(tokens), tokens).backward()
         unprofiled = len(opened)
         with profile() as prof:
             lm_loss(model(tokens), tokens).backward()
     finally:
-        _ops.record_function = real
+        _ring_function.record_function = real
     ranges = sorted({event.name for event in prof.events() if event.name.startswith("rsdp::")})
     return unprofiled, ranges, opened[unprofiled:]
 

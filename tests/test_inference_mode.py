@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from models import assert_close, assert_param_grads_match, assert_params_match, lm_loss, local_rows, rank_and_world
-from test_sub_block import planned_llama
-from test_training import rsdp_lm
+from models import planned_llama, rsdp_lm
 
 
 def eval_then_train_case(planned, order):

@@ -5,10 +5,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import Block, TinyLM, twin
+from models import Block, TinyLM, train_and_compare, twin
 from rsdp import Strategy, parallelize
 from rsdp.policy import name_matches
-from test_training import train_and_compare
 
 
 @pytest.mark.parametrize(

@@ -11,12 +11,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from models import TinyLM, assert_param_grads_match, full, local_rows, lm_loss, rank_and_world, twin
+from models import (
+    HF_PLAN,
+    LlamaBlock,
+    LlamaLM,
+    TinyLM,
+    assert_param_grads_match,
+    full,
+    lm_loss,
+    local_rows,
+    planned_llama,
+    rank_and_world,
+    rsdp_lm,
+    train_and_compare,
+    twin,
+)
 from rsdp import MixedPrecisionPolicy, rsdp_shard
 from rsdp._compat import fully_shard
 from rsdp.memory import CommCounter
-from test_sub_block import HF_PLAN, Block, LlamaLM, planned_llama
-from test_training import rsdp_lm, train_and_compare
 
 
 def forward_order(model):
@@ -260,7 +272,7 @@ class TaperedLlama(LlamaLM):
 
     def __init__(self, world):
         super().__init__(vocab=401, dim=6, heads=2 * world, kv_heads=world, head_dim=2, hidden=world, layers=2)
-        self.layers[1] = Block(6, 2 * world, world, 6, 30 * world)
+        self.layers[1] = LlamaBlock(6, 2 * world, world, 6, 30 * world)
 
 
 def tapered_case():

@@ -1,8 +1,6 @@
 """Ring plans: a whole attention or MLP sub-block rotates as one ring, against the fp64 reference."""
 
 import gc
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,95 +10,32 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.checkpoint import checkpoint
 
-from models import assert_param_grads_match, local_rows, rank_and_world, twin
+from models import (
+    Attention,
+    LlamaBlock,
+    MLP,
+    ScaledMLP,
+    TITAN_PLAN,
+    assert_param_grads_match,
+    local_rows,
+    planned_llama,
+    rank_and_world,
+    train_and_compare,
+    twin,
+)
 from rsdp import rsdp_shard
 from rsdp._compat import in_backward
 from rsdp.memory import CommCounter, MemoryTracker
 from test_ring_ops import check_against_reference
-from test_training import train_and_compare
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from host_overhead import LLAMA_PLAN as HF_PLAN  # noqa: E402  Hugging Face's, keys from the model's root
-
-# torchtitan's vocabulary, keys from the block.
-TITAN_PLAN = {
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(),
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(),
-}
-
-
-class Attention(nn.Module):
-    """Grouped-query attention with biased q/k/v (Qwen2-style) and a biased o; head counts read from
-    the shapes, as tensor parallelism requires. Returns ``(output, None)`` like Hugging Face's."""
-
-    def __init__(self, dim, heads, kv_heads, head_dim):
-        super().__init__()
-        self.head_dim, self.groups = head_dim, heads // kv_heads
-        self.q_proj = nn.Linear(dim, heads * head_dim)
-        self.k_proj = nn.Linear(dim, kv_heads * head_dim)
-        self.v_proj = nn.Linear(dim, kv_heads * head_dim)
-        self.o_proj = nn.Linear(heads * head_dim, dim)
-
-    def forward(self, x, attention_bias=None):
-        q, k, v = (p(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias)
-        return self.o_proj(out.transpose(1, 2).flatten(2)), None
-
-
-class MLP(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, dim, heads, kv_heads, head_dim, hidden):
-        super().__init__()
-        self.input_norm, self.post_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.self_attn = Attention(dim, heads, kv_heads, head_dim)
-        self.mlp = MLP(dim, hidden)
-
-    def forward(self, x):
-        seq = x.shape[1]
-        causal = torch.full((seq, seq), float("-inf"), dtype=x.dtype).triu(1)
-        x = x + self.self_attn(self.input_norm(x), attention_bias=causal)[0]
-        return x + self.mlp(self.post_norm(x))
-
-
-class LlamaLM(nn.Module):
-    def __init__(self, vocab, dim, heads, kv_heads, head_dim, hidden, layers):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, head_dim, hidden) for _ in range(layers))
-        self.norm = nn.RMSNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.norm(x))
-
 
 def block_case(seed, kv_heads, head_dim, hidden_per_rank, rows):
     torch.manual_seed(seed)
     _, world = rank_and_world()
     heads = 2 * world
     dim = 5  # the model width need not divide: only the planned features must
-    block = Block(dim, heads, kv_heads * world, head_dim, hidden_per_rank * world).double()
+    block = LlamaBlock(dim, heads, kv_heads * world, head_dim, hidden_per_rank * world).double()
     reference = twin(block)
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     assert type(block.self_attn).__qualname__.startswith("RingSub")
@@ -117,19 +52,6 @@ def block_case(seed, kv_heads, head_dim, hidden_per_rank, rows):
        hidden_per_rank=st.integers(1, 3), rows=st.integers(1, 2))
 def test_planned_block_matches_reference(ranks, world, kv_heads, head_dim, hidden_per_rank, rows):
     ranks.run(world, block_case, 20, kv_heads, head_dim, hidden_per_rank, rows)
-
-
-def planned_llama(model_class=None, mesh=None, vocab=13):
-    """A 2-block fp64 ``LlamaLM`` (or subclass) with heads and hidden units over the shard group,
-    sharded with the Hugging Face ring plan (on ``mesh``, else all ranks), and its single-process twin."""
-    shards = rank_and_world()[1] if mesh is None else mesh.size(mesh.ndim - 1)
-    model = (model_class or LlamaLM)(vocab=vocab, dim=6, heads=2 * shards, kv_heads=shards, head_dim=2, hidden=3 * shards, layers=2)
-    model = model.double()
-    reference = twin(model)
-    for layer in model.layers:
-        rsdp_shard(layer, mesh=mesh, ring_plan=HF_PLAN)
-    rsdp_shard(model, mesh=mesh)
-    return model, reference
 
 
 def lm_case(seed, sync_last_only):
@@ -159,7 +81,7 @@ def test_planned_lm_trajectory_under_hsdp(ranks):
 def exchanges_case():
     torch.manual_seed(0)
     _, world = rank_and_world()
-    block = Block(16, 8, 4, 2, 24)
+    block = LlamaBlock(16, 8, 4, 2, 24)
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     x = torch.randn(2, 5, 16, requires_grad=True)
     for _ in range(2):  # the first learns the order of the rings, the second the ring buffers' sizes
@@ -190,7 +112,7 @@ def separate_groups_case(same_group):
     own: gradients against the reference, then one backward's sends."""
     torch.manual_seed(4)
     _, world = rank_and_world()
-    model = nn.Sequential(*(Block(5, 2 * world, world, 2, 3 * world) for _ in range(2))).double()
+    model = nn.Sequential(*(LlamaBlock(5, 2 * world, world, 2, 3 * world) for _ in range(2))).double()
     reference = twin(model)
     first = init_device_mesh("cpu", (world,))
     second = first if same_group else DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
@@ -224,7 +146,7 @@ class CountedMLP(MLP):
         return super().forward(x)
 
 
-class CheckpointedBlock(Block):
+class CheckpointedBlock(LlamaBlock):
     def __init__(self, *args, checkpointing):
         super().__init__(*args)
         self.checkpointing = checkpointing
@@ -315,7 +237,7 @@ def discarded_forwards_case():
     """Bytes held after each of 4 forwards whose outputs were dropped without a backward, and while
     an output is alive."""
     torch.manual_seed(0)
-    block = Block(16, 8, 4, 2, 24)
+    block = LlamaBlock(16, 8, 4, 2, 24)
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     x = torch.randn(2, 5, 16, requires_grad=True)
     gc.disable()  # what reference counting frees, not what a collection would find later
@@ -344,7 +266,7 @@ def test_a_forward_without_backward_leaves_no_kept_graph_behind(ranks):
 
 
 def uneven_case():
-    block = Block(6, 3, 3, 2, 9)  # 3 heads over 2 ranks
+    block = LlamaBlock(6, 3, 3, 2, 9)  # 3 heads over 2 ranks
     with pytest.raises(ValueError, match="must divide by the 2 ranks"):
         rsdp_shard(block, ring_plan=TITAN_PLAN)
 
@@ -361,20 +283,15 @@ class NormedAttention(Attention):
         self.q_norm = nn.RMSNorm(self.head_dim)
 
 
-class ScaledMLP(MLP):
-    def forward(self, x):
-        return 2 * super().forward(x)  # not the rowwise Linear's own output
-
-
 def misuse_case():
-    block = Block(6, 2, 2, 3, 4)
+    block = LlamaBlock(6, 2, 2, 3, 4)
     block.self_attn = NormedAttention(6, 2, 2, 3)
     with pytest.raises(ValueError, match=r"holds parameters or Linears besides its plan's \(\['q_norm.weight'\]\)"):
         rsdp_shard(block, ring_plan=TITAN_PLAN)
     with pytest.raises(ValueError, match="rowwise Linear 'mlp.down_proj' but no colwise sibling"):
-        rsdp_shard(Block(6, 2, 2, 3, 4), ring_plan={"mlp.down_proj": "rowwise"})
+        rsdp_shard(LlamaBlock(6, 2, 2, 3, 4), ring_plan={"mlp.down_proj": "rowwise"})
 
-    block = Block(6, 2, 2, 3, 4)
+    block = LlamaBlock(6, 2, 2, 3, 4)
     block.mlp = ScaledMLP(6, 4)
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     with pytest.raises(ValueError, match="must return its rowwise Linear's output"):
@@ -386,7 +303,7 @@ def misuse_case():
         block.mlp.down_proj(torch.randn(1, 4))
 
     # Forward hooks on a planned Linear run at every step, around its product with the shard held.
-    block = Block(6, 2, 2, 3, 4)
+    block = LlamaBlock(6, 2, 2, 3, 4)
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     features = []
     block.mlp.up_proj.register_forward_hook(lambda module, args, output: features.append(output.shape[-1]))

@@ -11,74 +11,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from models import (
     TinyLM,
     assert_close,
-    full,
     assert_param_grads_match,
-    assert_params_match,
-    local_rows,
+    full,
     lm_loss,
+    local_rows,
     rank_and_world,
+    rsdp_lm,
+    shard_lm,
+    train_and_compare,
     twin,
 )
 from rsdp import MixedPrecisionPolicy, rsdp_shard
 from rsdp.memory import CommCounter
 from rsdp._compat import fully_shard
-
-TRAJECTORY_RTOL = 1e-6
-
-
-def shard_lm(model, strategy_per_layer, mesh=None):
-    for layer, strategy in zip(model.layers, strategy_per_layer):
-        if strategy == "rsdp":
-            rsdp_shard(layer, mesh=mesh)
-        else:
-            fully_shard(layer, mesh=mesh or init_device_mesh("cpu", (dist.get_world_size(),)))
-    return model
-
-
-def rsdp_lm(seed, *, mesh=None, **config):
-    """A TinyLM with rsdp_shard on every block and the root, and its fp64 reference."""
-    torch.manual_seed(seed)
-    model = TinyLM(**config).double()
-    reference = twin(model)
-    shard_lm(model, ["rsdp"] * len(model.layers), mesh=mesh)
-    rsdp_shard(model, mesh=mesh)
-    return model, reference
-
-
-def train_and_compare(model, reference, *, steps, rows, seq, micro_batches=1, sync_last_only=False, clip=None, backward=torch.Tensor.backward):
-    """Train both with AdamW on the same global batches; compare losses, gradients and parameters.
-    ``backward(loss)`` runs the sharded model's backwards."""
-    rank, world = rank_and_world()
-    dp_size = world
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    vocab = reference.embed.num_embeddings
-    for step in range(steps):
-        batches = [torch.randint(0, vocab, (world * rows, seq)) for _ in range(micro_batches)]
-        losses = []
-        for index, tokens in enumerate(batches):
-            if sync_last_only:
-                model.set_requires_gradient_sync(index == micro_batches - 1)
-            loss = lm_loss(model(local_rows(tokens, rank, world)), local_rows(tokens, rank, world))
-            backward(loss / micro_batches)
-            losses.append(loss.detach())
-        reference_loss = sum(lm_loss(reference(tokens), tokens) for tokens in batches) / micro_batches
-        reference_loss.backward()
-
-        mean_loss = torch.stack(losses).mean()
-        dist.all_reduce(mean_loss)
-        assert_close(mean_loss / dp_size, reference_loss.detach(), what=f"loss at step {step}", rtol=TRAJECTORY_RTOL)
-        assert_param_grads_match(model, reference, 1.0, rtol=TRAJECTORY_RTOL, atol=1e-9)
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-            assert_close(norm.full_tensor(), reference_norm, what="grad norm", rtol=TRAJECTORY_RTOL)
-        optimizer.step()
-        reference_optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.zero_grad()
-    assert_params_match(model, reference, rtol=TRAJECTORY_RTOL, atol=1e-9)
-
 
 def lm_training_case(seed, layers, dim, vocab, strategies, checkpointing=False, checkpoint_wrapped=False, final_norm=True, **train):
     torch.manual_seed(seed)

@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from models import assert_close, assert_param_grads_match, assert_params_match, lm_loss, local_rows, rank_and_world
+from models import planned_llama, rsdp_lm
 from rsdp.memory import CommCounter
-from test_sub_block import planned_llama
-from test_training import rsdp_lm
 
 
 def build(planned, seed):

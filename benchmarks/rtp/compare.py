@@ -38,7 +38,7 @@ DEFAULT_CONFIG = {
     "max_batch": 10,
     "warmup": 2,
 }
-# The regime of fine-tuning at small per-GPU batches (docs/benchmarks.md: "compare.py --preset small").
+# The regime of fine-tuning at small per-GPU batches (docs/benchmarks.md, "Small per-GPU batches").
 PRESETS = {
     "default": {},
     "small": {"vocab_size": 2004, "ninp": 128, "nhid": 256, "nhead": 4, "seq_len": 16, "batch_size": 1, "max_batch": 20, "warmup": 3},

@@ -16,11 +16,13 @@ from .._compat import (
     insert_module_state,
     unwrap_activation_checkpoint,
 )
-from ._ops import RingLayer, ring_mixin_for
+from ._embedding import RingEmbedding
+from ._linear import RingLinear
 from ._param import placements_for, shard_parameter
-from ._context import rsdp_states_under, share_ring_context
+from ._context import share_ring_context
 from ._ring import new_layer_tags
-from ._state import RSDPState
+from ._ring_function import RingLayer
+from ._state import RSDPState, rsdp_states_under
 from ._sub_block import RingSubBlock, plan_sub_blocks
 
 # Original parameter -> the DTensor parameter that replaced it, so a parameter tied across two
@@ -389,3 +391,30 @@ def _qualified_name(module: nn.Module) -> str:
 
 
 _swapped_classes: dict[tuple[type, type], type] = {}
+
+
+def ring_mixin_for(module: nn.Module, parent: nn.Module | None) -> type | None:
+    """The ring class for ``module`` if it is a Linear or Embedding whose forward is the stock one and
+    whose weight is only used through that forward."""
+    if isinstance(parent, nn.MultiheadAttention):
+        return None  # it passes out_proj.weight to F.multi_head_attention_forward itself
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return RingLinear
+    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
+        unsupported = [
+            option
+            for option, value in (
+                ("max_norm", module.max_norm is not None),
+                ("scale_grad_by_freq", module.scale_grad_by_freq),
+                ("sparse", module.sparse),
+            )
+            if value
+        ]
+        if unsupported:
+            raise ValueError(
+                f"rsdp_shard: nn.Embedding with {', '.join(unsupported)} cannot rotate on the ring "
+                "(these options need the whole table or global index counts). Drop the option, or "
+                "shard this embedding with torch's fully_shard instead."
+            )
+        return RingEmbedding
+    return None

@@ -34,8 +34,9 @@ which finishes, in this order:
 5. the backward ring order (recorded as the next backward's prediction; an unused prefetch dropped);
 6. the ring buffers (freed; their sizes recorded for the next backward).
 
-Each step acts only if that part was used in the backward ending (a reentrant checkpoint's nested
-backward finishes what it used, as before). Later steps consume what earlier ones produce (1 queues
+Each step acts only if that part was used in the backward ending: a part says so with
+``end_with_backward``, and is finished at the end of the last backward that used it (a reentrant
+checkpoint's nested backward finishes what it used). Later steps consume what earlier ones produce (1 queues
 for 3, 2 and 3 hand gradients to 4), so no step queues another callback.
 
 Pitfalls:
@@ -50,17 +51,16 @@ Pitfalls:
 import functools
 import weakref
 
-import torch.nn as nn
-
-from .._compat import at_end_of_backward, current_graph_task_id, get_module_state
+from .._compat import at_end_of_backward, current_graph_task_id
 from ._collectives import PendingGathers, PendingReductions
 from ._grad import RunningBackward
 from ._prefetch import RingOrder
-from ._ring import DeferredHops, RingBuffers, WaitedWorks
+from ._buffers import RingBuffers
+from ._ring import DeferredHops, WaitedWorks
 
 # Every context alive, for ``release_ring_buffers()`` without a module; weak, so a model's context
 # goes with it. With ``rootless_context``'s one context, the engine's only module-level state.
-_LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()
+LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()
 
 
 class RingContext:
@@ -83,7 +83,10 @@ class RingContext:
         # their backward began.
         self._awaiting_post_backward: dict[int, list] = {}
         self._end_queued: set[int] = set()  # graph tasks whose end-of-backward callback is queued
-        _LIVE_CONTEXTS.add(self)
+        # part -> the graph task at whose end the part (buffers, a ring order, the deferred hop, the
+        # running backward) finishes: the last backward that used it. Keyed by identity.
+        self._due: dict[object, int] = {}
+        LIVE_CONTEXTS.add(self)
 
     def begin_forward(self) -> None:
         """An outermost forward starts: drop what a pass that raised left behind, count the pass."""
@@ -105,6 +108,7 @@ class RingContext:
         self.backward_order.abandon()
         self._awaiting_post_backward.clear()
         self._end_queued.clear()
+        self._due.clear()
 
     def await_post_backward(self, state) -> None:
         """``state``'s module began its backward: finish it at the end of this backward unless its
@@ -112,6 +116,20 @@ class RingContext:
         task = current_graph_task_id()
         self._awaiting_post_backward.setdefault(task, []).append(state)
         self.queue_end_of_backward()
+
+    def end_with_backward(self, part) -> None:
+        """Have ``part.end_of_backward()`` run when the backward now running ends: once, and only at
+        the end of the last backward that used the part (a reentrant checkpoint's nested backward ends
+        before the one it runs in)."""
+        task = current_graph_task_id()
+        if task != -1 and self._due.get(part) != task:
+            self._due[part] = task
+            self.queue_end_of_backward()
+
+    def _end_if_due(self, part, task: int) -> None:
+        if self._due.get(part) == task:
+            del self._due[part]
+            part.end_of_backward()
 
     def queue_end_of_backward(self) -> None:
         """Finish the backward now running at its end (one callback per backward and context)."""
@@ -124,11 +142,11 @@ class RingContext:
         # The steps may ask for the end again (a reduction hands gradients on): already under way.
         for state in self._awaiting_post_backward.pop(task, []):
             state.post_backward()
-        self.deferred_hops.end_of_backward(task)
+        self._end_if_due(self.deferred_hops, task)
         self.pending_reductions.end_of_backward(task)
-        self.running_backward.end_of_backward(task)
-        self.backward_order.end_of_backward(task)
-        self.buffers.end_of_backward(task)
+        self._end_if_due(self.running_backward, task)
+        self._end_if_due(self.backward_order, task)
+        self._end_if_due(self.buffers, task)
         self._end_queued.discard(task)
 
 
@@ -137,10 +155,6 @@ def rootless_context() -> RingContext:
     """The context of the rsdp modules of this process that no rsdp root (nor ``parallelize``) has
     given one of their own (see the module docstring)."""
     return RingContext()
-
-
-def context_of(state) -> RingContext:
-    return state.ring.context
 
 
 def share_ring_context(states: list) -> None:
@@ -152,24 +166,3 @@ def share_ring_context(states: list) -> None:
         if state.gathered is not None:
             state.gathered.gathered_in_pass = -1  # counted in its old context's passes
         state.ring.context = context
-
-
-def rsdp_states_under(module: nn.Module) -> list:
-    from ._state import RSDPState  # the states use the context: imported at call time
-
-    return [state for state in (get_module_state(m) for m in module.modules()) if isinstance(state, RSDPState)]
-
-
-def release_ring_buffers(module: nn.Module | None = None) -> int:
-    """Free the ring's message buffers of ``module``'s model (of every model when ``None``); the next
-    ring step allocates them again, at the size they had. Returns the bytes they held. Useful before
-    measuring memory, or to hand their memory to something else for a while."""
-    if module is None:
-        contexts = list(_LIVE_CONTEXTS)
-    else:
-        contexts = list({id(context_of(state)): context_of(state) for state in rsdp_states_under(module)}.values())
-    nbytes = 0
-    for context in contexts:
-        nbytes += context.buffers.nbytes
-        context.buffers.release()
-    return nbytes

@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._compat import in_backward, saved_tensors_hooks_active
-from ._ops import RingLayer, run_linear_group
+from ._linear import run_linear_group
+from ._ring_function import RingLayer
 
 
 class SharedInputFusion:

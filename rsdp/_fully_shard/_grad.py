@@ -2,8 +2,8 @@
 
 A ring function computes with the local shard of a ``Shard(0)`` (or ``Shard(1)``) DTensor parameter and
 returns that shard's reduced gradient. It does not take the shard through ``param.to_local()``: that is a
-differentiable op, ~10 µs a call, whose backward wraps every gradient in a new DTensor through
-``DTensor.from_local`` (together a fifth of an rsdp step's host time on torch's fake process group).
+differentiable op whose backward wraps every gradient in a new DTensor through ``DTensor.from_local``,
+host time spent on every ring call (docs/benchmarks.md).
 It takes a *gradient leaf* instead: a detached alias of the local shard (same storage and version
 counter, so the optimizer's in-place updates are seen and autograd's saved-tensor checks still hold)
 that requires grad when the parameter does. Autograd accumulates into the leaf; a hook after each
@@ -150,13 +150,12 @@ class RunningBackward:
 
     def __init__(self, context):
         self._context = context
-        self.end_task: int | None = None  # the backward whose end is due to flush
         self.pending: dict[int, RingGradients] = {}
         self.in_flight: list[tuple] = []
 
     def holds(self, gradients: RingGradients) -> None:
         self.pending.setdefault(id(gradients), gradients)
-        self._queue_end()
+        self._context.end_with_backward(self)
 
     def flushed(self, gradients: RingGradients) -> None:
         self.pending.pop(id(gradients), None)
@@ -167,7 +166,7 @@ class RunningBackward:
             _finish(flat, parts)
             return
         self.in_flight.append((dist.all_reduce(flat, group=group, async_op=True), flat, parts))
-        self._queue_end()
+        self._context.end_with_backward(self)
 
     def finish_all_reduces(self) -> None:
         while self.in_flight:
@@ -175,22 +174,10 @@ class RunningBackward:
             work.wait()
             _finish(flat, parts)
 
-    def _queue_end(self) -> None:
-        # Per backward: a reentrant checkpoint's nested backward ends before the one it runs in.
-        task = current_graph_task_id()
-        if task != -1 and task != self.end_task:
-            self.end_task = task
-            self._context.queue_end_of_backward()
-
-    def end_of_backward(self, task: int) -> None:
-        if task == self.end_task:
-            self._end()
-
-    def _end(self) -> None:
+    def end_of_backward(self) -> None:
         """Flush the states whose module ran no post-backward (its inputs needed no gradient, or it has
         no hooks to run one) and finish the all-reduces: step 4 of ``RingContext``'s end of backward,
         after the steps that hand it gradients."""
-        self.end_task = None
         for gradients in list(self.pending.values()):
             gradients.flush()
         self.finish_all_reduces()
@@ -205,5 +192,4 @@ class RunningBackward:
         for work, _, _ in self.in_flight:
             work.wait()  # unwaited, gloo would match a later message to it
         self.in_flight.clear()
-        self.end_task = None
 

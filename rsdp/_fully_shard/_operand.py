@@ -6,9 +6,9 @@ sharded parameter, with no data of its own. Its ``__torch_function__`` runs the 
 ring form consumes it, whatever the module's class:
 
 - ``F.linear(x, w, b)`` and ``x @ w.t()`` (``w`` stored ``[out, in]``, rows split): the Linear ring,
-  output columns concatenated (``_ops.py``);
+  output columns concatenated (``_linear.py``);
 - ``torch.addmm(b, x, w)``, ``x @ w``, ``torch.mm`` / ``torch.matmul`` (``w`` stored ``[in, out]``, rows
-  split: Hugging Face's ``Conv1D``): the input-split ring below, partial products summed;
+  split: Hugging Face's ``Conv1D``): the input-split ring (``_linear.py``), partial products summed;
 - ``F.embedding(i, w)``: the Embedding ring;
 - ``w.t()`` / ``w.T`` / ``w.transpose(0, 1)`` give a transposed operand, ``w.to_local()`` the operand itself
   (torchtitan's Embedding calls ``F.embedding`` on ``weight.to_local()``).
@@ -52,20 +52,11 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from .._compat import all_gather_flat, reduce_scatter_flat
-from ._checkpoint import kept_or_run
-from ._ops import (
-    LinearMember,
-    RingLayer,
-    _RingEmbeddingFunction,
-    _RingLinearFunction,
-    _ring_backward,
-    _write_product,
-    autocast_like,
-    first_message,
-)
-from ._param import Segment, shard_layout
-from ._ring import Phase
+from .._compat import DisableTorchFunctionSubclass, all_gather_flat, make_wrapper_subclass, reduce_scatter_flat
+from ._embedding import RingEmbeddingFunction
+from ._linear import LinearMember, RingInputSplitFunction, RingLinearFunction
+from ._param import shard_layout
+from ._ring_function import RingLayer, autocast_like
 
 _warned: set[tuple[int, str]] = set()
 
@@ -81,7 +72,7 @@ class RingOperand(torch.Tensor):
     @staticmethod
     def __new__(cls, sharded_param, layer: RingLayer, transposed: bool = False):
         shape = sharded_param.shape if not transposed else sharded_param.shape[::-1]
-        operand = torch.Tensor._make_wrapper_subclass(
+        operand = make_wrapper_subclass(
             cls,
             shape,
             dtype=sharded_param.dtype,
@@ -93,7 +84,7 @@ class RingOperand(torch.Tensor):
             # Code that hands the operand itself to autograd (its own autograd.Function, as fused
             # linear-cross-entropy losses do) makes it a leaf of that graph: its full gradient lands here.
             # (Also when made under no_grad: a module's operand is made once and kept.)
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 operand.register_post_accumulate_grad_hook(_reduce_to_shard)
         return operand
 
@@ -117,7 +108,7 @@ class RingOperand(torch.Tensor):
             if result is not NotImplemented:
                 return result
         if func in _METADATA or getattr(func, "__name__", "") in _METADATA_NAMES:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         return _on_full_weights(func, args, kwargs)
 
@@ -166,7 +157,7 @@ def _reduce_to_shard(operand: RingOperand) -> None:
     Function), reduce-scattered to the shard's owners and handed to the parameter like a ring function's.
     The hook runs on every rank even where the Function returned no gradient (a zero then takes part),
     so no rank is left waiting in the collective."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         grad, operand.grad = operand.grad, None
         shape = operand.shape
     if grad is None:
@@ -238,74 +229,6 @@ class _GatherShards(torch.autograd.Function):
         return _reduce_full_gradient(ctx.state, ctx.layout, grad, ctx.local_dtype), None, None
 
 
-class _RingInputSplitFunction(torch.autograd.Function):
-    """``y = x W`` for ``W`` stored ``[in, out]`` with its rows (input features) split over the ring: each
-    step adds ``x[:, rows of shard s] W_s``; backward writes ``dy W_s^T`` into the input gradient's
-    columns of shard s and sends ``x[:, rows of s]^T dy`` on to its owner."""
-
-    @staticmethod
-    def forward(ctx, x, layer: RingLayer, full_shape: tuple[int, int], weight):
-        state, ring = layer.state, layer.state.ring
-        in_features, out_features = full_shape
-        dtype = state.matmul_dtype(weight.dtype)
-        layout = shard_layout(in_features, ring.size)
-        message = ring.context.buffers.message_of((Segment(layout, weight.shape[1:], dtype),))
-        x2d = x.reshape(-1, in_features).to(dtype)
-
-        def rotate() -> tuple[torch.Tensor]:
-            out = x2d.new_zeros(x2d.shape[0], out_features)
-
-            def during(step: int, buffer: torch.Tensor) -> None:
-                shard = ring.weight_shard_at(step)
-                if layout.rows_of(shard):
-                    out.addmm_(x2d[:, layout.row_slice(shard)], message.views(buffer, shard)[0])
-
-            start = first_message(layer, message, [weight])
-            with layer.profiled(Phase.FORWARD):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
-                               carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
-            return (out,)
-
-        (out,) = kept_or_run(layer, rotate)
-        ctx.save_for_backward(x2d, weight)
-        ctx.layer, ctx.full_shape, ctx.x_shape, ctx.x_dtype, ctx.dtype = layer, full_shape, x.shape, x.dtype, dtype
-        return out.view(*x.shape[:-1], out_features)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        x2d, weight = ctx.saved_tensors
-        layer = ctx.layer
-        state, ring = layer.state, layer.state.ring
-        in_features, out_features = ctx.full_shape
-        dtype = ctx.dtype
-        layout = shard_layout(in_features, ring.size)
-        need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
-        dy = grad_out.reshape(-1, out_features).to(dtype)
-        weight_segments = [Segment(layout, weight.shape[1:], dtype)] if need_x else []
-        grad_segments = [Segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
-        message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
-        grad_x = torch.zeros_like(x2d) if need_x else None
-
-        def pack_weights(views: list[torch.Tensor]) -> None:
-            views[0].copy_(weight)
-
-        def use_weights(shard: int, views: list[torch.Tensor]) -> None:
-            if layout.rows_of(shard):
-                grad_x[:, layout.row_slice(shard)].addmm_(dy, views[0].t())
-
-        def contribute(shard: int, views: list[torch.Tensor]) -> None:
-            _write_product(views[0], x2d[:, layout.row_slice(shard)].t(), dy)
-
-        with layer.profiled(Phase.BACKWARD):
-            keys = [(id(layer), "weight")] if need_weight else []
-            reduced = _ring_backward(layer, message, len(weight_segments), keys, pack_weights, use_weights, contribute)
-        grad_weight = None if reduced is None else reduced[0].to(weight.dtype)
-        if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        return grad_x, None, None, grad_weight
-
-
 def _check_input(x, operand: RingOperand, features: int) -> None:
     # Checked before the ring starts: a rank that failed half-way through a ring step would leave its
     # peers waiting for the process group's timeout.
@@ -335,9 +258,9 @@ def _product(x, operand: RingOperand, transposed: bool) -> torch.Tensor:
     _check_input(x, operand, stored[1] if transposed else stored[0])
     if transposed:  # stored [out, in]: a Linear's weight
         member = LinearMember(stored[0], id(operand.layer))
-        return _RingLinearFunction.apply(x, operand.layer, (member,), operand.local(), None)[0]
+        return RingLinearFunction.apply(x, operand.layer, (member,), operand.local(), None)[0]
     # stored [in, out]: Conv1D
-    return _RingInputSplitFunction.apply(x, operand.layer, tuple(stored), operand.local())
+    return RingInputSplitFunction.apply(x, operand.layer, tuple(stored), operand.local())
 
 
 def _plain(tensor):
@@ -351,7 +274,7 @@ def _linear(input, weight, bias=None):
         # A stock Linear's weight and bias read by other code: they rotate together.
         _check_input(input, weight, weight.shape[1])
         member = LinearMember(weight.shape[0], id(weight.layer))
-        return _RingLinearFunction.apply(input, weight.layer, (member,), weight.local(), bias.local())[0]
+        return RingLinearFunction.apply(input, weight.layer, (member,), weight.local(), bias.local())[0]
     if isinstance(input, RingOperand):
         return NotImplemented
     out = _product(input, weight, not weight.transposed)
@@ -385,7 +308,7 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
         raise TypeError(f"rsdp {weight.layer.name}: indices must be int32 or int64, got {input.dtype}")
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]
-    return _RingEmbeddingFunction.apply(input, weight.local(), weight.layer, weight.shape[0], padding_idx)
+    return RingEmbeddingFunction.apply(input, weight.local(), weight.layer, weight.shape[0], padding_idx)
 
 
 def _like(factory):

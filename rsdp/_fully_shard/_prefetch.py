@@ -54,8 +54,8 @@ import math
 
 import torch
 
-from .._compat import current_graph_task_id, in_backward, in_selective_checkpoint
-from ._param import Message
+from .._compat import in_backward, in_selective_checkpoint
+from ._wire import Message
 from ._ring import Phase, Prefetched, Ring
 
 
@@ -128,17 +128,17 @@ class RingOrder:
         self._prefetched: tuple[int, tuple, Prefetched] | None = None  # (tag, signature, exchange)
         self._largest = self._largest_previous = 0  # the largest message of the pass, of the previous one
         self._forget = False
-        self._pass_task = -1  # backward: the backward whose rings this pass records
         self.used = 0  # prefetched exchanges that their ring took (tests count them)
 
     def arrived(self, tag: int, signature: tuple, exchange: Prefetched) -> None:
         """The first exchange of the ring expected next is done (``_NextFirstMessage.alight``)."""
         self._prefetched = (tag, signature, exchange)
-        self._context.buffers.prefetched = exchange
+        self._context.buffers.keep(exchange.sent, exchange.received)
 
     def _take(self) -> tuple | None:
         prefetched, self._prefetched = self._prefetched, None
-        self._context.buffers.prefetched = None
+        if prefetched is not None:
+            self._context.buffers.keep()
         return prefetched
 
     def begin(
@@ -148,7 +148,7 @@ class RingOrder:
         which its first exchange sends, or None when that cannot be prefetched. Returns its first
         exchange if the ring before did it, or None (then it makes its own)."""
         if self.backward:
-            self._end_with_backward()
+            self._context.end_with_backward(self)
         if not self._this_pass:
             self._previous_pass, self._largest_previous = self._predictions.get(tag, ([], 0))
             self._context.buffers.begin_pass(self.backward, tag)
@@ -212,19 +212,11 @@ class RingOrder:
         """Drop what a pass that raised left (called as a forward starts): its end never came."""
         if self._this_pass or self._prefetched is not None:
             self._take()
-            self._this_pass, self._forget, self._pass_task, self._largest = [], False, -1, 0
+            self._this_pass, self._forget, self._largest = [], False, 0
 
-    def _end_with_backward(self) -> None:
-        """Queue the end of this backward pass at the end of the backward now running (once)."""
-        task = current_graph_task_id()
-        if task != self._pass_task:
-            self._pass_task = task
-            self._context.queue_end_of_backward()
-
-    def end_of_backward(self, task: int) -> None:
-        if task == self._pass_task:
-            self._pass_task = -1
-            self.end_pass()
+    def end_of_backward(self) -> None:
+        """The backward whose rings this pass records ended."""
+        self.end_pass()
 
 
 

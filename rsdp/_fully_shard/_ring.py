@@ -23,20 +23,10 @@ same neighbour behind its message: the next ring's first message (a forward ring
 sub-block's backward weights) rides a ring's last exchange (``_prefetch.py``), and the last hop of a
 planned sub-block's partials an early exchange of the next ring (``_Boarding``).
 
-Messages live in byte buffers shared by every ring of one model (``RingBuffers``, owned by the
-model's ``RingContext``: two ping-pong message buffers and a scratch, given memory once per pass and
-then reused), so a ring step allocates nothing; on CUDA this also keeps NCCL's stream from pinning a
-freed block per step in the caching allocator. They live for one pass, not longer: freed when the outermost rsdp module's forward
-returns and when the backward ends, so they never add to the loss computation's or the optimizer
-step's peak. ``release_ring_buffers()`` frees them at any other time.
+Messages live in the ring buffers of the model's ``RingContext`` (``_buffers.py``); ``circulate``
+asks for them at the size of its message and its passengers.
 
-A buffer's memory is the most the rest of its pass will ask of it, learned from the previous pass of
-the same kind (``_PassSizes``), so it is allocated once per pass; and in backward it is freed after a
-ring when the rest of the backward needs less (``RingBuffers.trim``): gradients pile up as a backward
-goes on, so its end is where memory peaks, and the buffers of a tied table's head (the first ring of
-a backward, weights and partials) must not stay for the Embedding's and the blocks' (the last rings).
-
-Pitfalls this file exists to contain (design.md §3):
+Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
   disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
 - NCCL ignores tags and needs every rank to issue P2P ops in the same order: ``circulate`` issues one
@@ -61,14 +51,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import (
-    current_graph_task_id,
-    in_backward,
-    in_selective_checkpoint,
-    outside_inference_mode,
-    send_and_receive,
-)
-from ._param import Message, Segment
+from .._compat import current_graph_task_id, send_and_receive
 
 
 class Phase(enum.IntEnum):
@@ -83,241 +66,6 @@ def new_layer_tags() -> dict[Phase, int]:
     """Tags for one ring layer; every rank numbers its layers in the order it shards them."""
     layer = next(_next_layer_id)
     return {phase: layer * len(Phase) + phase for phase in Phase}
-
-
-class _PassSizes:
-    """What the ring buffers are asked for during the passes of one kind (forward or backward): from
-    each request of the pass running to its end, the most each buffer will be asked for, predicted
-    from the previous pass of that kind as long as this one has asked for the same sizes in the same
-    order (every step of a training loop does). Otherwise there is no prediction for the rest of the
-    pass: a buffer is made at the size asked, and none is freed early.
-
-    Only a prediction: a wrong one costs a buffer made again, never a wrong result."""
-
-    def __init__(self):
-        self._asked: list[tuple[int, int]] = []  # (buffer index, bytes) of the pass running, in order
-        self._previous: list[tuple[int, int]] = []
-        self._rest: list[tuple[int, int, int]] = []  # per request of the previous pass: the most each buffer was asked from it on
-        self._on_track = True
-
-    def ask(self, index: int, nbytes: int) -> int:
-        """Record a request; return the size to make the buffer if it must be made (at least ``nbytes``)."""
-        position = len(self._asked)
-        self._asked.append((index, nbytes))
-        self._on_track = self._on_track and position < len(self._previous) and self._previous[position] == (index, nbytes)
-        return self._rest[position][index] if self._on_track else nbytes
-
-    def upcoming(self) -> tuple[int, int, int] | None:
-        """The most each buffer will be asked for by the rest of the pass running, or None."""
-        if not self._on_track:
-            return None
-        position = len(self._asked)
-        return self._rest[position] if position < len(self._rest) else (0, 0, 0)
-
-    def end(self) -> None:
-        """The pass ended: it is the prediction for the next one (unless it asked for nothing)."""
-        if not self._asked:
-            return
-        self._previous, self._asked, self._on_track = self._asked, [], True
-        most, rest = [0, 0, 0], []
-        for index, nbytes in reversed(self._previous):
-            most[index] = max(most[index], nbytes)
-            rest.append(tuple(most))
-        self._rest = rest[::-1]
-
-
-class RingBuffers:
-    """Two flat byte buffers per device for the messages, and one for a backward's own contribution,
-    shared by every ring of one model (its ``RingContext``), and the ``Message`` layouts whose views
-    of them are cached.
-
-    Rings never run concurrently on one rank (a ring layer's computation calls no other ring), so one
-    set serves them all: two of the largest message (weights and partials, ~2/W of the largest ring
-    layer each in backward) and one of the largest gradient contribution. A buffer is given the memory
-    the rest of its pass will ask of it (``_PassSizes``) when it is asked for more than it holds, so
-    once per pass; in backward, one that holds more than the rest of the backward needs is freed after
-    a ring (``trim``). The tensors stay, at the largest size ever asked, and so do the views of them
-    that messages cached.
-    """
-
-    def __init__(self, context):
-        self._context = context  # its RingContext: the end of a backward that used the buffers frees them
-        self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
-        self._index: dict[int, tuple[int, int]] = {}  # data_ptr of a live buffer -> (its index, 0)
-        self._spans: list[tuple[int, int, int]] = []  # (index, first and last + 1 address) of each live buffer
-        # Bumped whenever buffers are replaced, so views of old ones are not reused.
-        self.generation = 0
-        # The one ``Message`` per segment layout, so that its views of these buffers are reused.
-        self._messages: dict[tuple[Segment, ...], Message] = {}
-        self._release_task = -1  # the backward at whose end a release is queued
-        # (in backward, the tag of the pass's first ring) -> its sizes: each model's passes predict its own.
-        self._sizes: dict[tuple[bool, int | None], _PassSizes] = {}
-        self._pass_keys: dict[bool, int | None] = {False: None, True: None}
-        # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
-        # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
-        self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-        # The next ring's first exchange, done ahead: its messages lie in the message buffers (``_prefetch.py``).
-        self.prefetched: "Prefetched | None" = None
-
-    def begin_pass(self, backward: bool, first_tag: int) -> None:
-        """A pass of the kind begins with the ring tagged ``first_tag`` (``RingOrder.begin``): its
-        requests are predicted from the last pass that began with the same ring."""
-        self._pass_keys[backward] = first_tag
-
-    def _pass_sizes(self, backward: bool) -> "_PassSizes":
-        key = (backward, self._pass_keys[backward])
-        sizes = self._sizes.get(key)
-        if sizes is None:
-            sizes = self._sizes[key] = _PassSizes()
-        return sizes
-
-    def message_of(self, segments: tuple[Segment, ...]) -> Message:
-        """The one ``Message`` for these segments, so that its views of these buffers are reused."""
-        message = self._messages.get(segments)
-        if message is None:
-            message = self._messages[segments] = Message(segments, self)
-        return message
-
-    def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two message buffers (ping-pong), ``nbytes`` long."""
-        return tuple(self._buffer(index, nbytes, device) for index in (0, 1))
-
-    def hold(self, nbytes: int, device: torch.device) -> bool:
-        """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
-        they hold (a prefetched message, for one). If not, the request is recorded as if made: the
-        next pass of the kind then gives them that much memory from its start."""
-        buffers = self._sets.get(device, [None, None])[:2]
-        if all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers):
-            return True
-        for index in (0, 1):
-            self._pass_sizes(in_backward()).ask(index, nbytes)
-        return False
-
-    def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
-        return self._buffer(2, nbytes, device)
-
-    def _buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        if in_selective_checkpoint():
-            # Fresh buffers (and so fresh views): SAC replays a recomputation op by op, and whether a
-            # shared buffer exists already would change the ops issued.
-            return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        backward = in_backward()
-        if backward:
-            self._release_at_end_of_backward()
-        size = self._pass_sizes(backward).ask(index, nbytes)
-        buffers = self._sets.setdefault(device, [None, None, None])
-        buffer = buffers[index]
-        # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
-        # memory must be given again anyway is made anew if the rest of the pass needs it larger.
-        short = buffer is not None and buffer.untyped_storage().nbytes() < nbytes
-        if buffer is None or buffer.numel() < nbytes or (short and buffer.numel() < size):
-            self._reset()
-            if buffer is not None:  # free it first: old and new alive at once would be the step's peak
-                buffer.untyped_storage().resize_(0)
-            # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
-            with outside_inference_mode():
-                buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-            self._reindex()
-        elif short:  # freed at the end of the last pass, or by ``trim``
-            # Storage only: the tensor and the views of it that messages cached stay (as FSDP2 frees
-            # and refills its unsharded parameters), and a view is only used after a request covering it.
-            storage = buffer.untyped_storage()
-            size = min(size, buffer.numel())
-            storage.resize_(0)  # nothing to keep: no copy
-            storage.resize_(size)
-            buffer[:size].zero_()
-            self._reindex()
-        key = (device, index, nbytes)
-        prefix = self._prefixes.get(key)
-        if prefix is None:
-            with outside_inference_mode():
-                prefix = self._prefixes[key] = buffer[:nbytes]
-        return prefix
-
-    def trim(self) -> None:
-        """Free the buffers that are larger than the rest of the backward running needs; called by a
-        backward ring once it has copied out its result. Gradients pile up as a backward goes on, so
-        its end is where memory peaks: the buffers of its first, largest rings (a tied table's head:
-        weights and partials) must not stay for its last ones (the Embedding's partials). The next
-        request makes a freed buffer again, at the size the rest of the backward needs. A buffer that
-        holds the next ring's first message, prefetched, keeps it (and what lies before it)."""
-        upcoming = self._pass_sizes(True).upcoming() if in_backward() else None
-        if upcoming is None:
-            return
-        freed = False
-        for index, buffer in list(self._live()):
-            kept = 0 if self.prefetched is None else self._prefetched_end(index, buffer)
-            need = upcoming[index] if kept <= upcoming[index] else kept
-            storage = buffer.untyped_storage()
-            if 8 * storage.nbytes() > 9 * need:  # more than an eighth to spare
-                storage.resize_(need if kept else 0)  # resize_ keeps the start
-                freed = True
-        if freed:
-            self._reindex()
-
-    def _prefetched_end(self, index: int, buffer: torch.Tensor) -> int:
-        """Where the prefetched message that ``buffer`` holds ends in it, or 0."""
-        if index > 1 or buffer.device != self.prefetched.sent.device:
-            return 0
-        message = self.prefetched.received if index == self.prefetched.received_in else self.prefetched.sent
-        return message.data_ptr() - buffer.data_ptr() + message.numel()
-
-    def place_of(self, buffer: torch.Tensor) -> tuple[int, int] | None:
-        """Where ``buffer`` starts in the ring buffers: (which of the three, byte offset), or None when
-        in none of them. A message is at offset 0, or behind the message of the ring that carried it
-        (a prefetched one, a deferred hop)."""
-        pointer = buffer.data_ptr()
-        place = self._index.get(pointer)
-        if place is None:
-            for index, start, end in self._spans:
-                if start < pointer < end:
-                    return index, pointer - start
-        return place
-
-    def _live(self):
-        """(index, buffer) of every buffer that holds memory now."""
-        for buffers in self._sets.values():
-            for index, buffer in enumerate(buffers):
-                if buffer is not None and buffer.untyped_storage().nbytes():
-                    yield index, buffer
-
-    def _reindex(self) -> None:
-        live = list(self._live())
-        self._index = {buffer.data_ptr(): (index, 0) for index, buffer in live}
-        self._spans = [(index, buffer.data_ptr(), buffer.data_ptr() + buffer.untyped_storage().nbytes()) for index, buffer in live]
-
-    def _reset(self) -> None:
-        self.generation += 1
-        self._prefixes.clear()
-        self._messages.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(buffer.untyped_storage().nbytes() for _, buffer in self._live())
-
-    def _release_at_end_of_backward(self) -> None:
-        """Free the buffers when the backward now running ends (a backward that raised runs no end
-        callbacks, and the next one frees them)."""
-        task = current_graph_task_id()
-        if task != self._release_task:
-            self._release_task = task
-            self._context.queue_end_of_backward()
-
-    def end_of_backward(self, task: int) -> None:
-        if task == self._release_task:
-            self._release_task = -1
-            self.release()
-
-    def release(self) -> None:
-        """Free the buffers' memory. The tensors stay, with no storage, and so do the views of them that
-        messages cached: the next pass gives the same storages memory again (``resize_``, as FSDP2 frees
-        and refills its unsharded parameters), and its views need not be made again."""
-        for _, buffer in list(self._live()):
-            buffer.untyped_storage().resize_(0)
-        self._reindex()
-        for sizes in self._sizes.values():
-            sizes.end()
 
 
 @dataclasses.dataclass
@@ -386,13 +134,12 @@ class Ring:
         start: torch.Tensor | Callable[[torch.Tensor], None] | Prefetched,
         during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
-        hops: int | None = None,
+        *,
         region: Callable[[int], slice] | None = None,
         carry_next: "Callable[[Ring], NextFirst | None] | None" = None,
         rider: "Rider | None" = None,
     ) -> torch.Tensor:
-        """Pass a message of ``nbytes`` bytes ``hops`` (default W-1) times down the ring; return the one
-        held last.
+        """Pass a message of ``nbytes`` bytes W-1 times down the ring; return the one held last.
 
         ``start`` is this rank's first message: a byte tensor sent as it is, a function that writes it
         into the buffer it is given, or the first exchange done already (prefetched). At step k,
@@ -412,15 +159,15 @@ class Ring:
         first message); a deferred hop it cannot take goes alone before its first exchange.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
-        hops = self.size - 1 if hops is None else hops
+        hops = self.size - 1
         prefetched = isinstance(start, Prefetched)
         rider_at = nbytes
         if rider is not None:
-            if prefetched or hops != self.size - 1 or region is not None:
-                raise AssertionError("a rider needs a message not yet sent and all of the ring's W-1 steps")
+            if prefetched or region is not None:
+                raise AssertionError("a rider needs a whole message not yet sent")
             rider_at = _aligned(nbytes)
             nbytes = rider_at + rider.nbytes
-        boarding = _Boarding(self, nbytes, hops, prefetched, region)
+        boarding = _Boarding(self, nbytes, prefetched, region)
         boarding.add_deferred_hop()
         if carry_next is not None:
             boarding.add_next_first(carry_next)
@@ -491,8 +238,9 @@ class _Boarding:
     buffers: behind the message (and rider), each after the one before, each at a multiple of 16 bytes,
     its lead over what precedes it."""
 
-    def __init__(self, ring: Ring, nbytes: int, hops: int, prefetched: bool, region: Callable[[int], slice] | None):
-        self.ring, self.message_nbytes, self.hops, self.prefetched, self.region = ring, nbytes, hops, prefetched, region
+    def __init__(self, ring: Ring, nbytes: int, prefetched: bool, region: Callable[[int], slice] | None):
+        self.ring, self.message_nbytes, self.prefetched, self.region = ring, nbytes, prefetched, region
+        self.hops = ring.size - 1
         self._aboard: dict[int, list[tuple[Passenger, int]]] = {}  # step -> (passenger, where its data starts)
         self._ends: dict[int, int] = {}
         self.nbytes = 0
@@ -634,17 +382,14 @@ class DeferredHops:
     def __init__(self, context):
         self._context = context
         self._pending: DeferredHop | None = None
-        self._flush_task = -1  # the backward at whose end a flush is due
 
     def defer(self, hop: DeferredHop) -> None:
         self.flush()
         self._pending = hop
-        task = current_graph_task_id()
-        if task == -1:  # outside a backward nothing says a ring follows soon
+        if current_graph_task_id() == -1:  # outside a backward nothing says a ring follows soon
             self.flush()
-        elif task != self._flush_task:
-            self._flush_task = task
-            self._context.queue_end_of_backward()
+        else:
+            self._context.end_with_backward(self)
 
     @property
     def pending(self) -> bool:
@@ -664,14 +409,13 @@ class DeferredHops:
         if hop is not None:
             _send_alone(hop)
 
-    def end_of_backward(self, task: int) -> None:
-        if task == self._flush_task:
-            self._flush_task = -1
-            self.flush()
+    def end_of_backward(self) -> None:
+        """The backward that deferred the hop ended with no ring to take it: it goes alone."""
+        self.flush()
 
     def abandon(self) -> None:
         """Drop a hop that a backward which raised left behind (called as a forward starts)."""
-        self._pending, self._flush_task = None, -1
+        self._pending = None
 
 
 def _send_alone(hop: DeferredHop) -> None:
@@ -687,9 +431,8 @@ class WaitedWorks:
     Dropping a gloo work frees its transport buffer, whose destructor spins (``sched_yield``) until
     gloo's event-loop thread has let go of the buffer; right after ``wait()`` returns, that thread is
     usually still in the completion it has just signalled. One exchange later it has long let go, so
-    the works are dropped then, with no spin. On 4 ranks sharing 2 cores the spins cost 2.4 ms of
-    system time per exchange, summed over the ranks, and made an exchange take 6× as long
-    (``benchmarks/collective_latency.py`` runs both). The works hold nothing else of note: the
+    the works are dropped then, with no spin (what the spins cost: ``benchmarks/collective_latency.py``,
+    docs/benchmarks.md). The works hold nothing else of note: the
     buffers they read and wrote are the ring's own, or parameters.
     """
 

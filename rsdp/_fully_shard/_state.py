@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.utils import _apply_to_tensors
 
 from .._compat import (
     DTensor,
     FSDPState,
     MixedPrecisionPolicy,
+    apply_to_tensors,
     autocast_dtype,
     current_graph_task_id,
     get_module_state,
@@ -41,11 +41,11 @@ from .._compat import (
     outside_inference_mode,
 )
 from ._collectives import GatheredParams, gather_together
-from ._context import rootless_context
+from ._context import LIVE_CONTEXTS, rootless_context
 from ._fusion import SharedInputFusion
 from ._grad import RingGradients
 from ._operand import RingOperand
-from ._ops import sharded
+from ._ring_function import sharded
 from ._ring import Ring
 
 
@@ -59,7 +59,8 @@ class RSDPState(FSDPState):
     """The state of one ``rsdp_shard`` call.
 
     It subclasses FSDP2's state class only so that a parent ``fully_shard`` sees this module as
-    already managed and leaves its parameters alone (design.md §3); it has no FSDP parameter groups,
+    already managed and leaves its parameters alone (docs/design.md, "Interop with fully_shard"); it
+    has no FSDP parameter groups,
     so FSDP2's root treats it as an empty FSDP module.
     """
 
@@ -164,7 +165,7 @@ class RSDPState(FSDPState):
             self.gather_nested(module)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
-            args, kwargs = _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+            args, kwargs = apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
         if not self.installs_params:
             return args, kwargs
         if in_backward():  # a recomputation: the module's backward needs what it installs
@@ -241,7 +242,7 @@ class RSDPState(FSDPState):
         for tensor in needs_grad:
             tensor.register_hook(self._pre_backward)
         if self.mp_policy.output_dtype is not None:
-            output = _apply_to_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
+            output = apply_to_tensors(functools.partial(_cast_floating, self.mp_policy.output_dtype), output)
         return output
 
     @torch.compiler.disable
@@ -370,7 +371,7 @@ class _RunAfterBackward(torch.autograd.Function):
         outputs = list(cls.apply(state, *inputs))
         del inputs
         # Consumed to the end: see _needing_grad.
-        return _apply_to_tensors(lambda t: outputs.pop(0) if t.requires_grad else t, (args, kwargs))
+        return apply_to_tensors(lambda t: outputs.pop(0) if t.requires_grad else t, (args, kwargs))
 
 
 def _needing_grad(value) -> list[torch.Tensor]:
@@ -381,7 +382,27 @@ def _needing_grad(value) -> list[torch.Tensor]:
     would stay alive until the next collection.
     """
     found: list[torch.Tensor] = []
-    _apply_to_tensors(lambda t: found.append(t) if t.requires_grad else None, value)
+    apply_to_tensors(lambda t: found.append(t) if t.requires_grad else None, value)
     tensors = found.copy()
     found.clear()
     return tensors
+
+
+def rsdp_states_under(module: nn.Module) -> list:
+    """The rsdp states of the modules in ``module``'s subtree."""
+    return [state for state in (get_module_state(m) for m in module.modules()) if isinstance(state, RSDPState)]
+
+
+def release_ring_buffers(module: nn.Module | None = None) -> int:
+    """Free the ring's message buffers of ``module``'s model (of every model when ``None``); the next
+    ring step allocates them again, at the size they had. Returns the bytes they held. Useful before
+    measuring memory, or to hand their memory to something else for a while."""
+    if module is None:
+        contexts = list(LIVE_CONTEXTS)
+    else:
+        contexts = list({id(state.ring.context): state.ring.context for state in rsdp_states_under(module)}.values())
+    nbytes = 0
+    for context in contexts:
+        nbytes += context.buffers.nbytes
+        context.buffers.release()
+    return nbytes

@@ -61,13 +61,21 @@ import math
 import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._compat import ColwiseParallel, RowwiseParallel, autocast_dtype, gradients_of, saved_tensors_hooks_active
+from .._compat import (
+    ColwiseParallel,
+    RowwiseParallel,
+    autocast_dtype,
+    gradients_of,
+    saved_tensors_hooks_active,
+    tree_flatten,
+    tree_unflatten,
+)
 from ._checkpoint import kept_or_run
-from ._ops import RingLayer, autocast_like, finished_gradients, first_message, local_shard, sharded
+from ._ring_function import RingLayer, autocast_like, finished_gradients, first_message, local_shard, sharded
 from ._prefetch import ring_begins
-from ._param import Segment, shard_layout
+from ._param import shard_layout
+from ._wire import Message, Segment
 from ._ring import DeferredHop, Phase
 from ._sub_block_cache import SubBlockCache, shard_cache_arguments
 
@@ -231,8 +239,8 @@ class _Call:
         # Each Linear's forward becomes its product with the shard's parameters, as an instance
         # attribute, which ``nn.Module.__call__`` finds before the class's (hooks still run around it).
         # Set through __dict__: nn.Module.__setattr__ checks parameters, buffers and submodules first,
-        # which is a large share of a small sub-block step's host time; and not through the ring
-        # Linear's own forward, whose compiler-disable wrapper adds about six Python calls to each.
+        # which would cost a small sub-block step much of its host time; and not through the ring
+        # Linear's own forward, whose compiler-disable wrapper adds Python calls to each.
         produced = []
         for linear, (weight_t, bias) in zip(linears, shard_params):
             linear.__dict__["forward"] = functools.partial(
@@ -243,7 +251,7 @@ class _Call:
         finally:
             for linear in linears:
                 del linear.__dict__["forward"]
-        # A lone tensor, the usual output, needs no pytree (a few µs per step).
+        # A lone tensor, the usual output, needs no pytree.
         out_leaves, self.output_spec = ([output], None) if isinstance(output, torch.Tensor) else tree_flatten(output)
         produced = produced[-1] if produced else None  # the rowwise Linear's output, if it ran
         positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]
@@ -266,7 +274,7 @@ class _Call:
 
 def _flatten_arguments(args: tuple, kwargs: dict) -> tuple[list, object]:
     """A call's arguments as (leaves, pytree spec); with tensors only and no keywords, the usual call of
-    a sub-block, (the tensors, None), without torch's pytree (~20 µs for ``((x,), {})``)."""
+    a sub-block, (the tensors, None), without torch's pytree, which costs host time at every call."""
     if not kwargs and all(isinstance(arg, torch.Tensor) for arg in args):
         return list(args), None
     return tree_flatten((args, kwargs))
@@ -436,162 +444,191 @@ class _RingSubBlockFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total):
-        call: _Call = ctx.call
-        block = call.block
-        layer = block.ring
-        state, ring = layer.state, layer.state.ring
+        backward = _SubBlockBackward(ctx, grad_total)
+        if backward.grad_index and backward.state.requires_gradient_sync:
+            backward.synchronised()
+        else:
+            backward.unsynchronised()
+        backward.ring.context.buffers.trim()
+        return (None, *backward.input_gradients(), *[None] * len(backward.params))
+
+
+class _SubBlockBackward:
+    """One backward of a sub-block call (``_RingSubBlockFunction``): the weights rotate again, and at
+    each step the rank backpropagates through the sub-block for the shard held (``step``).
+
+    Synchronised (``synchronised``), the weight gradients' partials travel with the weights, each
+    starting one rank below its owner and ending one hop short of it: that hop is deferred
+    (``_ring.DeferredHop``), and the owner adds its own contribution when the partial comes home.
+    Unsynchronised (``unsynchronised``: no gradient wanted, or ``set_requires_gradient_sync(False)``),
+    only the weights travel, and each rank adds its contributions to every shard into local
+    accumulators."""
+
+    def __init__(self, ctx, grad_total: torch.Tensor):
+        self.call: _Call = ctx.call
+        self.block = block = self.call.block
+        self.layer = block.ring
+        self.state, self.ring = self.layer.state, self.layer.state.ring
+        self.graphs, self.input_dtype, self.autocast = ctx.graphs, ctx.input_dtype, ctx.autocast
         saved = ctx.saved_tensors
-        n = len(call.tensor_at)
-        tensors, params = saved[:n], saved[n:]
+        n = len(self.call.tensor_at)
+        self.tensors, self.params = saved[:n], saved[n:]
         dtype = ctx.dtype
-        needs_inputs = ctx.needs_input_grad[1 : 1 + n]
-        needs_params = [need and p is not None for need, p in zip(ctx.needs_input_grad[1 + n :], params)]
-        present = [i for i, p in enumerate(params) if p is not None]
-        weight_segments = block.segments(dtype, ring.size)
-        reduce_dtype = state.reduce_dtype(params[present[0]].dtype)
-        grad_index = [slot for slot, i in enumerate(present) if needs_params[i]]
-        grad_segments = [Segment(weight_segments[slot].layout, weight_segments[slot].trailing, reduce_dtype) for slot in grad_index]
-        # The partials first, then the weights: a message's first exchange sends the weights alone, and
-        # a deferred hop (below) travelling behind it must follow them directly.
-        grads = ring.context.buffers.message_of(tuple(grad_segments))
-        message = ring.context.buffers.message_of(grads.segments + weight_segments)
-        first_weight = len(grad_segments)
+        self.needs_inputs = ctx.needs_input_grad[1 : 1 + n]
+        self.needs_params = [need and p is not None for need, p in zip(ctx.needs_input_grad[1 + n :], self.params)]
+        self.present = [i for i, p in enumerate(self.params) if p is not None]
+        self.weight_segments = block.segments(dtype, self.ring.size)
+        self.reduce_dtype = self.state.reduce_dtype(self.params[self.present[0]].dtype)
+        self.grad_index = [slot for slot, i in enumerate(self.present) if self.needs_params[i]]
+        self.grad_segments = [
+            Segment(self.weight_segments[slot].layout, self.weight_segments[slot].trailing, self.reduce_dtype)
+            for slot in self.grad_index
+        ]
         # The partials' views in the orientation of the gradients autograd gives: those of colwise weights
         # transposed, as their operands are.
-        grads_transposed = tuple(block.transposed[slot] for slot in grad_index)
-        weights_start = message.offsets[first_weight]
-        row_layout = weight_segments[-1].layout
-        keys = [(id(block), slot) for slot in grad_index]
-        grad_inputs = [None] * n
-        dy = grad_total.to(dtype)
-
-        def step(shard: int, operands: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
-            """Backpropagate through the sub-block for ``shard`` (its kept graph, or a recomputation) with
-            its weight ``operands``: input gradients into this rank's, weight gradients written or added
-            (``add``) into ``into``, views shaped as the operands are (a colwise weight's transposed:
-            ``grads_transposed``), so that no gradient is transposed first."""
-            if row_layout.rows_of(shard) == 0:
-                if into is not None and not add:
-                    for view in into:
-                        view.zero_()
-                return
-            got = None if ctx.graphs is None else ctx.graphs.backward(shard, operands, dy, needs_inputs, grad_index)
-            if got is None:  # recompute the step
-                leaves = _weight_leaves(operands, [needs_params[i] for i in present])
-                inputs = [
-                    (t.detach().to(ctx.input_dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
-                    for t, need in zip(tensors, needs_inputs)
-                ]
-                autocast = torch.autocast(ring.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
-                with torch.enable_grad(), autocast:
-                    partial = call.run(call.arguments(inputs), shard, _shard_params(block, leaves))
-                    wanted = [x for x, need in zip(inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_index]
-                    got = gradients_of(partial, wanted, dy.to(partial.dtype))
-            got = iter(got)
-            for index, need in enumerate(needs_inputs):
-                if need:
-                    g = next(got)
-                    if g is not None:
-                        grad_inputs[index] = g if grad_inputs[index] is None else grad_inputs[index].add_(g)
-            for view, g, slot in zip(into or [], got, grad_index):
-                if g is None:
-                    if not add:
-                        view.zero_()
-                    continue
-                if add:
-                    view.add_(g)
-                else:
-                    view.copy_(g)
-
+        self.grads_transposed = tuple(block.transposed[slot] for slot in self.grad_index)
+        self.row_layout = self.weight_segments[-1].layout
+        self.keys = [(id(block), slot) for slot in self.grad_index]
+        self.grad_inputs = [None] * n
+        self.dy = grad_total.to(dtype)
         # As laid out in a message: the colwise weights (and biases), then the rowwise weight transposed.
-        weights = [params[i] for i in present[:-1]] + [params[present[-1]].t()]
+        self.weights = [self.params[i] for i in self.present[:-1]] + [self.params[self.present[-1]].t()]
 
-        def pack(buffer: torch.Tensor, into=message) -> None:
-            into.pack(buffer, ring.rank, weights, len(into.segments) - len(weight_segments))
+    def input_gradients(self) -> list[torch.Tensor | None]:
+        return [None if g is None else g.to(t.dtype) for g, t in zip(self.grad_inputs, self.tensors)]
 
-        def deliver(reduced: list[torch.Tensor]) -> None:
-            """This rank's reduced gradient shards, to its parameters (``_grad.py``): not returned, since
-            they arrive after this function has returned (the ring's last hop is deferred)."""
-            for slot, grad in zip(grad_index, reduced):
-                index = present[slot]
-                linear, name = block.param_slots[index]
-                grad = grad.t().contiguous() if index == len(params) - 1 else grad
-                state.gradients.receive(sharded(getattr(linear, name), linear, name), grad.to(params[index].dtype))
+    def step(self, shard: int, operands: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
+        """Backpropagate through the sub-block for ``shard`` (its kept graph, or a recomputation) with its
+        weight ``operands``: input gradients into this rank's, weight gradients written or added
+        (``add``) into ``into``, views shaped as the operands are (a colwise weight's transposed:
+        ``grads_transposed``), so that no gradient is transposed first."""
+        if self.row_layout.rows_of(shard) == 0:
+            if into is not None and not add:
+                for view in into:
+                    view.zero_()
+            return
+        got = None if self.graphs is None else self.graphs.backward(shard, operands, self.dy, self.needs_inputs, self.grad_index)
+        if got is None:
+            got = self._recomputed(shard, operands)
+        got = iter(got)
+        for index, need in enumerate(self.needs_inputs):
+            if need:
+                g = next(got)
+                if g is not None:
+                    self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
+        for view, g in zip(into or [], got):
+            if g is None:
+                if not add:
+                    view.zero_()
+            elif add:
+                view.add_(g)
+            else:
+                view.copy_(g)
 
-        tag = layer.tags[Phase.BACKWARD]
-        if grad_index and state.requires_gradient_sync:
-            # The first exchange sends the weights alone, so the ring before may have done it.
-            prefetched = ring_begins(ring, Phase.BACKWARD, tag, message, weights, first_weight)
-            mine = ring.context.buffers.scratch(grads.nbytes, ring.device)
-            unsynced = [state.take_unsynced(key) for key in keys]
-
-            def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
-                """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""
-                for view, total in zip(views, unsynced):
-                    if total is not None:
-                        view.add_(state.unsynced_shard(total, shard, view.shape))
-
-            def own_contribution(hop: int, buffer: torch.Tensor) -> None:
-                """The owner's own contribution, from its local shard: while the first message (its
-                weights) travels, to be added when its partial comes home."""
-                if hop == 0:
-                    own = grads.views(mine, ring.rank, transposed=grads_transposed)
-                    step(ring.rank, message.views(buffer, ring.rank, first_weight, block.transposed), own, add=False)
-                    add_unsynced(ring.rank, grads.views(mine, ring.rank))
-
-            def on_arrival(hop: int, buffer: torch.Tensor) -> None:
-                shard = ring.weight_shard_at(hop)
-                into = message.views(buffer, shard, transposed=grads_transposed)[:first_weight]
-                step(shard, message.views(buffer, shard, first_weight, block.transposed), into, add=hop > 1)  # hop 1 starts it
-                add_unsynced(shard, message.views(buffer, shard)[:first_weight])
-
-            def region(hop: int) -> slice:
-                return slice(weights_start, None) if hop == 0 else slice(None)  # nothing added to a partial yet
-
-            with layer.profiled(Phase.BACKWARD):
-                if ring.size == 1:
-                    buffer = ring.context.buffers.pair(message.nbytes, ring.device)[0]
-                    pack(buffer)
-                    own_contribution(0, buffer)
-                    deliver(finished_gradients(state, grads, 0, mine))
-                else:
-                    final = ring.circulate(
-                        message.nbytes, tag, pack if prefetched is None else prefetched, own_contribution, on_arrival,
-                        region=region, carry_next=ring.context.backward_order.next_first,
-                    )
-                    # W-1 hops took every partial past every rank but its owner, one hop down. That
-                    # hop rides the next ring's first exchange, or goes alone at the end of the backward.
-                    own = mine.clone()
-
-                    def home(partials: torch.Tensor) -> None:
-                        # One add for every segment: all are in reduce_dtype, so none has a gap before it
-                        # (padding rows are added too, and never read).
-                        partials[: grads.nbytes].view(reduce_dtype).add_(own.view(reduce_dtype))
-                        deliver(finished_gradients(state, grads, 0, partials))
-
-                    ring.context.deferred_hops.defer(DeferredHop(ring, tag, final[: grads.nbytes].clone(), home))
-        else:
-            # No partials travel: the weights rotate for the input gradient, and with sync off each
-            # rank's contributions to every shard are kept locally until the next synchronised backward.
-            weights_only = ring.context.buffers.message_of(weight_segments)
-            totals = [state.unsynced_gradient(key, segment) for key, segment in zip(keys, grad_segments)]
-            ring_begins(ring, Phase.BACKWARD, tag, weights_only)
-
-            def during(hop: int, buffer: torch.Tensor) -> None:
-                shard = ring.weight_shard_at(hop)
-                views = weights_only.views(buffer, shard)
-                into = [state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, grad_index)]
-                into = [view.t() if transposed else view for view, transposed in zip(into, grads_transposed)]
-                step(shard, weights_only.views(buffer, shard, transposed=block.transposed), into, add=True)
-
-            with layer.profiled(Phase.BACKWARD):
-                ring.circulate(
-                    weights_only.nbytes, tag, lambda buffer: pack(buffer, weights_only), during,
-                    carry_next=ring.context.backward_order.next_first,
-                )
-        ring.context.buffers.trim()
-        grad_inputs = [
-            None if g is None else g.to(t.dtype) for g, t in zip(grad_inputs, tensors)
+    def _recomputed(self, shard: int, operands: list[torch.Tensor]) -> tuple:
+        """The gradients of ``step``, from the sub-block's forward for ``shard`` run again."""
+        leaves = _weight_leaves(operands, [self.needs_params[i] for i in self.present])
+        inputs = [
+            (t.detach().to(self.input_dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
+            for t, need in zip(self.tensors, self.needs_inputs)
         ]
-        return (None, *grad_inputs, *[None] * len(params))
+        autocast = torch.autocast(self.ring.device.type, dtype=self.autocast, enabled=self.autocast is not None)
+        with torch.enable_grad(), autocast:
+            partial = self.call.run(self.call.arguments(inputs), shard, _shard_params(self.block, leaves))
+            wanted = [x for x, need in zip(inputs, self.needs_inputs) if need] + [leaves[slot] for slot in self.grad_index]
+            return gradients_of(partial, wanted, self.dy.to(partial.dtype))
 
+    def _pack(self, into: Message, buffer: torch.Tensor) -> None:
+        into.pack(buffer, self.ring.rank, self.weights, len(into.segments) - len(self.weight_segments))
+
+    def _deliver(self, reduced: list[torch.Tensor]) -> None:
+        """This rank's reduced gradient shards, to its parameters (``_grad.py``): not returned, since
+        they arrive after the Function has returned (the ring's last hop is deferred)."""
+        for slot, grad in zip(self.grad_index, reduced):
+            index = self.present[slot]
+            linear, name = self.block.param_slots[index]
+            grad = grad.t().contiguous() if index == len(self.params) - 1 else grad
+            self.state.gradients.receive(sharded(getattr(linear, name), linear, name), grad.to(self.params[index].dtype))
+
+    def synchronised(self) -> None:
+        """The weights and the partials round the ring, ``[partials | weights]``: a message's first
+        exchange sends the weights alone (nothing is added to a partial yet), so the ring before may
+        have done it, and a deferred hop travelling behind it follows them directly."""
+        ring, tag = self.ring, self.layer.tags[Phase.BACKWARD]
+        self.grads = ring.context.buffers.message_of(tuple(self.grad_segments))
+        self.message = message = ring.context.buffers.message_of(self.grads.segments + self.weight_segments)
+        self.first_weight = len(self.grad_segments)
+        self.weights_start = message.offsets[self.first_weight]
+        prefetched = ring_begins(ring, Phase.BACKWARD, tag, message, self.weights, self.first_weight)
+        self.mine = ring.context.buffers.scratch(self.grads.nbytes, ring.device)
+        self.unsynced = [self.state.take_unsynced(key) for key in self.keys]
+        self.has_unsynced = any(total is not None for total in self.unsynced)
+        pack = functools.partial(self._pack, message)
+        with self.layer.profiled(Phase.BACKWARD):
+            if ring.size == 1:
+                buffer = ring.context.buffers.pair(message.nbytes, ring.device)[0]
+                pack(buffer)
+                self._own_contribution(0, buffer)
+                self._deliver(finished_gradients(self.state, self.grads, 0, self.mine))
+                return
+            final = ring.circulate(
+                message.nbytes, tag, pack if prefetched is None else prefetched, self._own_contribution,
+                self._partials_arrived, region=self._region, carry_next=ring.context.backward_order.next_first,
+            )
+            # W-1 hops took every partial past every rank but its owner, one hop down. That hop rides
+            # the next ring's first exchange, or goes alone at the end of the backward.
+            home = functools.partial(self._home, self.mine.clone())
+            ring.context.deferred_hops.defer(DeferredHop(ring, tag, final[: self.grads.nbytes].clone(), home))
+
+    def _add_unsynced(self, shard: int, views: list[torch.Tensor]) -> None:
+        """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""
+        for view, total in zip(views, self.unsynced):
+            if total is not None:
+                view.add_(self.state.unsynced_shard(total, shard, view.shape))
+
+    def _own_contribution(self, hop: int, buffer: torch.Tensor) -> None:
+        """The owner's own contribution, from its local shard: while the first message (its weights)
+        travels, to be added when its partial comes home."""
+        if hop == 0:
+            rank, message = self.ring.rank, self.message
+            own = self.grads.views(self.mine, rank, transposed=self.grads_transposed)
+            self.step(rank, message.views(buffer, rank, self.first_weight, self.block.transposed), own, add=False)
+            if self.has_unsynced:
+                self._add_unsynced(rank, self.grads.views(self.mine, rank))
+
+    def _partials_arrived(self, hop: int, buffer: torch.Tensor) -> None:
+        shard, message = self.ring.weight_shard_at(hop), self.message
+        into = message.views(buffer, shard, transposed=self.grads_transposed)[: self.first_weight]
+        operands = message.views(buffer, shard, self.first_weight, self.block.transposed)
+        self.step(shard, operands, into, add=hop > 1)  # hop 1 starts it
+        if self.has_unsynced:
+            self._add_unsynced(shard, message.views(buffer, shard)[: self.first_weight])
+
+    def _region(self, hop: int) -> slice:
+        return slice(self.weights_start, None) if hop == 0 else slice(None)  # nothing added to a partial yet
+
+    def _home(self, own: torch.Tensor, partials: torch.Tensor) -> None:
+        """The partials came home (the deferred hop): add the owner's own contribution, deliver."""
+        # One add for every segment: all are in reduce_dtype, so none has a gap before it (padding rows
+        # are added too, and never read).
+        partials[: self.grads.nbytes].view(self.reduce_dtype).add_(own.view(self.reduce_dtype))
+        self._deliver(finished_gradients(self.state, self.grads, 0, partials))
+
+    def unsynchronised(self) -> None:
+        """No partials travel: the weights rotate for the input gradient, and with sync off each rank's
+        contributions to every shard are kept locally until the next synchronised backward."""
+        ring, tag = self.ring, self.layer.tags[Phase.BACKWARD]
+        weights_only = ring.context.buffers.message_of(self.weight_segments)
+        totals = [self.state.unsynced_gradient(key, segment) for key, segment in zip(self.keys, self.grad_segments)]
+        ring_begins(ring, Phase.BACKWARD, tag, weights_only)
+
+        def during(hop: int, buffer: torch.Tensor) -> None:
+            shard = ring.weight_shard_at(hop)
+            views = weights_only.views(buffer, shard)
+            into = [self.state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, self.grad_index)]
+            into = [view.t() if transposed else view for view, transposed in zip(into, self.grads_transposed)]
+            self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
+
+        with self.layer.profiled(Phase.BACKWARD):
+            ring.circulate(weights_only.nbytes, tag, functools.partial(self._pack, weights_only), during,
+                           carry_next=ring.context.backward_order.next_first)

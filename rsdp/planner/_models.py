@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._compat import flash_attention_op
+
 AC_MODES = ("none", "selective", "full")
 
 
@@ -44,7 +46,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Causal flash attention of ``(batch, heads, seq, head_dim)`` tensors, k and v expanded to q's heads."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True, scale=scale)[0]
+    return flash_attention_op(q, k, v, is_causal=True, scale=scale)[0]
 
 
 def _hf_flash_count(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -1,0 +1,265 @@
+"""The ring buffers: the memory every ring message of one model lives in.
+
+Messages live in byte buffers shared by every ring of one model (``RingBuffers``, owned by the
+model's ``RingContext``: two ping-pong message buffers and a scratch, given memory once per pass and
+then reused), so a ring step allocates nothing; on CUDA this also keeps NCCL's stream from pinning a
+freed block per step in the caching allocator. They live for one pass, not longer: freed when the
+outermost rsdp module's forward returns and when the backward ends, so they never add to the loss
+computation's or the optimizer step's peak. ``release_ring_buffers()`` frees them at any other time.
+
+A buffer's memory is the most the rest of its pass will ask of it, learned from the previous pass of
+the same kind (``_PassSizes``), so it is allocated once per pass; and in backward it is freed after a
+ring when the rest of the backward needs less (``RingBuffers.trim``): gradients pile up as a backward
+goes on, so its end is where memory peaks, and the buffers of a tied table's head (the first ring of
+a backward, weights and partials) must not stay for the Embedding's and the blocks' (the last rings).
+
+The pool knows sizes and regions, not what the bytes mean: the wire format (``_wire.Message``) lays
+messages out in it, and the transport (``_ring.py``) exchanges them. A region that must outlive a
+``trim`` (the next ring's first message, exchanged ahead: ``_prefetch.py``) is named with ``keep``.
+
+Pitfalls:
+- Rings never run concurrently on one rank (a ring layer's computation calls no other ring), so one
+  set of buffers serves them all.
+- Old and new buffer alive at once would be the step's peak: a buffer is freed before it is made again.
+- Under selective activation checkpointing every request gets fresh memory: SAC replays a
+  recomputation op by op, and whether a shared buffer exists already would change the ops issued.
+"""
+
+import torch
+
+from .._compat import in_backward, in_selective_checkpoint, outside_inference_mode
+from ._wire import Message, Segment
+
+
+class _PassSizes:
+    """What the ring buffers are asked for during the passes of one kind (forward or backward): from
+    each request of the pass running to its end, the most each buffer will be asked for, predicted
+    from the previous pass of that kind as long as this one has asked for the same sizes in the same
+    order (every step of a training loop does). Otherwise there is no prediction for the rest of the
+    pass: a buffer is made at the size asked, and none is freed early.
+
+    Only a prediction: a wrong one costs a buffer made again, never a wrong result."""
+
+    def __init__(self):
+        self._asked: list[tuple[int, int]] = []  # (buffer index, bytes) of the pass running, in order
+        self._previous: list[tuple[int, int]] = []
+        self._rest: list[tuple[int, int, int]] = []  # per request of the previous pass: the most each buffer was asked from it on
+        self._on_track = True
+
+    def ask(self, index: int, nbytes: int) -> int:
+        """Record a request; return the size to make the buffer if it must be made (at least ``nbytes``)."""
+        position = len(self._asked)
+        self._asked.append((index, nbytes))
+        self._on_track = self._on_track and position < len(self._previous) and self._previous[position] == (index, nbytes)
+        return self._rest[position][index] if self._on_track else nbytes
+
+    def upcoming(self) -> tuple[int, int, int] | None:
+        """The most each buffer will be asked for by the rest of the pass running, or None."""
+        if not self._on_track:
+            return None
+        position = len(self._asked)
+        return self._rest[position] if position < len(self._rest) else (0, 0, 0)
+
+    def end(self) -> None:
+        """The pass ended: it is the prediction for the next one (unless it asked for nothing)."""
+        if not self._asked:
+            return
+        self._previous, self._asked, self._on_track = self._asked, [], True
+        most, rest = [0, 0, 0], []
+        for index, nbytes in reversed(self._previous):
+            most[index] = max(most[index], nbytes)
+            rest.append(tuple(most))
+        self._rest = rest[::-1]
+
+
+class RingBuffers:
+    """Two flat byte buffers per device for the messages, and one for a backward's own contribution,
+    shared by every ring of one model (its ``RingContext``), and the ``Message`` layouts whose views
+    of them are cached.
+
+    Rings never run concurrently on one rank (a ring layer's computation calls no other ring), so one
+    set serves them all: two of the largest message (weights and partials, ~2/W of the largest ring
+    layer each in backward) and one of the largest gradient contribution. A buffer is given the memory
+    the rest of its pass will ask of it (``_PassSizes``) when it is asked for more than it holds, so
+    once per pass; in backward, one that holds more than the rest of the backward needs is freed after
+    a ring (``trim``). The tensors stay, at the largest size ever asked, and so do the views of them
+    that messages cached.
+    """
+
+    def __init__(self, context):
+        self._context = context  # its RingContext: the end of a backward that used the buffers frees them
+        self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
+        self._index: dict[int, tuple[int, int]] = {}  # data_ptr of a live buffer -> (its index, 0)
+        self._spans: list[tuple[int, int, int]] = []  # (index, first and last + 1 address) of each live buffer
+        # Bumped whenever buffers are replaced, so views of old ones are not reused.
+        self.generation = 0
+        # The one ``Message`` per segment layout, so that its views of these buffers are reused.
+        self._messages: dict[tuple[Segment, ...], Message] = {}
+        # (in backward, the tag of the pass's first ring) -> its sizes: each model's passes predict its own.
+        self._sizes: dict[tuple[bool, int | None], _PassSizes] = {}
+        self._pass_keys: dict[bool, int | None] = {False: None, True: None}
+        # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
+        # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
+        self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+        # Regions of the message buffers that ``trim`` keeps (the next ring's first exchange, done ahead).
+        self._kept: tuple[torch.Tensor, ...] = ()
+
+    def begin_pass(self, backward: bool, first_tag: int) -> None:
+        """A pass of the kind begins with the ring tagged ``first_tag`` (``RingOrder.begin``): its
+        requests are predicted from the last pass that began with the same ring."""
+        self._pass_keys[backward] = first_tag
+
+    def _pass_sizes(self, backward: bool) -> "_PassSizes":
+        key = (backward, self._pass_keys[backward])
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            sizes = self._sizes[key] = _PassSizes()
+        return sizes
+
+    def message_of(self, segments: tuple[Segment, ...]) -> Message:
+        """The one ``Message`` for these segments, so that its views of these buffers are reused."""
+        message = self._messages.get(segments)
+        if message is None:
+            message = self._messages[segments] = Message(segments, self)
+        return message
+
+    def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two message buffers (ping-pong), ``nbytes`` long."""
+        return tuple(self._buffer(index, nbytes, device) for index in (0, 1))
+
+    def hold(self, nbytes: int, device: torch.device) -> bool:
+        """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
+        they hold (a prefetched message, for one). If not, the request is recorded as if made: the
+        next pass of the kind then gives them that much memory from its start."""
+        buffers = self._sets.get(device, [None, None])[:2]
+        if all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers):
+            return True
+        for index in (0, 1):
+            self._pass_sizes(in_backward()).ask(index, nbytes)
+        return False
+
+    def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
+        return self._buffer(2, nbytes, device)
+
+    def _buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        if in_selective_checkpoint():
+            # Fresh buffers (and so fresh views): SAC replays a recomputation op by op, and whether a
+            # shared buffer exists already would change the ops issued.
+            return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        backward = in_backward()
+        if backward:
+            self._context.end_with_backward(self)
+        size = self._pass_sizes(backward).ask(index, nbytes)
+        buffers = self._sets.setdefault(device, [None, None, None])
+        buffer = buffers[index]
+        # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
+        # memory must be given again anyway is made anew if the rest of the pass needs it larger.
+        short = buffer is not None and buffer.untyped_storage().nbytes() < nbytes
+        if buffer is None or buffer.numel() < nbytes or (short and buffer.numel() < size):
+            self._reset()
+            if buffer is not None:  # free it first: old and new alive at once would be the step's peak
+                buffer.untyped_storage().resize_(0)
+            # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
+            with outside_inference_mode():
+                buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+            self._reindex()
+        elif short:  # freed at the end of the last pass, or by ``trim``
+            # Storage only: the tensor and the views of it that messages cached stay (as FSDP2 frees
+            # and refills its unsharded parameters), and a view is only used after a request covering it.
+            storage = buffer.untyped_storage()
+            size = min(size, buffer.numel())
+            storage.resize_(0)  # nothing to keep: no copy
+            storage.resize_(size)
+            buffer[:size].zero_()
+            self._reindex()
+        key = (device, index, nbytes)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            with outside_inference_mode():
+                prefix = self._prefixes[key] = buffer[:nbytes]
+        return prefix
+
+    def trim(self) -> None:
+        """Free the buffers that are larger than the rest of the backward running needs; called by a
+        backward ring once it has copied out its result. Gradients pile up as a backward goes on, so
+        its end is where memory peaks: the buffers of its first, largest rings (a tied table's head:
+        weights and partials) must not stay for its last ones (the Embedding's partials). The next
+        request makes a freed buffer again, at the size the rest of the backward needs. A buffer that
+        holds a region named by ``keep`` keeps it (and what lies before it)."""
+        upcoming = self._pass_sizes(True).upcoming() if in_backward() else None
+        if upcoming is None:
+            return
+        freed = False
+        for index, buffer in list(self._live()):
+            kept = self._kept_end(index, buffer) if self._kept else 0
+            need = upcoming[index] if kept <= upcoming[index] else kept
+            storage = buffer.untyped_storage()
+            if 8 * storage.nbytes() > 9 * need:  # more than an eighth to spare
+                storage.resize_(need if kept else 0)  # resize_ keeps the start
+                freed = True
+        if freed:
+            self._reindex()
+
+    def keep(self, *regions: torch.Tensor) -> None:
+        """Keep ``regions`` (views of the message buffers) through ``trim`` until ``keep()`` again."""
+        self._kept = regions
+
+    def _kept_end(self, index: int, buffer: torch.Tensor) -> int:
+        """Where the last kept region in message buffer ``buffer`` ends in it, or 0."""
+        if index > 1:
+            return 0
+        start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.untyped_storage().nbytes()
+        return max(
+            (region.data_ptr() - start + region.numel() for region in self._kept
+             if region.device == buffer.device and start <= region.data_ptr() < end),
+            default=0,
+        )
+
+    def place_of(self, buffer: torch.Tensor) -> tuple[int, int] | None:
+        """Where ``buffer`` starts in the ring buffers: (which of the three, byte offset), or None when
+        in none of them. A message is at offset 0, or behind the message of the ring that carried it
+        (a prefetched one, a deferred hop)."""
+        pointer = buffer.data_ptr()
+        place = self._index.get(pointer)
+        if place is None:
+            for index, start, end in self._spans:
+                if start < pointer < end:
+                    return index, pointer - start
+        return place
+
+    def _live(self):
+        """(index, buffer) of every buffer that holds memory now."""
+        for buffers in self._sets.values():
+            for index, buffer in enumerate(buffers):
+                if buffer is not None and buffer.untyped_storage().nbytes():
+                    yield index, buffer
+
+    def _reindex(self) -> None:
+        live = list(self._live())
+        self._index = {buffer.data_ptr(): (index, 0) for index, buffer in live}
+        self._spans = [(index, buffer.data_ptr(), buffer.data_ptr() + buffer.untyped_storage().nbytes()) for index, buffer in live]
+
+    def _reset(self) -> None:
+        self.generation += 1
+        self._prefixes.clear()
+        self._messages.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.untyped_storage().nbytes() for _, buffer in self._live())
+
+    def end_of_backward(self) -> None:
+        """The backward that used the buffers ended (a backward that raised runs no end callbacks, and
+        the next one frees them)."""
+        self.release()
+
+    def release(self) -> None:
+        """Free the buffers' memory. The tensors stay, with no storage, and so do the views of them that
+        messages cached: the next pass gives the same storages memory again (``resize_``, as FSDP2 frees
+        and refills its unsharded parameters), and its views need not be made again."""
+        for _, buffer in list(self._live()):
+            buffer.untyped_storage().resize_(0)
+        self._reindex()
+        for sizes in self._sizes.values():
+            sizes.end()

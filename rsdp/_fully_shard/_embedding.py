@@ -1,0 +1,138 @@
+"""The Embedding ring: the table's rows (the vocabulary) split over the ring.
+
+Forward: the table rotates; at each step every token's row is selected from the shard held with a
+precomputed ``[W, N]`` mask and a clamped row index (``_shard_selection``). Backward needs no weights:
+each rank adds its tokens' gradient rows (``index_add_``) into the travelling partial of each shard, a
+sparse contribution (``_ring_function.SparseContribution``). Tokens equal to ``padding_idx`` contribute
+no gradient.
+
+Pitfalls:
+- Nothing on the ring path reads a device value on the host: rows are selected with masks, never
+  ``nonzero()``, and indices are validated on the device. Each rank ORs its "some index is out of
+  range" byte into the message, which carries it round the ring, so every rank raises after the last
+  step, not one (``torch._assert_async``; a device-side assert on CUDA).
+- ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` need the whole table or global counts: such an
+  Embedding is refused at ``rsdp_shard`` (``ring_mixin_for``).
+"""
+
+import math
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .._compat import assert_async
+from ._checkpoint import kept_or_run
+from ._param import ShardLayout, shard_layout
+from ._prefetch import ring_begins
+from ._ring import Phase
+from ._ring_function import RingLayer, SparseContribution, check_device, local_shard, ring_backward
+from ._wire import Segment
+
+
+class RingEmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, indices, weight, layer: RingLayer, num_embeddings: int, padding_idx):
+        state, ring = layer.state, layer.state.ring
+        dtype = state.compute_dtype(weight.dtype)
+        layout = shard_layout(num_embeddings, ring.size)
+        # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
+        message = ring.context.buffers.message_of(
+            (Segment(layout, weight.shape[1:], dtype), Segment(shard_layout(ring.size, ring.size), torch.Size(), torch.uint8))
+        )
+        flat_indices = indices.reshape(-1)
+
+        def rotate() -> tuple[torch.Tensor]:
+            out_of_range = ((flat_indices < 0) | (flat_indices >= num_embeddings)).any()
+            selects, rows_in = _shard_selection(flat_indices, layout, None)
+            out = torch.zeros(*indices.shape, *weight.shape[1:], dtype=dtype, device=weight.device)
+            out2d = out.view(flat_indices.numel(), math.prod(weight.shape[1:]))
+            scratch = torch.empty_like(out2d)
+
+            def start(buffer: torch.Tensor) -> None:
+                rows, flag = message.views(buffer, ring.rank)
+                rows.copy_(weight)
+                flag.copy_(out_of_range)
+
+            def during(step: int, buffer: torch.Tensor) -> None:
+                shard = ring.weight_shard_at(step)
+                rows, _ = message.views(buffer, shard)
+                if layout.rows_of(shard):
+                    torch.index_select(rows.reshape(rows.shape[0], -1), 0, rows_in[shard], out=scratch)
+                    out2d.add_(scratch.masked_fill_(~selects[shard].unsqueeze(1), 0))
+
+            def on_arrival(step: int, buffer: torch.Tensor) -> None:
+                _, flag = message.views(buffer, ring.weight_shard_at(step))
+                flag.bitwise_or_(out_of_range)
+
+            ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], message)  # the flag: not prefetchable
+            with layer.profiled(Phase.FORWARD):
+                final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
+                                       carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+            _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
+            assert_async(
+                (flag | out_of_range) == 0,
+                f"rsdp Embedding: an index is out of range [0, {num_embeddings}) on at least one rank "
+                "(every rank raises this; check the token ids against num_embeddings)",
+            )
+            return (out,)
+
+        (out,) = kept_or_run(layer, rotate)
+        ctx.save_for_backward(flat_indices)
+        ctx.layer, ctx.num_embeddings, ctx.padding_idx = layer, num_embeddings, padding_idx
+        ctx.weight_dtype, ctx.trailing = weight.dtype, weight.shape[1:]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None, None
+        (flat_indices,) = ctx.saved_tensors
+        layer = ctx.layer
+        ring = layer.state.ring
+        reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
+        layout = shard_layout(ctx.num_embeddings, ring.size)
+        message = ring.context.buffers.message_of((Segment(layout, ctx.trailing, reduce_dtype),))
+        selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
+        dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
+        masked = torch.empty(dy.shape, dtype=reduce_dtype, device=dy.device)
+
+        def add_contribution(shard: int, views: list[torch.Tensor]) -> None:
+            (rows,) = views
+            if layout.rows_of(shard):
+                masked.copy_(dy).masked_fill_(~selects[shard].unsqueeze(1), 0)
+                rows.view(rows.shape[0], dy.shape[1]).index_add_(0, rows_in[shard], masked)
+
+        with layer.profiled(Phase.BACKWARD):
+            reduced = ring_backward(layer, message, 0, [(id(layer), "weight")], None, SparseContribution(add_contribution))
+        grad_weight = None if reduced is None else reduced[0].to(ctx.weight_dtype)
+        return None, grad_weight, None, None, None
+
+
+def _shard_selection(flat_indices: torch.Tensor, layout: ShardLayout, padding_idx: int | None):
+    """For every shard: which tokens it serves (``[W, N]`` bool; padding tokens excluded when
+    ``padding_idx`` is given) and their row in it (``[W, N]``, clamped into the shard so that the
+    others index a valid row too) — computed on the device, with no data-dependent shape."""
+    # Built on the device (a host list copied there would be a synchronous copy on CUDA).
+    starts = (torch.arange(layout.world, device=flat_indices.device) * layout.chunk).clamp_(max=layout.rows)
+    counts = (starts + layout.chunk).clamp_(max=layout.rows) - starts
+    rows_in = flat_indices.unsqueeze(0) - starts.unsqueeze(1)
+    selects = (rows_in >= 0) & (rows_in < counts.unsqueeze(1))
+    if padding_idx is not None:
+        selects &= flat_indices.unsqueeze(0) != padding_idx
+    rows_in = torch.minimum(rows_in.clamp_(min=0), (counts - 1).clamp_(min=0).unsqueeze(1))
+    return selects, rows_in
+
+
+class RingEmbedding:
+    """Mixed into an ``nn.Embedding`` (by class swap) whose rows rotate on the ring."""
+
+    _rsdp_ring: RingLayer
+
+    @torch.compiler.disable
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = local_shard(self.weight, self, "weight", self._rsdp_ring)
+        if input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"rsdp {type(self).__qualname__}: indices must be int32 or int64, got {input.dtype}")
+        check_device(input, weight, self)
+        return RingEmbeddingFunction.apply(input, weight, self._rsdp_ring, self.num_embeddings, self.padding_idx)

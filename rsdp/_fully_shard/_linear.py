@@ -1,0 +1,345 @@
+"""The Linear ring: ``y = x W^T + b`` with W's rows (output features) split over the ring, for a group
+of Linears that share an input; and the input-split product ``y = x W`` with W stored ``[in, out]``.
+
+One Function serves a *group* of Linears that consume the same input (q/k/v, gate/up; see
+``_fusion.py``): their shards travel as one message, so the group costs one ring per pass, and a lone
+Linear is a group of one. Forward: at step k the rank holds shard s = (r + k) mod W of every member's
+weight and writes ``x W_s^T + b_s`` into the output columns of shard s while the next shard travels.
+Backward (``_ring_function.ring_backward``): the weights rotate again for ``grad_x``, and the weight
+gradients' partials travel in the same message, each rank's contribution a dense GEMM.
+
+``RingLinear`` is mixed into a stock ``nn.Linear`` (class swap); its forward checks the input, and
+``_fusion.SharedInputFusion`` runs the group's ring (``run_linear_group``) or hands over the output the
+group's first member computed. ``RingInputSplitFunction`` serves a weight stored ``[in, out]`` (Hugging
+Face's ``Conv1D``), which a ``RingOperand`` meets in ``addmm`` / ``mm`` / ``@`` (``_operand.py``).
+
+Pitfalls:
+- A group's padding rows hold stale bytes of earlier messages: the forward's products over them land
+  in columns never read, and the backward runs the input-gradient GEMM over the whole group only
+  when no member is padded (a zero gradient column does not cancel a stale NaN).
+- The first exchange of a forward ring may have been done ahead, by the ring before
+  (``_ring_function.first_message``): the weights packed must be the ones it would pack.
+"""
+
+import itertools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+
+from ._checkpoint import kept_or_run
+from ._param import ShardLayout, shard_layout
+from ._ring import Phase
+from ._ring_function import (
+    DenseContribution,
+    RingLayer,
+    RingWeights,
+    check_device,
+    first_message,
+    local_shard,
+    ring_backward,
+    sharded,
+    write_product,
+)
+from ._wire import Segment
+
+
+class _Stacked:
+    """A Linear group's shard-s weights as one matrix: the members' weight segments lead the message and
+    are adjacent, each padded to its ``chunk`` rows, so shard s of all of them is ``[width, in]``
+    (``width`` the sum of the chunks) starting where the first member's view starts. Its products fill
+    ``[tokens, W, width]``, whose member columns, unpadded, are that member's output."""
+
+    def __init__(self, layouts: list[ShardLayout]):
+        self.layouts = layouts
+        self.offsets = list(itertools.accumulate((layout.chunk for layout in layouts), initial=0))
+        self.width = self.offsets[-1]
+        self.unpadded = all(layout.chunk * layout.world == layout.rows for layout in layouts)
+
+    def rows(self, first: torch.Tensor) -> torch.Tensor:
+        """``[width, trailing]`` from the first member's view of one shard (its real rows only)."""
+        trailing = first.shape[1:]
+        return first.as_strided((self.width, *trailing), (math.prod(trailing), *first.stride()[1:]), first.storage_offset())
+
+    def spread(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """``[tokens, W, width]`` laid out like the products, holding ``outputs`` (every member's
+        ``[tokens, out_features]``) and zeros in the padding columns."""
+        world, tokens = self.layouts[0].world, outputs[0].shape[0]
+        spread = (outputs[0].new_empty if self.unpadded else outputs[0].new_zeros)(tokens, world, self.width)
+        for layout, start, output in zip(self.layouts, self.offsets, outputs):
+            columns = spread[:, :, start : start + layout.chunk]
+            if layout.chunk * world == layout.rows:
+                columns.copy_(output.view(tokens, world, layout.chunk))
+            else:
+                whole = output.new_zeros(tokens, world * layout.chunk)
+                whole[:, : layout.rows] = output
+                columns.copy_(whole.view(tokens, world, layout.chunk))
+        return spread
+
+    def copy_member(self, out: torch.Tensor, products: torch.Tensor, member: int) -> None:
+        """Member ``member``'s ``[tokens, out_features]`` columns of ``products`` into ``out``."""
+        layout, start = self.layouts[member], self.offsets[member]
+        columns = products[:, :, start : start + layout.chunk]
+        if layout.chunk * layout.world == layout.rows:
+            out.view(out.shape[0], layout.world, layout.chunk).copy_(columns)
+        else:
+            out.copy_(columns.reshape(out.shape[0], layout.world * layout.chunk)[:, : layout.rows])
+
+
+class LinearMember(NamedTuple):
+    """One Linear of a ring group: its output features, and the key of its parameters' sync-off
+    gradient accumulators (``RSDPState.unsynced_gradient``)."""
+
+    out_features: int
+    key: object
+
+
+class RingLinearFunction(torch.autograd.Function):
+    """``y_i = x W_i^T + b_i`` for a group of Linears sharing the input ``x``; params are
+    ``W_0, b_0, W_1, b_1, ...`` (``b_i`` may be None)."""
+
+    @staticmethod
+    def forward(ctx, x, layer: RingLayer, members: tuple[LinearMember, ...], *params):
+        state, ring = layer.state, layer.state.ring
+        out_features = tuple(member.out_features for member in members)
+        weights = params[0::2]
+        dtype = state.matmul_dtype(weights[0].dtype)
+        layouts = [shard_layout(rows, ring.size) for rows in out_features]
+        # Every member's weight, then the biases there are: the weights of one shard are then adjacent
+        # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
+        order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
+        message = ring.context.buffers.message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
+        slot = {index: position for position, index in enumerate(order)}
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+        stacked = _Stacked(layouts) if len(members) > 1 else None
+        all_biases = all(bias is not None for bias in params[1::2])
+
+        def rotate() -> tuple[torch.Tensor, ...]:
+            outs = [x2d.new_empty(*x.shape[:-1], rows) for rows in out_features]
+            outs2d = [out.view(-1, rows) for out, rows in zip(outs, out_features)]
+            products = None if stacked is None else x2d.new_empty(x2d.shape[0], ring.size, stacked.width)
+
+            def during(step: int, buffer: torch.Tensor) -> None:
+                shard = ring.weight_shard_at(step)
+                views = message.views(buffer, shard)
+                if stacked is not None:
+                    # Padding rows give columns that are never read.
+                    product = products[:, shard]
+                    if all_biases:  # adjacent too, right after the weights
+                        torch.addmm(stacked.rows(views[len(layouts)]), x2d, stacked.rows(views[0]).t(), out=product)
+                        return
+                    torch.mm(x2d, stacked.rows(views[0]).t(), out=product)
+                    for member, layout in enumerate(layouts):
+                        if 2 * member + 1 in slot and layout.rows_of(shard):
+                            start = stacked.offsets[member]
+                            product[:, start : start + layout.rows_of(shard)].add_(views[slot[2 * member + 1]])
+                    return
+                layout, out = layouts[0], outs2d[0]
+                start, stop = layout.start(shard), layout.stop(shard)
+                if start == stop:
+                    return
+                # A column block of a row-major matrix is a valid BLAS output (leading dimension
+                # out_features), so the product is written in place, with no temporary.
+                if 1 in slot:
+                    torch.addmm(views[slot[1]], x2d, views[0].t(), out=out[:, start:stop])
+                else:
+                    torch.mm(x2d, views[0].t(), out=out[:, start:stop])
+
+            tensors = [params[index] for index in order]
+            start = first_message(layer, message, tensors)
+            with layer.profiled(Phase.FORWARD):
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
+                               carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+                if stacked is not None:
+                    for member, out in enumerate(outs2d):
+                        stacked.copy_member(out, products, member)
+            return tuple(outs)
+
+        outs = kept_or_run(layer, rotate)
+        ctx.save_for_backward(x2d, *weights)
+        ctx.layer, ctx.members, ctx.out_features = layer, members, out_features
+        ctx.has_bias = [p is not None for p in params[1::2]]
+        ctx.x_shape, ctx.x_dtype, ctx.dtype = x.shape, x.dtype, dtype
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outs):
+        x2d, *weights = ctx.saved_tensors
+        layer = ctx.layer
+        state, ring = layer.state, layer.state.ring
+        need_x = ctx.needs_input_grad[0]
+        need_params = ctx.needs_input_grad[3:]
+        dtype = ctx.dtype  # the forward's (autocast's, if it was on then)
+        reduce_dtype = state.reduce_dtype(weights[0].dtype)
+        layouts = [shard_layout(rows, ring.size) for rows in ctx.out_features]
+        dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
+
+        # Gradients in the message: (member, is_bias) for every parameter that needs one, the weights'
+        # first, so that a group's are adjacent (one GEMM per shard when every member's is wanted).
+        wanted = sorted(
+            ((index // 2, index % 2 == 1) for index, need in enumerate(need_params)
+             if need and (index % 2 == 0 or ctx.has_bias[index // 2])),
+            key=lambda entry: (entry[1], entry[0]),
+        )
+        group = _Stacked(layouts) if len(layouts) > 1 else None
+        every = range(len(layouts))
+        stacked = group is not None and wanted[: len(layouts)] == [(member, False) for member in every]
+        stacked_biases = stacked and wanted == [(m, False) for m in every] + [(m, True) for m in every]
+        # The input gradient's term is one GEMM per shard too, but only without padding rows: they hold
+        # stale bytes of earlier messages, which a zero column of the gradient would not cancel (0 × NaN).
+        stacked_input = group is not None and need_x and group.unpadded
+        dy_stacked = group.spread(dys) if stacked or stacked_input else None
+        weight_segments = [Segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
+        grad_segments = [
+            Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
+            for member, is_bias in wanted
+        ]
+        message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
+        grad_x = torch.zeros_like(x2d) if need_x else None
+
+        def pack_weights(views: list[torch.Tensor]) -> None:
+            for view, weight in zip(views, weights):
+                view.copy_(weight)
+
+        def use_weights(shard: int, views: list[torch.Tensor]) -> None:
+            if stacked_input:
+                grad_x.addmm_(dy_stacked[:, shard], group.rows(views[0]))
+                return
+            for layout, dy, weight in zip(layouts, dys, views):
+                if layout.rows_of(shard):
+                    grad_x.addmm_(dy[:, layout.row_slice(shard)], weight)
+
+        def contribute(shard: int, views: list[torch.Tensor]) -> None:
+            if stacked:
+                write_product(group.rows(views[0]), dy_stacked[:, shard].t(), x2d)
+                if stacked_biases:
+                    group.rows(views[len(layouts)]).copy_(dy_stacked[:, shard].sum(0))
+                    return
+            for (member, is_bias), view in zip(wanted, views):
+                if stacked and not is_bias:
+                    continue
+                layout = layouts[member]
+                dy_shard = dys[member][:, layout.row_slice(shard)]
+                if is_bias:
+                    view.copy_(dy_shard.sum(0))
+                else:
+                    write_product(view, dy_shard.t(), x2d)
+
+        with layer.profiled(Phase.BACKWARD):
+            keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
+            reduced = ring_backward(layer, message, len(weight_segments), keys, RingWeights(pack_weights, use_weights), DenseContribution(contribute))
+        grads = [None] * len(need_params)
+        if reduced is not None:
+            for (member, is_bias), grad in zip(wanted, reduced):
+                grads[2 * member + is_bias] = grad.to(weights[member].dtype)
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+        return grad_x, None, None, *grads
+
+
+class RingInputSplitFunction(torch.autograd.Function):
+    """``y = x W`` for ``W`` stored ``[in, out]`` with its rows (input features) split over the ring: each
+    step adds ``x[:, rows of shard s] W_s``; backward writes ``dy W_s^T`` into the input gradient's
+    columns of shard s and sends ``x[:, rows of s]^T dy`` on to its owner."""
+
+    @staticmethod
+    def forward(ctx, x, layer: RingLayer, full_shape: tuple[int, int], weight):
+        state, ring = layer.state, layer.state.ring
+        in_features, out_features = full_shape
+        dtype = state.matmul_dtype(weight.dtype)
+        layout = shard_layout(in_features, ring.size)
+        message = ring.context.buffers.message_of((Segment(layout, weight.shape[1:], dtype),))
+        x2d = x.reshape(-1, in_features).to(dtype)
+
+        def rotate() -> tuple[torch.Tensor]:
+            out = x2d.new_zeros(x2d.shape[0], out_features)
+
+            def during(step: int, buffer: torch.Tensor) -> None:
+                shard = ring.weight_shard_at(step)
+                if layout.rows_of(shard):
+                    out.addmm_(x2d[:, layout.row_slice(shard)], message.views(buffer, shard)[0])
+
+            start = first_message(layer, message, [weight])
+            with layer.profiled(Phase.FORWARD):
+                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
+                               carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+            return (out,)
+
+        (out,) = kept_or_run(layer, rotate)
+        ctx.save_for_backward(x2d, weight)
+        ctx.layer, ctx.full_shape, ctx.x_shape, ctx.x_dtype, ctx.dtype = layer, full_shape, x.shape, x.dtype, dtype
+        return out.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x2d, weight = ctx.saved_tensors
+        layer = ctx.layer
+        state, ring = layer.state, layer.state.ring
+        in_features, out_features = ctx.full_shape
+        dtype = ctx.dtype
+        layout = shard_layout(in_features, ring.size)
+        need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        dy = grad_out.reshape(-1, out_features).to(dtype)
+        weight_segments = [Segment(layout, weight.shape[1:], dtype)] if need_x else []
+        grad_segments = [Segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
+        message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
+        grad_x = torch.zeros_like(x2d) if need_x else None
+
+        def pack_weights(views: list[torch.Tensor]) -> None:
+            views[0].copy_(weight)
+
+        def use_weights(shard: int, views: list[torch.Tensor]) -> None:
+            if layout.rows_of(shard):
+                grad_x[:, layout.row_slice(shard)].addmm_(dy, views[0].t())
+
+        def contribute(shard: int, views: list[torch.Tensor]) -> None:
+            write_product(views[0], x2d[:, layout.row_slice(shard)].t(), dy)
+
+        with layer.profiled(Phase.BACKWARD):
+            keys = [(id(layer), "weight")] if need_weight else []
+            reduced = ring_backward(layer, message, len(weight_segments), keys, RingWeights(pack_weights, use_weights), DenseContribution(contribute))
+        grad_weight = None if reduced is None else reduced[0].to(weight.dtype)
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+        return grad_x, None, None, grad_weight
+
+
+def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The outputs of ``modules`` (ring Linears of one rsdp module) on one input, in one ring."""
+    params = []
+    for module in modules:
+        params += [local_shard(module.weight, module, "weight", layer), local_shard(module.bias, module, "bias", layer)]
+    members = tuple(LinearMember(module.out_features, id(module)) for module in modules)
+    return RingLinearFunction.apply(input, layer, members, *params)
+
+
+class RingLinear:
+    """Mixed into an ``nn.Linear`` (by class swap) whose weight rotates on the ring."""
+
+    _rsdp_ring: RingLayer
+
+    @torch.compiler.disable
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # Not run inside a ring sub-block's steps: there each planned Linear's forward is its product
+        # with the shard held, installed on the instance (_sub_block.py).
+        if self.__dict__.get("_rsdp_row_of") is not None:
+            raise RuntimeError(
+                f"rsdp: {type(self).__qualname__} is the rowwise Linear of ring sub-block "
+                f"{self._rsdp_row_of.name!r}; its columns are sharded, so call the sub-block, not the Linear."
+            )
+        # Checked before the ring starts: a rank that failed half-way through a ring step would leave
+        # its peers waiting for the process group's timeout.
+        weight = sharded(self.weight, self, "weight")
+        if not input.is_floating_point():
+            raise TypeError(f"rsdp {type(self).__qualname__}: input must be floating point, got {input.dtype}")
+        if input.dim() == 0 or input.shape[-1] != self.in_features:
+            raise ValueError(
+                f"rsdp {type(self).__qualname__}: input of shape {tuple(input.shape)} does not end in "
+                f"in_features={self.in_features}"
+            )
+        check_device(input, weight, self)
+        return self._rsdp_ring.state.fusion.linear(self, input)

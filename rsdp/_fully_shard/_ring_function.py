@@ -1,0 +1,317 @@
+"""What every ring autograd Function shares: the layer it serves, its first message, and the one
+backward driver.
+
+A ring Function (``_linear.py``: Linear groups and input-split products; ``_embedding.py``; a planned
+sub-block's, ``_sub_block.py``) receives the *local* shards (as gradient leaves, ``_grad.py``) and
+returns the reduced gradients of those shards, which rsdp writes into the ``Shard(0)`` DTensor
+``.grad``; only the local shards are saved for backward (docs/design.md, "The ring").
+
+``ring_backward`` is the backward ring of every Function whose partials reach their owners in W-1
+hops (all but a planned sub-block's): the weights (for the input gradient) and the gradient partials
+travel in one message. At each step the rank uses the weights it holds, and adds its own contribution
+to the partial it holds before sending it on. How it contributes is the Function's strategy:
+
+- ``DenseContribution`` (a GEMM that writes every element of the shard's gradient: Linear,
+  input-split): computed into a scratch buffer while the partial travels, added when it arrives, so
+  only the addition waits for the exchange;
+- ``SparseContribution`` (an ``index_add_`` of a few rows: Embedding): added straight into the arrived
+  partial, with no scratch buffer and no dense addition.
+
+With gradient synchronisation off (``set_requires_gradient_sync(False)``) no partial travels: each
+rank adds its contribution to every shard into a local accumulator (one full-size gradient, as with
+FSDP2), which the next synchronised backward adds into the travelling partials.
+
+Pitfalls:
+- Nothing on the ring path reads a device value on the host (no ``nonzero``, ``item`` or
+  data-dependent shapes): on CUDA each would stall the stream.
+- The ring's buffers are reused by the next ring: results are written into fresh tensors or copied out.
+- Outputs are returned as fresh tensors, not views, so in-place ops on them work as on stock layers.
+- A ring is a loop of point-to-point messages, which torch.compile cannot capture: each ring layer
+  is an explicit graph break (``torch.compiler.disable``), and the code around it compiles as usual.
+"""
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.profiler import record_function
+
+from .._compat import DTensor, autocast_dtype, profiler_enabled
+from ._prefetch import ring_begins
+from ._ring import Phase, Ring
+from ._wire import Message
+
+
+class RingLayer:
+    """What one ring-rotated module needs at run time: the rsdp state whose settings (mesh, mixed
+    precision, gradient reduction) it follows, its message tags, and a name for profiles."""
+
+    def __init__(self, state, tags: dict[Phase, int], name: str):
+        self.state = state
+        self.tags = tags
+        self.name = name
+        self._range_names = {phase: f"rsdp::ring_{phase.name.lower()} ({name})" for phase in Phase}
+
+    def profiled(self, phase: Phase) -> contextlib.AbstractContextManager:
+        """The profiler range of one pass of this ring, ``rsdp::ring_forward (<layers>)`` or
+        ``rsdp::ring_backward (<layers>)``; none when no profiler records: a ``record_function`` costs
+        host time even then (docs/benchmarks.md), and a step runs two per ring."""
+        return record_function(self._range_names[phase]) if profiler_enabled() else contextlib.nullcontext()
+
+
+def finished_gradients(state, message: Message, first: int, final: torch.Tensor) -> list[torch.Tensor]:
+    """This rank's reduced shards of the gradient segments ``first:`` of the last message, copied out of
+    the ring buffer divided (``gradient_divisor``): one op each, from views of the buffer."""
+    divisor = state.gradient_divisor
+    return [view.clone() if divisor == 1 else view / divisor for view in message.views(final, state.ring.rank, first)]
+
+
+def first_message(layer: RingLayer, message: Message, tensors: list[torch.Tensor]):
+    """A forward ring's first message, for ``Ring.circulate``: the exchange prefetched for it, else
+    ``tensors`` themselves when they are the message, else a function that packs them."""
+    ring = layer.state.ring
+    prefetched = ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], message, tensors)
+    if prefetched is not None:
+        return prefetched
+    as_is = message.as_is(tensors)
+    if as_is is not None:
+        return as_is
+    return lambda buffer: message.pack(buffer, ring.rank, tensors)
+
+
+def autocast_like(addend: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
+    """A bias added to a ring product as autocast hands it to the stock op (``linear``, ``addmm``): in the
+    product's dtype, else the sum would promote back to float32 where the stock op returns bfloat16."""
+    if autocast_dtype(product.device.type) is None or not addend.is_floating_point() or addend.dtype == torch.float64:
+        return addend
+    return addend.to(product.dtype)
+
+
+def write_product(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``dst = a @ b`` in ``dst``'s dtype."""
+    if dst.dtype == a.dtype:
+        torch.mm(a, b, out=dst)
+    else:
+        dst.copy_(a @ b)
+
+
+class DenseContribution:
+    """A contribution that is every element of its shard's gradients (a GEMM): written into a scratch
+    buffer while the partial travels, added to the partial when it arrives.
+
+    ``write(shard, views)`` writes this rank's contribution to shard ``shard`` of every gradient into
+    ``views``. ``earlier(shard, views)``, where given, adds what backwards without synchronisation
+    kept for the shard."""
+
+    computes_ahead = True
+
+    def __init__(self, write: Callable[[int, list[torch.Tensor]], None]):
+        self.write = write
+
+    def reserve(self, ring: Ring, grads: Message) -> None:
+        """Ask for the scratch buffer (after the message buffers: the order of requests is the pass's)."""
+        self._grads, self._scratch = grads, ring.context.buffers.scratch(grads.nbytes, ring.device)
+
+    def add_to(self, shard: int, views: list[torch.Tensor]) -> None:
+        """Add the contribution to shard ``shard`` into ``views`` (a local accumulator's)."""
+        mine = self._grads.views(self._scratch, shard)
+        self.write(shard, mine)
+        for view, part in zip(views, mine):
+            view.add_(part)
+
+    def start(self, shard: int, partials: list[torch.Tensor], earlier) -> None:
+        """The first partial: the contribution itself."""
+        self.write(shard, partials)
+        if earlier is not None:
+            earlier(shard, partials)
+
+    def ahead(self, shard: int, earlier) -> None:
+        """While the partial of ``shard`` travels to this rank: its contribution, into the scratch."""
+        mine = self._grads.views(self._scratch, shard)
+        self.write(shard, mine)
+        if earlier is not None:
+            earlier(shard, mine)
+
+    def arrival(self, ring: Ring, message: Message, first: int, earlier) -> Callable[[int, torch.Tensor], None]:
+        """The ring's ``on_arrival``: add the contribution computed while the partial travelled."""
+        grads, scratch = self._grads, self._scratch
+
+        def arrived(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.partial_shard_at(step)
+            for partial, mine in zip(message.views(buffer, shard, first), grads.views(scratch, shard)):
+                partial.add_(mine)
+
+        return arrived
+
+
+class SparseContribution:
+    """A contribution of a few rows (an ``index_add_``): added straight into the partial held, with no
+    scratch buffer and no dense addition. ``add(shard, views)`` adds this rank's contribution to shard
+    ``shard`` into ``views``."""
+
+    computes_ahead = False
+
+    def __init__(self, add: Callable[[int, list[torch.Tensor]], None]):
+        self.add = add
+
+    def reserve(self, ring: Ring, grads: Message) -> None:
+        pass
+
+    def add_to(self, shard: int, views: list[torch.Tensor]) -> None:
+        self.add(shard, views)
+
+    def start(self, shard: int, partials: list[torch.Tensor], earlier) -> None:
+        for partial in partials:
+            partial.zero_()
+        self.add(shard, partials)
+        if earlier is not None:
+            earlier(shard, partials)
+
+    def arrival(self, ring: Ring, message: Message, first: int, earlier) -> Callable[[int, torch.Tensor], None]:
+        """The ring's ``on_arrival``: add the contribution into the partial that arrived."""
+        add = self.add
+
+        def arrived(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.partial_shard_at(step)
+            partials = message.views(buffer, shard, first)
+            add(shard, partials)
+            if earlier is not None:
+                earlier(shard, partials)
+
+        return arrived
+
+
+class RingWeights:
+    """The weights a backward ring rotates for the input gradient: ``pack(views)`` writes this rank's
+    shards into a message's weight views, ``use(shard, views)`` adds their input-gradient terms."""
+
+    def __init__(self, pack: Callable[[list[torch.Tensor]], None], use: Callable[[int, list[torch.Tensor]], None]):
+        self.pack, self.use = pack, use
+
+
+def ring_backward(
+    layer: RingLayer,
+    message: Message,
+    weight_segments: int,
+    grad_keys: list,
+    weights: RingWeights | None,
+    contribution: DenseContribution | SparseContribution,
+) -> list[torch.Tensor] | None:
+    """The backward ring of one ring layer: the weights (segments ``:weight_segments`` of ``message``,
+    rotated when ``weights`` is given) and the gradient partials (the rest, one per key of
+    ``grad_keys``) travel together, each rank adding its ``contribution``.
+
+    Returns this rank's reduced gradient shards, or None when there are none to reduce: no gradient is
+    wanted, or synchronisation is off (then the contributions go to the local accumulators)."""
+    state, ring = layer.state, layer.state.ring
+    grads = message.tail(weight_segments)
+    weights_only = ring.context.buffers.message_of(message.segments[:weight_segments])
+    unsynced = bool(grad_keys) and not state.requires_gradient_sync
+    # Its first message carries partials: not prefetchable, but its last exchange may carry the next
+    # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
+    # prediction of their sizes the pass follows (``RingBuffers.begin_pass``).
+    ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], weights_only if unsynced else message)
+    ring.context.buffers.pair(message.nbytes, ring.device)
+    contribution.reserve(ring, grads)
+    if unsynced:
+        totals = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
+        for shard in range(ring.size):
+            contribution.add_to(shard, _unsynced_shards(state, grads, totals, shard))
+    if unsynced or not grad_keys:
+        if weight_segments:
+            _rotate_weights(layer, weights_only, weights)
+        return None
+    earlier = [state.take_unsynced(key) for key in grad_keys]
+    return _reduce_on_ring(layer, message, grads, weight_segments, earlier, weights, contribution)
+
+
+def _unsynced_shards(state, grads: Message, totals: list[torch.Tensor | None], shard: int) -> list[torch.Tensor | None]:
+    """Shard ``shard`` of each full-size local accumulator in ``totals``."""
+    return [
+        None if total is None else state.unsynced_shard(total, shard, (segment.layout.rows_of(shard), *segment.trailing))
+        for total, segment in zip(totals, grads.segments)
+    ]
+
+
+def _rotate_weights(layer: RingLayer, message: Message, weights: RingWeights) -> None:
+    """The weights alone round the ring, for the input gradient."""
+    ring = layer.state.ring
+    ring.circulate(
+        message.nbytes,
+        layer.tags[Phase.BACKWARD],
+        lambda buffer: weights.pack(message.views(buffer, ring.rank)),
+        lambda step, buffer: weights.use(ring.weight_shard_at(step), message.views(buffer, ring.weight_shard_at(step))),
+        rider=ring.context.pending_reductions.ring_rider(ring),
+        carry_next=ring.context.backward_order.next_first,
+    )
+    ring.context.buffers.trim()
+
+
+def _reduce_on_ring(layer: RingLayer, message: Message, grads: Message, weight_segments: int, unsynced: list, weights, contribution) -> list[torch.Tensor]:
+    """The weights and the partials (``grads``, segments ``weight_segments:`` of ``message``) round the
+    ring: the partial of shard ``ring.partial_shard_at(k)`` is held at step k and reaches its owner
+    after W-1 hops, reduced. ``unsynced``: what backwards without synchronisation kept for each
+    gradient (None where nothing), added on the way."""
+    state, ring = layer.state, layer.state.ring
+
+    def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
+        for view, total in zip(views, _unsynced_shards(state, grads, unsynced, shard)):
+            if total is not None:
+                view.add_(total)
+
+    earlier = None  # nothing kept: no call per step
+    for total in unsynced:
+        if total is not None:
+            earlier = add_unsynced
+    ahead = contribution.computes_ahead
+
+    def start(buffer: torch.Tensor) -> None:
+        if weight_segments:
+            weights.pack(message.views(buffer, ring.rank)[:weight_segments])
+        shard = ring.partial_shard_at(0)
+        contribution.start(shard, message.views(buffer, shard, weight_segments), earlier)
+
+    def during(step: int, buffer: torch.Tensor) -> None:
+        if weight_segments:
+            shard = ring.weight_shard_at(step)
+            weights.use(shard, message.views(buffer, shard)[:weight_segments])
+        if ahead and step + 1 < ring.size:
+            contribution.ahead(ring.partial_shard_at(step + 1), earlier)
+
+    on_arrival = contribution.arrival(ring, message, weight_segments, earlier)
+    final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival,
+                           rider=ring.context.pending_reductions.ring_rider(ring), carry_next=ring.context.backward_order.next_first)
+    reduced = finished_gradients(state, message, weight_segments, final)
+    ring.context.buffers.trim()
+    return reduced
+
+
+def sharded(param: nn.Parameter | None, module: nn.Module, name: str) -> DTensor | None:
+    """``module.<name>``: the sharded DTensor parameter rsdp installed (a ring operand stands in for it
+    while its module runs); raises if it was replaced by something else."""
+    if param is None:
+        return None
+    param = getattr(param, "sharded_param", param)
+    if not isinstance(param, DTensor):
+        raise RuntimeError(
+            f"rsdp: {type(module).__qualname__}.{name} is no longer the sharded DTensor parameter that "
+            "rsdp_shard installed (was it reassigned?). Assign new values in place, e.g. "
+            "`with torch.no_grad(): param.copy_(value)`, or load them with load_state_dict."
+        )
+    return param
+
+
+def local_shard(param: nn.Parameter | None, module: nn.Module, name: str, layer: RingLayer) -> torch.Tensor | None:
+    """What a ring function computes with for ``module.<name>``: its local shard, as the gradient leaf
+    through which rsdp accumulates its gradient (``_grad.py``)."""
+    param = sharded(param, module, name)
+    return None if param is None else layer.state.gradients.leaf(param)
+
+
+def check_device(input: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> None:
+    if input.device != weight.device:
+        raise ValueError(
+            f"rsdp {type(module).__qualname__}: input is on {input.device} but the parameters are on "
+            f"{weight.device}; move the input there first (e.g. `batch.to('{weight.device}')`)."
+        )

@@ -1,0 +1,127 @@
+"""The wire format of a ring step: shard ``s`` of several tensors as one flat byte message.
+
+A message is ``[segment 0 | segment 1 | ...]``; a segment is one tensor's shard ``s``, padded to that
+tensor's ``chunk`` rows (``_param.ShardLayout``), in its dtype on the wire. Padding exists on the wire
+only: every rank must send and receive the same number of bytes at each step, while parameters store
+their real rows. Views cover the real rows only, so padding bytes are never read.
+
+A ``Message`` knows nothing of where messages live. It is handed the pool that made it (a
+``MessagePool``: ``_buffers.RingBuffers``), and asks it only where a buffer lies in the pool and
+whether the pool's buffers were replaced, so that views of the pool's own buffers are made once and
+reused, and views of any other buffer are made fresh.
+
+Pitfalls:
+- A segment is aligned to its own element size only: a wider alignment would put gap bytes on the wire.
+- A cached view is valid only while the pool's buffers are the ones it was made of (``generation``).
+"""
+
+import math
+import typing
+from dataclasses import dataclass
+
+import torch
+
+from .._compat import outside_inference_mode
+from ._param import ShardLayout
+
+
+class MessagePool(typing.Protocol):
+    """What a ``Message`` asks of the buffers that hold messages (``_buffers.RingBuffers``)."""
+
+    generation: int  # bumped whenever the pool's buffers are replaced
+
+    def place_of(self, buffer: torch.Tensor) -> tuple[int, int] | None: ...
+
+    def message_of(self, segments: tuple["Segment", ...]) -> "Message": ...
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One tensor in a ring message: its row split, the shape of one row, and its dtype on the wire."""
+
+    layout: ShardLayout
+    trailing: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def padded_nbytes(self) -> int:
+        return self.layout.chunk * math.prod(self.trailing) * self.dtype.itemsize
+
+
+class Message:
+    """The wire format of one ring step: shard ``s`` of several tensors in one flat byte buffer.
+
+    A message is ``[segment 0 | segment 1 | ...]``, each segment holding the rows of one tensor's shard
+    ``s`` padded to that tensor's ``chunk`` rows, in its own dtype. The weights and biases of Linears
+    that share an input travel as one message, and in backward the weights travel together with the
+    gradient partials (in ``reduce_dtype``), so one ring step is one message whatever it carries.
+    Padding rows are never read: views cover the shard's real rows only. One per layout and pool:
+    made by the pool's ``message_of``, whose buffers' views it caches.
+    """
+
+    def __init__(self, segments: tuple[Segment, ...], buffers: MessagePool):
+        self.segments = segments
+        self._buffers = buffers  # the pool whose views it caches (and which made it)
+        self.offsets = []
+        offset = 0
+        for segment in segments:
+            # Aligned to the segment's element size only, for its typed view: wider alignment would
+            # put gap bytes on the wire.
+            offset = -(-offset // segment.dtype.itemsize) * segment.dtype.itemsize
+            self.offsets.append(offset)
+            offset += segment.padded_nbytes
+        self.nbytes = offset
+        # Views of the ring's own buffers, which outlive a step:
+        # ((buffer index, offset), shard, first, transposed) -> views.
+        self._ring_views: dict[tuple, list[torch.Tensor]] = {}
+        self._generation = buffers.generation
+
+    def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:
+        """Segments ``first:`` of ``buffer`` (a byte tensor holding one message) as shard ``shard``'s
+        rows, shaped ``[rows, *trailing]``; those that ``transposed`` flags (one flag per segment from
+        ``first`` on) transposed, as a GEMM takes a colwise weight.
+
+        Views of the ring's buffers are made once and reused (making them is most of a small ring
+        step's host time); other buffers get fresh views, since their memory may be reused."""
+        place = self._buffers.place_of(buffer)
+        if place is None:
+            return self._make_views(buffer, shard, first, transposed)
+        if self._generation != self._buffers.generation:
+            self._ring_views.clear()
+            self._generation = self._buffers.generation
+        key = (place, shard, first, transposed)
+        views = self._ring_views.get(key)
+        if views is None:
+            with outside_inference_mode():
+                views = self._ring_views[key] = self._make_views(buffer, shard, first, transposed)
+        return views
+
+    def _make_views(self, buffer: torch.Tensor, shard: int, first: int, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:
+        views = []
+        for index, (segment, offset) in enumerate(zip(self.segments[first:], self.offsets[first:])):
+            rows = segment.layout.rows_of(shard)
+            nbytes = rows * math.prod(segment.trailing) * segment.dtype.itemsize
+            view = buffer[offset : offset + nbytes].view(segment.dtype).view(rows, *segment.trailing)
+            views.append(view.t() if index < len(transposed) and transposed[index] else view)
+        return views
+
+    def tail(self, first: int) -> "Message":
+        """The message made of segments ``first:``, laid out as they are here (offsets shifted)."""
+        return self._buffers.message_of(self.segments[first:])
+
+    def pack(self, buffer: torch.Tensor, shard: int, tensors: list[torch.Tensor], first: int = 0) -> None:
+        """Write ``tensors`` (shard ``shard`` of segments ``first:``) into ``buffer``."""
+        for view, tensor in zip(self.views(buffer, shard, first), tensors):
+            view.copy_(tensor)
+
+    def as_is(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """``tensors`` themselves as the message, with no copy, when a single tensor is exactly one
+        full, contiguous segment in the wire dtype; else None."""
+        if len(tensors) != 1 or len(self.segments) != 1:
+            return None
+        (tensor,), (segment,) = tensors, self.segments
+        if tensor.dtype != segment.dtype or not tensor.is_contiguous():
+            return None
+        if tensor.numel() * tensor.element_size() != self.nbytes:
+            return None
+        return tensor.view(-1).view(torch.uint8)
