@@ -227,6 +227,13 @@ def selective_checkpoint_region():
     return None
 
 
+def set_process_group_timeout(timeout, group=None) -> None:
+    """``dist.set_timeout`` as torchtitan 0.3 calls it; torch 2.13 has only the private one."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
+
+
 def selective_checkpoint_policy():
     """The policy function of the innermost selective-activation-checkpoint region whose forward is now
     running (``create_selective_checkpoint_contexts``' ``policy_fn``), or None outside one."""
@@ -319,6 +326,7 @@ __all__ = [
     "outside_inference_mode",
     "selective_checkpoint_region",
     "send_and_receive",
+    "set_process_group_timeout",
     "share_fsdp_contexts",
     "sharded_like",
     "gradient_hooks",

@@ -45,16 +45,12 @@ def test_no_engine_file_imports_a_file_listed_below_it():
     assert {name: found for name, found in upward.items() if found} == {}
 
 
-# Files other work owns at the time of writing; their private names are to move into _compat too.
-_NOT_YET_MOVED = {"rsdp/planner/_cost_model.py", "rsdp/torchtitan/_cpu.py"}
-
-
 def test_private_torch_names_are_used_only_in_compat():
     private = re.compile(r"\btorch(\.[A-Za-z]\w*)*\._[A-Za-z]\w*|^\s*from torch[\w.]* import .*\b_[a-z]", re.MULTILINE)
     found = {}
     for path in sorted((ROOT / "rsdp").rglob("*.py")):
         name = str(path.relative_to(ROOT))
-        if name == "rsdp/_compat.py" or name in _NOT_YET_MOVED:
+        if name == "rsdp/_compat.py":
             continue
         code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
         code = re.sub(r'"""[\s\S]*?"""', "", code)  # docstrings may name them

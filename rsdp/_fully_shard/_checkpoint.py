@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .._compat import selective_checkpoint_region
+from .._compat import selective_checkpoint_policy, selective_checkpoint_region
 
 # The key of rsdp's queue of kept ring outputs in a SAC region's storage (torch's keys are ops).
 _KEPT_RING_OUTPUTS = object()
@@ -91,3 +91,9 @@ def ring_checkpoint_context():
     Face models, ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
     False, "context_fn": rsdp.ring_checkpoint_context})``."""
     return create_selective_checkpoint_contexts(_recompute_all_but_ring_outputs)
+
+
+def in_ring_checkpoint_forward() -> bool:
+    """Whether the forward running is inside a ``ring_checkpoint_context`` region (the planner's count
+    charges the ring outputs kept there)."""
+    return selective_checkpoint_policy() is _recompute_all_but_ring_outputs

@@ -83,11 +83,10 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .._compat import TorchDispatchMode, selective_checkpoint_policy
-from .._fully_shard._checkpoint import _recompute_all_but_ring_outputs  # ring_checkpoint_context's policy
+from .._compat import TorchDispatchMode, tree_leaves
+from .._fully_shard._checkpoint import in_ring_checkpoint_forward
 from ..policy import Strategy
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
 from ._repeated_blocks import repeated_blocks
@@ -375,7 +374,7 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
             part.largest_layer_bytes = max(part.largest_layer_bytes, weight_bytes(module))
 
     def note_ring_output(module: nn.Module, args, output) -> None:
-        if current["forward"] and isinstance(output, torch.Tensor) and selective_checkpoint_policy() is _recompute_all_but_ring_outputs:
+        if current["forward"] and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
             current["section"].checkpointed_ring_output_bytes += output.untyped_storage().nbytes()
 
     # Activation checkpointing's recomputation in backward: a unit's module runs its forward again.

@@ -1,4 +1,4 @@
-"""What torchtitan 0.3.0 needs to run on CPU ranks with gloo (design.md section 6). Only the CPU
+"""What torchtitan 0.3.0 needs to run on CPU ranks with gloo (docs/torchtitan.md). Only the CPU
 launcher (``rsdp.torchtitan.train``) applies these; the GPU path runs torchtitan untouched.
 
 Two kinds: import-time (before torchtitan is imported) and config-time (on the parsed config).
@@ -11,6 +11,8 @@ import types
 
 import torch
 import torch.distributed as dist
+
+from .._compat import set_process_group_timeout
 
 
 _prepared = False
@@ -45,9 +47,7 @@ def prepare_imports() -> None:
         sys.modules[kernels.__name__] = kernels
 
     if not hasattr(dist, "set_timeout"):  # torchtitan 0.3.0 calls it after the first step; torch 2.13 has the private one
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        dist.set_timeout = lambda timeout, group=None: _set_pg_timeout(timeout, group)
+        dist.set_timeout = set_process_group_timeout
     _prepared = True
 
 
