@@ -81,14 +81,27 @@ def rsdp_shard(
     _check_not_managed(module)
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
     managed, nested = _managed_and_nested_modules(module)
-    sharded_by_nested_calls = {
-        id(param)
-        for nested_root in nested
-        if isinstance(get_module_state(nested_root), RSDPState)
-        for param in nested_root.parameters()
-    }
+    sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
+    column_split = {id(block.row.weight) for block in sub_blocks}
+    slots = [(owner, name, param) for owner in managed for name, param in owner._parameters.items() if param is not None]
+    replacement = _sharded_parameters(slots, nested, mesh, state.device, column_split)
+    names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
+    ring_slots = _make_ring_layers(state, managed, sub_blocks, names)
+    _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward)
 
-    sub_blocks = plan_sub_blocks(module, ring_plan or {}, mesh.size(mesh.ndim - 1))
+    insert_module_state(module, state)
+    # A root over rsdp modules sharded before it: one context of their own for the model.
+    states = rsdp_states_under(module)
+    if len(states) > 1:
+        share_ring_context(states)
+    state.register_hooks(module)
+    _swap_class(module, RSDPModule, "RSDP")
+    return module
+
+
+def _planned_sub_blocks(module: nn.Module, managed: list[nn.Module], ring_plan: dict, mesh: DeviceMesh) -> list:
+    """The ring plan's sub-blocks of ``module``, each inside what this call manages."""
+    sub_blocks = plan_sub_blocks(module, ring_plan, mesh.size(mesh.ndim - 1))
     managed_ids = {id(m) for m in managed}
     for block in sub_blocks:
         if any(id(m) not in managed_ids for m in (block.module, block.row, *block.columns)):
@@ -96,9 +109,18 @@ def rsdp_shard(
                 f"rsdp_shard: ring_plan sub-block {block.name!r} is inside a submodule another call already "
                 "shards; give the plan to that call instead."
             )
-    column_split = {id(block.row.weight) for block in sub_blocks}
+    return sub_blocks
 
-    slots = [(owner, name, param) for owner in managed for name, param in owner._parameters.items() if param is not None]
+
+def _sharded_parameters(slots: list, nested: list[nn.Module], mesh: DeviceMesh, device, column_split: set[int]) -> dict[int, nn.Parameter]:
+    """id(parameter) -> its sharded replacement: a nested rsdp call's, kept, or a new ``Shard(0)``
+    (``Shard(1)`` for a planned rowwise Linear's weight) DTensor parameter."""
+    sharded_by_nested_calls = {
+        id(param)
+        for nested_root in nested
+        if isinstance(get_module_state(nested_root), RSDPState)
+        for param in nested_root.parameters()
+    }
     replacement: dict[int, nn.Parameter] = {}
     for owner, name, param in slots:
         if id(param) in replacement:
@@ -107,10 +129,14 @@ def rsdp_shard(
             replacement[id(param)] = param
         else:
             dim = 1 if id(param) in column_split else 0
-            replacement[id(param)] = _sharded(param, mesh, state.device, owner, name, dim)
+            replacement[id(param)] = _sharded(param, mesh, device, owner, name, dim)
+    return replacement
 
+
+def _make_ring_layers(state: RSDPState, managed: list[nn.Module], sub_blocks: list, names: dict[int, str]) -> set[tuple[int, str]]:
+    """Give every ring module (Linear, Embedding, Conv1D) and planned sub-block its ring layer and
+    class; returns the (id(module), parameter name) slots whose weights those rings rotate."""
     parents = {id(child): parent for parent in managed for child in parent.children()}
-    names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
     rows = {id(block.row): block for block in sub_blocks}
     ring_slots = set()
     for owner in managed:
@@ -128,12 +154,19 @@ def rsdp_shard(
         block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__)
         _swap_class(block.module, RingSubBlock, "RingSub")
         block.module._rsdp_sub_block = block
+    return ring_slots
 
+
+def _install_parameters(
+    state: RSDPState, slots: list, replacement: dict[int, nn.Parameter], ring_slots: set[tuple[int, str]],
+    column_split: set[int], names: dict[int, str], reshard_after_forward: bool,
+) -> None:
+    """Put the sharded parameters in place and sort them: rotated by their module's ring, rotated op by
+    op (``_operand.py``: every Shard(0) ring weight, so code outside its module's forward can use it
+    too, and every other matrix), or gathered whole (vectors)."""
     gathered_params: list[nn.Parameter] = []
     gathered_index: dict[int, int] = {}
     gathered_slots = []
-    # Weights that rotate op by op while the module runs (_operand.py): every Shard(0) ring weight, so
-    # code outside its module's forward can use it too, and every other matrix.
     operand_slots: list[tuple[nn.Module, str, RingLayer]] = []
     operand_layers: dict[int, RingLayer] = {}
     for owner, name, param in slots:
@@ -155,15 +188,6 @@ def rsdp_shard(
     _check_one_dtype(gathered_params)
     state.set_gathered(gathered_params, gathered_slots, reshard_after_forward)
     state.operand_slots = operand_slots
-
-    insert_module_state(module, state)
-    # A root over rsdp modules sharded before it: one context of their own for the model.
-    states = rsdp_states_under(module)
-    if len(states) > 1:
-        share_ring_context(states)
-    state.register_hooks(module)
-    _swap_class(module, RSDPModule, "RSDP")
-    return module
 
 
 class RSDPModule:
