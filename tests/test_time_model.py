@@ -56,6 +56,24 @@ def test_rsdp_pays_one_latency_per_exchange_w_minus_1_per_ring():
     assert serial == pytest.approx(2 * WORLD * (gemms + host) + 2 * (WORLD - 1) * latency)
 
 
+def test_a_chunked_losss_head_rotates_once_per_chunk_and_is_gathered_once():
+    """A head called per chunk (``calls``): rsdp runs a ring per call, each exchange a whole layer's
+    shard (communication-bound: calls times the latencies and bytes); FSDP gathers and reduces once."""
+    import dataclasses
+
+    latency, bandwidth = 1e-3, 1e9
+    cost = CostModel(WORLD, flops_per_s=1e30, bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+    chunked = dataclasses.replace(PART, calls=8)
+    message = PART.param_bytes / PART.layers / WORLD
+    for backward in (False, True):
+        once, per_chunk = (_Parallelism(p, Strategy.RSDP, cost).seconds(1.0, backward) for p in (PART, chunked))
+        factor = 2 if backward else 1  # a weight shard and a gradient partial
+        assert once == pytest.approx(2 * (WORLD - 1) * (latency + factor * message / bandwidth))
+        assert per_chunk == pytest.approx(8 * once)
+        gathered = (_Parallelism(p, Strategy.FSDP, cost).seconds(1.0, backward) for p in (PART, chunked))
+        assert len(set(gathered)) == 1
+
+
 def test_where_the_host_computes_transfers_add_to_compute():
     gather = Link(1e-3, 1e9)
     share = (WORLD - 1) / WORLD * PART.param_bytes

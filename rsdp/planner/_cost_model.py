@@ -85,7 +85,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import flop_registry
 
-from .._compat import TorchDispatchMode, tree_leaves
+from .._compat import TorchDispatchMode, in_backward, tree_leaves
 from .._fully_shard._checkpoint import in_ring_checkpoint_forward
 from ..policy import Strategy
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
@@ -168,6 +168,7 @@ class PartCounts:
     layers: int = 0
     forward_flops: int = 0
     recomputed_flops: int = 0  # what activation checkpointing runs again in its backward
+    calls: int = 0  # its forwards in a step: 1, or a chunked loss's chunks for its head
     linear_flops: int = 0  # of them, the Linears' GEMMs (what rsdp splits into shards)
     itemsize: int = 0  # of its parameters as the model stores them (before a mixed-precision cast)
 
@@ -200,8 +201,10 @@ class Counts:
 
 class _MetaStorages(TorchDispatchMode):
     """``MemoryTracker``'s storage count (fresh results of every op, freed when their storage dies),
-    for the meta device, whose storages it leaves out elsewhere, and the FLOPs of every op while
-    ``counting_flops`` (``torch.utils.flop_counter``'s formulas, as ``FlopCounterMode`` counts them).
+    for the meta device, whose storages it leaves out elsewhere, and the FLOPs (``torch.utils.flop_counter``'s
+    formulas, as ``FlopCounterMode`` counts them) of every op of the step's forward (``counting_flops``,
+    outside a backward: a chunked loss runs its chunks' backwards inside it) and of a recomputation
+    (``recomputing``, in the backward).
 
     Allocations, frees and marks are logged in the order the step makes them, and the phases are
     computed from the log afterwards (:meth:`levels`), leaving out the allocations that autograd turned
@@ -215,11 +218,13 @@ class _MetaStorages(TorchDispatchMode):
         self.allocation_of: dict[int, int] = {}  # live storage identity -> its allocation's number
         self.flops = 0
         self.counting_flops = True
+        self.recomputing = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.counting_flops and func._overloadpacket in flop_registry:
+        counted = self.recomputing or (self.counting_flops and not in_backward())
+        if counted and func._overloadpacket in flop_registry:
             self.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         if all(ret.alias_info is None for ret in func._schema.returns):
             for leaf in tree_leaves(out):
@@ -388,7 +393,7 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
             return
         if recomputing["depth"] == 0:
             recomputing.update(section=unit_of[id(module)], flops_at_entry=storages.flops)
-            storages.counting_flops = True
+            storages.recomputing = True
         recomputing["depth"] += 1
 
     def recompute_ends(module: nn.Module, args, output) -> None:
@@ -397,16 +402,21 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
         recomputing["depth"] -= 1
         if recomputing["depth"] == 0:
             recomputing["section"].recomputed_flops += storages.flops - recomputing["flops_at_entry"]
-            storages.counting_flops = False
+            storages.recomputing = False
 
     def note_root_layer(module: nn.Module, args) -> None:
         if current["forward"]:
             current["section"].add_layer(module, seen)
 
+    def enter_unit(name: str) -> None:
+        if current["forward"]:  # not a recomputation
+            per_unit[name].calls += 1
+        switch_to(per_unit[name])
+
     handles = []
     for name in units:
         module = meta.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(lambda m, args, name=name: switch_to(per_unit[name])))
+        handles.append(module.register_forward_pre_hook(lambda m, args, name=name: enter_unit(name)))
         handles.append(module.register_forward_hook(lambda m, args, out: switch_to(after)))
     for module in meta.modules():
         handles.append(module.register_forward_pre_hook(recompute_begins))
@@ -504,7 +514,8 @@ class _Parallelism:
         # computes (CPU ranks), it also runs the transfers (gloo copies and reduces on the same cores).
         overlap = max if cost.host_overlaps_compute else operator.add
         if self.strategy is Strategy.RSDP:
-            rings = max(counts.layers, 1)
+            layers = max(counts.layers, 1)
+            rings = layers * max(counts.calls, 1)  # a chunked loss's head rotates its weights once per chunk
             # The shards' penalty is on the Linears' GEMM time alone (at the whole GEMMs' rate): attention
             # and elementwise work are not split.
             linear = counts.linear_flops * flops / counts.forward_flops if counts.forward_flops else 0.0
@@ -515,7 +526,7 @@ class _Parallelism:
             host = cost.ring_step_host_s
             step = overlap(gemms, host)
             # Backward's weight shard and gradient partial travel as one message.
-            message = (self.compute + (self.reduced if backward else 0)) / rings / world
+            message = (self.compute + (self.reduced if backward else 0)) / layers / world
             exchange = cost.link("send_recv").seconds(message)
             return rings * (step + (world - 1) * overlap(step, exchange))
         if self.strategy is Strategy.FSDP:
@@ -527,9 +538,10 @@ class _Parallelism:
             return compute
         return overlap(compute, cost.link("all_reduce").seconds(2 * share * self.reduced, 2 * (world - 1)))
 
-    def unit(self, forward: Phase, backward: Phase, below_ring_root: bool) -> UnitCost:
+    def unit(self, forward: Phase, backward: Phase, below_ring_root: bool, called_per_chunk: bool = False) -> UnitCost:
         """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
-        holds the ring's buffers through its forward (an rsdp root) or not."""
+        holds the ring's buffers through its forward (an rsdp root) or not; ``called_per_chunk``: a
+        chunked loss's head (``StepPhases.called_per_chunk``), whose forward phase holds its backwards."""
         counts, params, local, vectors = self.counts, self.params, self.local, self.vectors
         compute, reduced = self.compute, self.reduced
         if self.strategy is Strategy.FSDP:
@@ -563,21 +575,41 @@ class _Parallelism:
         backward_peak = backward.peak + backward_bytes[1]
         if self.strategy is Strategy.REPLICATE:
             backward_peak = max(backward_peak, reducing)
-        return UnitCost(
-            self.static,
-            Phase(forward.delta + forward_bytes[0], forward.peak + forward_bytes[1], self.seconds(counts.forward_flops, backward=False)),
-            Phase(backward.delta + backward_bytes[0], backward_peak, self.seconds(self.backward_flops, backward=True)),
-            self.optimizer_seconds,
-            carried,
-            self.optimizer_step,
-        )
+        forward_phase = Phase(forward.delta + forward_bytes[0], forward.peak + forward_bytes[1], self.seconds(counts.forward_flops, backward=False))
+        backward_phase = Phase(backward.delta + backward_bytes[0], backward_peak, self.seconds(self.backward_flops, backward=True))
+        if called_per_chunk:
+            forward_phase, backward_phase, carried = self._chunked(forward, forward_bytes, backward_bytes, forward_phase.seconds, backward_phase.seconds, carried)
+        return UnitCost(self.static, forward_phase, backward_phase, self.optimizer_seconds, carried, self.optimizer_step)
+
+    def _chunked(
+        self, activations: Phase, forward_bytes: tuple, backward_bytes: tuple, forward_seconds: float, backward_seconds: float,
+        carried: Carried,
+    ) -> tuple[Phase, Phase, Carried]:
+        """A chunked loss's head: its backwards run inside its forward phase, whose ``activations`` hold
+        theirs, so what its strategy adds to a backward (``backward_bytes``) is added there, above what it
+        adds to the forward, and its backward phase only takes the time. Nothing is carried out of it:
+        torchtitan keeps an FSDP head unsharded across the chunks and reshards it after the last, each
+        chunk's backward ends (with its reduction, or the ring's buffers freed) before the next chunk.
+        The ring's buffers are the forward's during a call (which the search adds to every ringed
+        forward phase) and the backward's during its backward: the difference is counted here."""
+        ring = max(self.ring - self.ring_forward, 0)
+        added = max(forward_bytes[1], forward_bytes[0] + backward_bytes[1] + ring)
+        phase = Phase(activations.delta + forward_bytes[0] + backward_bytes[0], activations.peak + added, forward_seconds)
+        # The loss runs after the root's forward: only the head's own ring holds buffers in it.
+        kept = Carried(ringed=self.strategy is Strategy.RSDP, ring_forward=carried.ring_forward)
+        return phase, Phase(0, 0, backward_seconds), kept
 
 
 def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, cost: CostModel) -> dict[str, UnitCost]:
     """Every unit's cost under ``strategy``, below a root under ``root_strategy``."""
     phases, below_ring_root = counts.activations, root_strategy is Strategy.RSDP
     return {
-        name: _reserved(_Parallelism(part, strategy, cost).unit(phases.forward[name], phases.backward[name], below_ring_root), cost)
+        name: _reserved(
+            _Parallelism(part, strategy, cost).unit(
+                phases.forward[name], phases.backward[name], below_ring_root, name == phases.called_per_chunk
+            ),
+            cost,
+        )
         for name, part in counts.units.items()
     }
 

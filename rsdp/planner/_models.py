@@ -13,8 +13,9 @@ Pitfalls:
   run there at all. Attention is replaced by :class:`FlashAttentionCount`, which has flash attention's
   FLOPs and saved tensors (q, k, v, output, log-sum-exp). With grouped-query attention it counts k and
   v expanded to every head, a small overestimate.
-- torchtitan's chunked loss (one ``lm_head`` call per chunk, never the whole fp32 logits) is not
-  modelled: the count is the unchunked loss's, an overestimate of the chunked one's logits.
+- torchtitan's chunked loss (``--loss-chunks N``, :func:`chunked_next_token_loss`) runs the head
+  once per chunk, each chunk's backward inside the loss: the head is the one unit whose forward may run
+  again after its backward (``_profile.StepPhases``), and its calls are counted as they run.
 """
 
 import importlib
@@ -60,6 +61,45 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     logits = getattr(logits, "logits", logits)
     return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def chunked_next_token_loss(num_chunks: int) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """torchtitan's ``ChunkedLossWrapper`` as a planner training step: the model's forward without its
+    head (torchtitan's decoders' ``_skip_lm_head``), then per sequence chunk the head, the
+    cross-entropy and that chunk's backward, the chunks' gradients gathered in fp32, and the decoder's
+    backward when the returned loss's is called. torchtitan's own code runs, so what it allocates and
+    what it asks of an FSDP head (kept unsharded across the chunks, reduced once) is what the step does."""
+    try:
+        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    except ImportError as error:
+        raise ValueError(
+            f"rsdp plan: --loss-chunks {num_chunks} counts torchtitan's chunked loss, and torchtitan cannot be imported "
+            f"({error}); install torchtitan or pass --loss-chunks 1."
+        ) from None
+    wrapper = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=num_chunks, loss_fn=CrossEntropyLoss.Config()))
+
+    def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        if not hasattr(model, "_skip_lm_head") or not isinstance(getattr(model, "lm_head", None), nn.Module):
+            raise ValueError(
+                f"rsdp plan: a chunked loss needs a torchtitan decoder (one with _skip_lm_head and lm_head); "
+                f"{type(model).__name__} is not one: pass --loss-chunks 1."
+            )
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        if inputs.shape[1] % num_chunks:
+            raise ValueError(
+                f"rsdp plan: the chunked loss splits the sequence into {num_chunks} equal chunks, and "
+                f"{inputs.shape[1]} tokens do not divide; pick a --seq-len that {num_chunks} divides."
+            )
+        wrapper.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
+        try:
+            hidden = model(inputs)
+        finally:
+            model._skip_lm_head = False
+        valid_tokens = torch.tensor(float(labels.numel()), device=tokens.device)  # the mean, as next_token_loss
+        return wrapper(hidden, labels, valid_tokens)[0]
+
+    return loss
 
 
 def flash_attention_for_counting(model: nn.Module) -> nn.Module:
@@ -155,8 +195,16 @@ def sequence_first_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), sequence_first[1:].flatten())
 
 
-def build(spec: str, benchmark_shape: dict) -> tuple[nn.Module, Callable, int]:
-    """The model ``--model spec`` names, its loss function, and its vocabulary size."""
+def build(spec: str, benchmark_shape: dict, loss_chunks: int = 1) -> tuple[nn.Module, Callable, int]:
+    """The model ``--model spec`` names, its loss function (torchtitan's chunked loss in ``loss_chunks``
+    chunks, a torchtitan model's only), and its vocabulary size."""
+    if loss_chunks < 1:
+        raise ValueError(f"rsdp plan: --loss-chunks must be at least 1, got {loss_chunks}.")
+    if loss_chunks > 1 and not spec.startswith("torchtitan:"):
+        raise ValueError(
+            f"rsdp plan: --loss-chunks {loss_chunks} is torchtitan's chunked loss, for --model torchtitan:...; "
+            f"{spec} trains with the whole logits: pass --loss-chunks 1."
+        )
     if spec == "benchmark":
         model, loss = _benchmark_model(**benchmark_shape)
         return model, loss, benchmark_shape["vocab_size"]
@@ -171,4 +219,4 @@ def build(spec: str, benchmark_shape: dict) -> tuple[nn.Module, Callable, int]:
             "hf:<path to config.json>, or benchmark."
         )
     vocab = next(m.weight.shape[0] for m in model.modules() if isinstance(m, nn.Embedding))
-    return model, next_token_loss, vocab
+    return model, chunked_next_token_loss(loss_chunks) if loss_chunks > 1 else next_token_loss, vocab

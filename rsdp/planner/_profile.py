@@ -149,8 +149,12 @@ class _Timeline:
         self.order: list[str] = []
 
     def mark(self, label: str) -> None:
+        """Mark ``label``; its k-th repetition in the step is ``label#k`` (a chunked loss's head)."""
         if label in self.events:
-            raise RuntimeError(f"rsdp.plan: {label} happened twice in one step; a unit may run once per step")
+            repeats = 2
+            while f"{label}#{repeats}" in self.events:
+                repeats += 1
+            label = f"{label}#{repeats}"
         current, peak = self.tracker.mark()
         self.events[label] = (current, peak, time.perf_counter())
         self.order.append(label)
@@ -330,25 +334,65 @@ class StepPhases:
     before: Phase
     middle: Phase
     after: Phase
+    # The last unit when a chunked loss calls it once per chunk, each call's backward inside the loss:
+    # its forward phase runs from its first call to its last call's backward, and holds every call's
+    # backward; its backward phase is empty.
+    called_per_chunk: str | None = None
 
     @classmethod
     def of(cls, timeline: _Timeline, units: list[str]) -> "StepPhases":
         first, last = units[0], units[-1]
         # The first unit's input needs no gradient when it is the token ids: its backward ends the pass.
         end_of_backward = f"backward-done:{first}" if f"backward-done:{first}" in timeline.events else "backward-done"
+        chunked = _called_per_chunk(timeline, units)
         forward, backward = {}, {}
         for index, name in enumerate(units):
             forward_end = f"forward:{units[index + 1]}" if index + 1 < len(units) else f"forward-done:{last}"
             backward_end = f"backward:{units[index - 1]}" if index > 0 else end_of_backward
             forward[name] = timeline.phase(f"forward:{name}", forward_end)
             backward[name] = timeline.phase(f"backward:{name}", backward_end)
+        if chunked:
+            # The head's last backward is the loss's last work on it; the rest of the loss, then the
+            # decoder's backward (the unit before the head's), follow.
+            head_done = f"backward-done:{last}#{chunked}"
+            forward[last] = timeline.phase(f"forward:{last}", head_done)
+            backward[last] = Phase(0, 0, 0.0)
+            middle = timeline.phase(head_done, f"backward:{units[-2]}" if len(units) > 1 else end_of_backward)
+        else:
+            middle = timeline.phase(f"forward-done:{last}", f"backward:{last}")
         return cls(
             forward,
             backward,
             timeline.phase("start", f"forward:{first}"),
-            timeline.phase(f"forward-done:{last}", f"backward:{last}"),
+            middle,
             timeline.phase(end_of_backward, "end"),
+            last if chunked else None,
         )
+
+
+def _called_per_chunk(timeline: _Timeline, units: list[str]) -> int:
+    """How often the last unit ran when a chunked loss called it (each call's backward before the next
+    call), 0 when every unit ran once. A unit run twice otherwise is not a plan's unit."""
+    last = units[-1]
+    for name in units:
+        if f"forward:{name}#2" not in timeline.events:
+            continue
+        order = timeline.order
+        interleaved = (
+            name == last
+            and f"backward-done:{name}" in timeline.events
+            and order.index(f"backward-done:{name}") < order.index(f"forward:{name}#2")
+        )
+        if not interleaved:
+            raise RuntimeError(
+                f"rsdp.plan: unit {name} ran twice in one step; a unit may run once per step (the last one "
+                "may run once per chunk of a chunked loss, each call's backward before the next call)"
+            )
+        calls = 2
+        while f"forward:{name}#{calls + 1}" in timeline.events:
+            calls += 1
+        return calls
+    return 0
 
 
 def _agree(costs: dict[str, UnitCost], root: RootCost, peak: int) -> tuple[dict[str, UnitCost], RootCost, int]:

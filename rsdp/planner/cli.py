@@ -67,6 +67,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", dest="batch_sizes", help=argparse.SUPPRESS)
     p.add_argument("--activation-checkpoint", choices=_models.AC_MODES, default="none",
                    help="torchtitan 0.3's activation checkpointing of every block")
+    p.add_argument("--loss-chunks", type=int, default=1,
+                   help="torchtitan's chunked loss in this many sequence chunks (torchtitan 0.3's llama3 configs: 8); "
+                        "1: cross-entropy over the whole logits")
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(_hardware.PRESETS)}) or a profile JSON")
     p.add_argument("--flops", type=float, default=None, help="achieved FLOP/s per device (overrides --hardware)")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s per device (overrides --hardware)")
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         cost_model = _cost_model(args)
         benchmark_shape = dict(vocab_size=args.vocab_size, ninp=args.ninp, nhid=args.nhid, nhead=args.nhead,
                                num_decoder_layers=args.num_decoder_layers, seq_len=args.seq_len)
-        model, loss_fn, vocab = _models.build(args.model, benchmark_shape)
+        model, loss_fn, vocab = _models.build(args.model, benchmark_shape, args.loss_chunks)
         _models.apply_activation_checkpointing(model, args.activation_checkpoint)
         started = time.perf_counter()
         units = find_units(model)
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "model": args.model, "world_size": args.world_size, "seq_len": args.seq_len,
         "activation_checkpoint": args.activation_checkpoint, "mixed_precision": args.mixed_precision,
+        "loss_chunks": args.loss_chunks,
         "budget_bytes": args.budget, "cost_model": {k: str(v) for k, v in vars(cost_model).items()},
         "peak_bytes_are": "reserved" if cost_model.reserved_per_allocated != 1 else "allocated",
         "strategies": uniform,

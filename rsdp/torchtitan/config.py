@@ -70,6 +70,10 @@ class ParallelismConfig(TorchTitanParallelismConfig):
     step's peak above its start, by rsdp's MemoryTracker (on CPU it counts every allocation, which slows
     the step)."""
 
+    dp_loss_chunks: int = field(default=1, init=False)
+    """Not a flag: the run's loss, set by RSDPTrainer (torchtitan's chunked loss's num_chunks, else 1),
+    which auto counts as it runs."""
+
     def __post_init__(self):
         TorchTitanParallelismConfig.__post_init__(self)
         self.overrides()  # fail at parse time, not after the model is built
@@ -141,6 +145,8 @@ class RSDPTrainer(Trainer):
     def __init__(self, config: "RSDPTrainer.Config"):
         # Here, not in the config's __post_init__: the command line's flags are applied after that.
         config.parallelism.dp_overrides = head_under_chunked_loss(config.parallelism, config.loss)
+        if isinstance(config.loss, ChunkedLossWrapper.Config):
+            config.parallelism.dp_loss_chunks = config.loss.num_chunks
         super().__init__(config)
 
     def train_step(self, data_iterator):

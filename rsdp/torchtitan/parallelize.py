@@ -20,7 +20,7 @@ from torchtitan.distributed.compile import apply_compile
 from .._compat import FSDPModule, MixedPrecisionPolicy
 from .._fully_shard import RSDPModule
 from ..planner import plan
-from ..planner._models import flash_attention_for_counting, next_token_loss
+from ..planner._models import chunked_next_token_loss, flash_attention_for_counting, next_token_loss
 from ..policy import Strategy, name_matches, parallelize
 from .config import ROOT, ParallelismConfig, log_once
 
@@ -150,7 +150,7 @@ def _plan(
         ac_config.build(dump_folder=dump_folder).apply(counted)
     return plan(
         counted, memory_budget=parallelism.memory_budget_bytes(), sample_input=sample, cost_model=cost_model,
-        loss_fn=next_token_loss,
+        loss_fn=chunked_next_token_loss(parallelism.dp_loss_chunks) if parallelism.dp_loss_chunks > 1 else next_token_loss,
     )
 
 
