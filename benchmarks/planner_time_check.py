@@ -10,6 +10,11 @@ shared machine drift), the median round per strategy, slowest rank; and prints i
 
     torchrun --nproc-per-node 2 -m rsdp calibrate --model benchmark ... --out profile.json
     python benchmarks/planner_time_check.py --nproc 2 --hardware profile.json ...   # the same shape flags
+    python benchmarks/planner_time_check.py ... --profile    # and where each strategy's time goes
+
+``--profile`` runs one more round per strategy under ``torch.profiler`` and prints, per strategy, rank
+0's time per step by kind: GEMMs, copies and fills (memory traffic the cost model does not count), and
+communication (the collectives' and ring functions' own time, which is mostly waiting on gloo).
 """
 
 import argparse
@@ -67,7 +72,34 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
                 times[strategy]["optimizer"].append(slowest[1].item())
     if rank == 0:
         results.put(times)
+    if args.profile:
+        breakdown = {strategy: _profiled(*runs[strategy], loss_fn, batch, args.steps) for strategy in STRATEGIES}
+        if rank == 0:
+            results.put(breakdown)
     dist.destroy_process_group()
+
+
+# Rank 0's self time per step, by kind of op (names as torch.profiler reports them).
+KINDS = {
+    "GEMMs": ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"),
+    "copies and fills": ("aten::copy_", "aten::cat", "aten::fill_", "aten::zero_", "aten::div_", "aten::_chunk_cat"),
+    "collectives, ring ops, hooks": ("FSDP::", "rsdp::", "c10d::", "gloo:"),
+}
+
+
+def _profiled(sharded, optimizer, loss_fn, batch, steps: int) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            loss_fn(sharded, batch).backward()
+            optimizer.zero_grad(set_to_none=True)
+    totals = dict.fromkeys([*KINDS, "other"], 0.0)
+    for event in prof.key_averages():
+        kind = next((k for k, prefixes in KINDS.items() if event.key.startswith(prefixes)), "other")
+        totals[kind] += event.self_cpu_time_total / 1e6 / steps
+    return totals
 
 
 def main() -> None:
@@ -78,6 +110,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="per strategy and round")
     parser.add_argument("--batch-size", type=int, default=2, help="per rank")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--profile", action="store_true", help="also print where each strategy's step time goes")
     for name, default in (("vocab_size", 8192), ("ninp", 512), ("nhid", 2048), ("nhead", 8), ("num_decoder_layers", 2)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
@@ -88,7 +121,8 @@ def main() -> None:
     cost_model = _hardware.load(args.hardware).cost_model(args.nproc)
     predicted = {strategy: predict_uniform(counts, units, strategy, cost_model)[1] for strategy in STRATEGIES}
 
-    (times,), before, after = run_ranks(args.nproc, _rank, args, reports=1)
+    reports, before, after = run_ranks(args.nproc, _rank, args, reports=2 if args.profile else 1)
+    times = reports[0]
     print(f"{args.nproc} gloo ranks, benchmark LM vocab {args.vocab_size}, ninp {args.ninp}, nhid {args.nhid}, "
           f"nhead {args.nhead}, {args.num_decoder_layers} layers, batch {args.batch_size} x {args.seq_len} per rank; "
           f"profile {args.hardware}; {args.rounds} rounds x {args.steps} steps, alternating; loadavg {before} -> {after}")
@@ -100,6 +134,12 @@ def main() -> None:
         print(f"| {strategy.value} | {predicted[strategy] * 1e3:.1f} | {measured * 1e3:.1f} "
               f"({', '.join(f'{t * 1e3:.1f}' for t in rounds)}) | {measured / predicted[strategy]:.2f} | "
               f"{statistics.median(times[strategy]['optimizer']) * 1e3:.1f} |")
+    if args.profile:
+        kinds = list(reports[1][STRATEGIES[0]])
+        print(f"\nrank 0's self time per forward+backward step under torch.profiler, ms\n| strategy | {' | '.join(kinds)} |")
+        print("| --- |" + " --- |" * len(kinds))
+        for strategy, totals in reports[1].items():
+            print(f"| {strategy.value} | " + " | ".join(f"{totals[k] * 1e3:.1f}" for k in kinds) + " |")
 
 
 if __name__ == "__main__":
