@@ -74,6 +74,18 @@ def test_a_chunked_losss_head_rotates_once_per_chunk_and_is_gathered_once():
         assert len(set(gathered)) == 1
 
 
+def test_the_linears_flops_run_at_the_gemm_rate_and_the_rest_at_its_own():
+    """With both measured rates, a phase's Linear FLOPs (6 of 8 GFLOP here) take their time at the whole
+    GEMMs' rate and the rest (attention, standing in for elementwise work) at ``other_flops_per_s``, for
+    every strategy; without the second rate every FLOP runs at ``flops_per_s``."""
+    split = dict(gemm_flops_per_s=2e12, other_flops_per_s=0.5e12)
+    expected = PART.linear_flops / 2e12 + (PART.forward_flops - PART.linear_flops) / 0.5e12
+    for strategy in Strategy:
+        assert seconds(strategy, **split) == pytest.approx(expected)
+        assert seconds(strategy, backward=True, **split) == pytest.approx(2 * expected)
+    assert seconds(Strategy.FSDP, gemm_flops_per_s=2e12) == pytest.approx(PART.forward_flops / 1e12)
+
+
 def test_where_the_host_computes_transfers_add_to_compute():
     gather = Link(1e-3, 1e9)
     share = (WORLD - 1) / WORLD * PART.param_bytes

@@ -8,8 +8,9 @@ What it measures, each rank at once (ranks share the host's cores and links as t
   weight's rows, as each RSDP ring step computes them. ``flops_per_s`` is the whole GEMMs' rate and
   ``partial_gemm_efficiency[W]`` the partial ones' rate over it. With ``--model benchmark`` (a model
   this host can run) ``flops_per_s`` is instead one unsharded training step's rate, counted as the cost
-  model counts it (GEMMs, attention, norms, loss), and the GEMM rate is kept beside it
-  (``gemm_flops_per_s``: the rate the per-shard penalty is charged at);
+  model counts it (GEMMs, attention, norms, loss), the GEMM rate is kept beside it
+  (``gemm_flops_per_s``: the rate the Linears' FLOPs and the per-shard penalty are charged at), and the
+  step's time less its Linears' at that rate gives the rate of its other FLOPs (``other_flops_per_s``);
 - per op (point-to-point ring exchange, all-gather, reduce-scatter, all-reduce), ``t = hops x latency
   + bytes / bandwidth`` fitted by least squares over message sizes (bytes as nccl-tests' busbw counts
   them, the slowest rank's time per size);
@@ -182,18 +183,24 @@ def ring_step_host_seconds(world: int, width: int = 16, layers: int = 8) -> floa
 DEFAULT_SHAPES = collections.Counter({(1024, 1024): 4, (1024, 2816): 2, (2816, 1024): 1})
 
 
-def step_flops_per_s(model: nn.Module, loss_fn: Callable, batch: torch.Tensor) -> float:
+def step_rates(model: nn.Module, loss_fn: Callable, batch: torch.Tensor, gemm_flops_per_s: float) -> tuple[float, float]:
     """One unsharded forward and backward of ``model`` on this host: the FLOPs the cost model counts
-    for it (backward twice forward) over its median time."""
+    for it (backward twice forward) over its median time; and the rate of those outside the Linears'
+    GEMMs over the rest of the time, the Linears' FLOPs taking what they take at ``gemm_flops_per_s``
+    (0.0 where they would take the whole step: the two timings disagree, and no split is made)."""
     counts = count(model, find_units(model), batch, loss_fn)
-    flops = sum(3 * part.forward_flops + part.recomputed_flops for part in (*counts.units.values(), counts.before, counts.after))
+    parts = [part for part in (*counts.units.values(), counts.before, counts.after) if part.forward_flops]
+    flops = sum(3 * part.forward_flops + part.recomputed_flops for part in parts)
+    linear = sum(part.linear_flops * (3 * part.forward_flops + part.recomputed_flops) / part.forward_flops for part in parts)
 
     def step() -> None:
         loss_fn(model, batch).backward()
         for param in model.parameters():
             param.grad = None
 
-    return flops / median_seconds(step, min_seconds=0.2)
+    seconds = median_seconds(step, min_seconds=0.2)
+    other_seconds = seconds - linear / gemm_flops_per_s
+    return flops / seconds, (flops - linear) / other_seconds if other_seconds > 0 and flops > linear else 0.0
 
 
 def calibrate(args) -> tuple[Hardware, dict]:
@@ -218,11 +225,11 @@ def calibrate(args) -> tuple[Hardware, dict]:
     try:
         links = measure_links(dist.group.WORLD, device, sync=sync) if distributed else {}
         gemms = gemm_rates(shapes, tokens, world_sizes, dtype, device, sync)
-        step_rate = None
+        step_rate = other_rate = 0.0
         if args.model == "benchmark":
             batch = torch.randint(vocab, (args.local_batch_size, args.seq_len + 1))
-            step_rate = step_flops_per_s(model.to(device), loss_fn, batch.to(device))
-        measured = [gemms.flops_per_s, step_rate or 0.0, host, *(gemms.partial_gemm_efficiency[w] for w in world_sizes)]
+            step_rate, other_rate = step_rates(model.to(device), loss_fn, batch.to(device), gemms.flops_per_s)
+        measured = [gemms.flops_per_s, step_rate, other_rate, host, *(gemms.partial_gemm_efficiency[w] for w in world_sizes)]
         if distributed:  # every rank measured its own: the mean
             mean = torch.tensor(measured, dtype=torch.float64, device=device)
             dist.all_reduce(mean, group=dist.group.WORLD)
@@ -230,8 +237,8 @@ def calibrate(args) -> tuple[Hardware, dict]:
     finally:
         if distributed:
             dist.destroy_process_group()
-    gemm_rate, step_rate, host = measured[0], measured[1] or None, measured[2]
-    efficiency = dict(zip(world_sizes, measured[3:]))
+    gemm_rate, step_rate, other_rate, host = measured[0], measured[1] or None, measured[2] or None, measured[3]
+    efficiency = dict(zip(world_sizes, measured[4:]))
     what = f"{args.model or 'default shapes'} at {tokens} tokens, {dtype}, {device.type}"
     if distributed:
         default = links["send_recv"]
@@ -245,9 +252,9 @@ def calibrate(args) -> tuple[Hardware, dict]:
         f"rsdp calibrate: {'one training step' if step_rate else 'whole GEMMs'} of {what}; partial GEMMs at "
         f"W = {world_sizes}; host per ring step on the fake process group at W = {world}; {link_source}",
         partial_gemm_efficiency=efficiency, ring_step_host_s=host, host_overlaps_compute=device.type != "cpu",
-        links=links, gemm_flops_per_s=gemm_rate,
+        links=links, gemm_flops_per_s=gemm_rate, other_flops_per_s=other_rate,
     )
-    report = {"world_size": world, "gemm_flops_per_s": gemm_rate, "step_flops_per_s": step_rate,
+    report = {"world_size": world, "gemm_flops_per_s": gemm_rate, "step_flops_per_s": step_rate, "other_flops_per_s": other_rate,
               "linear_shapes": {f"{i}x{o}": n for (i, o), n in shapes.items()}, "tokens": tokens}
     return hardware, report
 

@@ -42,8 +42,10 @@ The caching allocator (``CostModel.reserved_per_allocated``, a GPU preset's): ev
 scaled to what the allocator reserves for it, a fixed fraction (1 on CPU ranks: allocated bytes).
 
 Time (``_Parallelism.seconds``; the constants come from ``rsdp calibrate`` or a preset, ``_hardware``).
-Compute is the counted FLOPs (backward twice forward, plus what activation checkpointing recomputes)
-at ``flops_per_s``, the achieved rate of whole GEMMs. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
+Compute is the counted FLOPs (backward twice forward, plus what activation checkpointing recomputes):
+the Linears' at ``gemm_flops_per_s`` and the rest at ``other_flops_per_s`` where both were measured (a
+step's average rate is no layer's when one large GEMM, a head's, is much of the step), else all at
+``flops_per_s``. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
 (``Link``; bytes as nccl-tests' busbw counts them: (W-1)/W of the whole for a ring collective).
 Overlap, per strategy, where a device computes (``host_overlaps_compute``; where the host computes, as
 on CPU ranks, it runs the transfers and its own work too, so every "longer of" below is a sum):
@@ -107,7 +109,7 @@ class Link:
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     world_size: int
-    flops_per_s: float  # achieved per device on whole GEMMs
+    flops_per_s: float  # achieved per device: a training step's rate (or whole GEMMs' where no step was measured)
     bandwidth_bytes_per_s: float  # per device: every op's, unless the op has its own Link below
     latency_s: float  # per message (hop): every op's, unless the op has its own Link below
     optimizer_state_bytes_per_param_byte: float = 2.0  # AdamW keeps two moments
@@ -137,12 +139,22 @@ class CostModel:
     # Time terms that ``rsdp calibrate`` measures (the defaults leave only the three numbers above).
     partial_gemm_efficiency: float = 1.0  # FLOP/s of 1/world_size-row GEMMs over that of whole ones
     gemm_flops_per_s: float | None = None  # whole GEMMs' rate (None: flops_per_s), for the shards' penalty
+    # With ``gemm_flops_per_s``: the rate of the FLOPs outside the Linears' GEMMs (attention; it stands
+    # in for the step's elementwise and normalisation work too, which the count gives no FLOPs). Then
+    # the Linears' FLOPs run at ``gemm_flops_per_s`` and the rest at this; None: every FLOP at ``flops_per_s``.
+    other_flops_per_s: float | None = None
     ring_step_host_s: float = 0.0  # host time per ring step, beside its GEMMs
     host_overlaps_compute: bool = True  # False where the host itself computes (CPU ranks)
     send_recv: Link | None = None
     all_gather: Link | None = None
     reduce_scatter: Link | None = None
     all_reduce: Link | None = None
+
+    def compute_seconds(self, flops: float, linear_flops: float) -> float:
+        """``flops`` of which ``linear_flops`` are the Linears' GEMMs, at the rates that were measured."""
+        if self.gemm_flops_per_s and self.other_flops_per_s:
+            return linear_flops / self.gemm_flops_per_s + (flops - linear_flops) / self.other_flops_per_s
+        return flops / self.flops_per_s
 
     def link(self, op: str) -> Link:
         """The fitted cost of ``op`` (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``)."""
@@ -506,7 +518,9 @@ class _Parallelism:
         """This part's phase: compute of ``flops`` overlapped with moving its weights (and in
         ``backward`` its gradients), as the module docstring states."""
         cost, world, counts = self.cost, self.cost.world_size, self.counts
-        compute = flops / cost.flops_per_s
+        # The Linears' share of the phase's FLOPs (activation checkpointing recomputes in proportion).
+        linear = counts.linear_flops * flops / counts.forward_flops if counts.forward_flops else 0.0
+        compute = cost.compute_seconds(flops, linear)
         if world == 1 or counts.param_bytes == 0:
             return compute
         share = (world - 1) / world
@@ -518,7 +532,6 @@ class _Parallelism:
             rings = layers * max(counts.calls, 1)  # a chunked loss's head rotates its weights once per chunk
             # The shards' penalty is on the Linears' GEMM time alone (at the whole GEMMs' rate): attention
             # and elementwise work are not split.
-            linear = counts.linear_flops * flops / counts.forward_flops if counts.forward_flops else 0.0
             # A measured efficiency above 1 (timing noise on a loaded host) is no speed-up: no negative penalty.
             efficiency = min(cost.partial_gemm_efficiency, 1.0)
             penalty = linear / (cost.gemm_flops_per_s or cost.flops_per_s) * (1 / efficiency - 1)

@@ -7,6 +7,9 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
 - ``flops_per_s``: the rate at which this device runs the FLOPs the cost model counts. Calibrated with a
   model, it is a whole training step's (GEMMs, attention, norms, elementwise ops); without one, the
   rate of whole GEMMs at default shapes, which a step does not reach (an upper bound of speed);
+- ``other_flops_per_s``: with ``gemm_flops_per_s``, the rate of the FLOPs outside the Linears' GEMMs:
+  a measured step's time less its Linears' FLOPs at the whole-GEMM rate, over its other FLOPs. Where
+  set, the cost model charges the Linears at the GEMM rate and the rest at this one;
 - ``bandwidth_bytes_per_s``, ``latency_s``: the default link, per device, bytes as nccl-tests' busbw
   counts them, latency per hop;
 - ``links``: per op (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``) its own
@@ -53,6 +56,7 @@ class Hardware:
     gemm_flops_per_s: float | None = None
     reserved_per_allocated: float = 1.0  # the caching allocator's reserved peak per allocated byte
     memory_bandwidth_bytes_per_s: float | None = None  # the device memory's: the optimizer step's time
+    other_flops_per_s: float | None = None  # the FLOPs outside the Linears' GEMMs (CostModel's)
 
     def efficiency_at(self, world_size: int) -> float:
         """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
@@ -79,7 +83,8 @@ class Hardware:
             partial_gemm_efficiency=self.efficiency_at(world_size), ring_step_host_s=self.ring_step_host_s,
             host_overlaps_compute=self.host_overlaps_compute, gemm_flops_per_s=self.gemm_flops_per_s,
             reserved_per_allocated=self.reserved_per_allocated,
-            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s, **self.links,
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s, other_flops_per_s=self.other_flops_per_s,
+            **self.links,
         )
         fields.update({name: value for name, value in overrides.items() if value is not None})
         if {"bandwidth_bytes_per_s", "latency_s"} & {k for k, v in overrides.items() if v is not None}:
@@ -95,7 +100,7 @@ class Hardware:
             "ring_step_host_s": self.ring_step_host_s, "host_overlaps_compute": self.host_overlaps_compute,
             "links": {op: dataclasses.asdict(link) for op, link in self.links.items()},
             "gemm_flops_per_s": self.gemm_flops_per_s, "reserved_per_allocated": self.reserved_per_allocated,
-            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
+            "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s, "other_flops_per_s": self.other_flops_per_s,
         }
 
 
@@ -105,18 +110,23 @@ _CHIPS = {  # dense BF16 peak FLOP/s, memory bandwidth, and their source
     "a100-sxm": (312e12, 2.039e12, "NVIDIA A100 Tensor Core GPU datasheet (A100 SXM: BF16 Tensor Core 312 TFLOP/s dense; "
                  "A100 80GB SXM memory bandwidth 2,039 GB/s)"),
 }
-# What a training step achieves of the peak, and the partial GEMMs' efficiency, where measured.
+# What a training step achieves, and the partial GEMMs' efficiency, where measured: the step's FLOPs as the
+# cost model counts them (of them the Linears'), its forward + backward seconds, and whole GEMMs' rate.
 _ACHIEVED = {
     "h100-sxm": dict(
-        fraction=0.451,
+        step_flops=53.86e12,
+        step_linear_flops=47.26e12,
+        step_seconds=120.4e-3,
         gemm_flops_per_s=743e12,
         partial_gemm_efficiency={2: 0.96, 4: 0.90, 8: 0.80},
         ring_step_host_s=140e-6,
         source=(
             "achieved: this project's H100 SXM 80GB run (docs/benchmarks.md, GPU section; torch 2.11, bf16, "
             "FlashAttention): one rank's FSDP2 step of 2 Llama 3 8B layers + head at sequence 8192, "
-            "53.9 TFLOP as the cost model counts them in 120.4-120.9 ms = 446 TFLOP/s = 45.1% of peak "
-            "(whole GEMMs alone: 743 TFLOP/s); partial GEMMs: that run's split-GEMM table at 8192 tokens, "
+            "53.9 TFLOP as the cost model counts them (47.3 of them the Linears') in 120.4 ms (W=8; 120.5 and "
+            "120.9 at W=4 and 2) = 447 TFLOP/s = 45.2% of peak; whole GEMMs alone: 743 TFLOP/s, so the Linears "
+            "take 63.6 ms and the other 6.6 TFLOP (attention, standing in for the elementwise work) 56.8 ms: "
+            "116 TFLOP/s; partial GEMMs: that run's split-GEMM table at 8192 tokens, "
             "FLOP-weighted over 32 layers and the head (0.96, 0.90, 0.80 at W = 2, 4, 8); host per ring step: "
             "rsdp's host issue time over FSDP2's at W=8, seq 2048 (46.5 - 28.3 ms) over its 132 exchanges"
         ),
@@ -162,12 +172,14 @@ def _preset(chip: str, link: str, rate: float, link_source: str) -> Hardware:
         return Hardware(peak, rate, _LATENCY_S, f"{peak_source} (no achieved rate measured: step times are lower bounds); "
                         f"{link_source}; {links_source}; {reserved_source}", links=links, reserved_per_allocated=reserved,
                         memory_bandwidth_bytes_per_s=memory_bandwidth)
+    gemm_seconds = achieved["step_linear_flops"] / achieved["gemm_flops_per_s"]
+    other_flops_per_s = (achieved["step_flops"] - achieved["step_linear_flops"]) / (achieved["step_seconds"] - gemm_seconds)
     return Hardware(
-        peak * achieved["fraction"], rate, _LATENCY_S,
+        achieved["step_flops"] / achieved["step_seconds"], rate, _LATENCY_S,
         f"{peak_source}; {achieved['source']}; {link_source}; {links_source}; {reserved_source}",
         partial_gemm_efficiency=achieved["partial_gemm_efficiency"], ring_step_host_s=achieved["ring_step_host_s"],
         links=links, gemm_flops_per_s=achieved["gemm_flops_per_s"], reserved_per_allocated=reserved,
-        memory_bandwidth_bytes_per_s=memory_bandwidth,
+        memory_bandwidth_bytes_per_s=memory_bandwidth, other_flops_per_s=other_flops_per_s,
     )
 
 
@@ -219,6 +231,7 @@ def from_json(values: dict, source: str) -> Hardware:
         gemm_flops_per_s=float(values["gemm_flops_per_s"]) if values.get("gemm_flops_per_s") else None,
         reserved_per_allocated=float(values.get("reserved_per_allocated", 1.0)),
         memory_bandwidth_bytes_per_s=float(values["memory_bandwidth_bytes_per_s"]) if values.get("memory_bandwidth_bytes_per_s") else None,
+        other_flops_per_s=float(values["other_flops_per_s"]) if values.get("other_flops_per_s") else None,
     )
 
 

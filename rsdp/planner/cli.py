@@ -179,7 +179,8 @@ def _calibrated(args: argparse.Namespace) -> None:
         return
     _calibrate.write(hardware, report, args.out)
     print(f"wrote {args.out}: {hardware.source}")
-    print(f"flops_per_s {hardware.flops_per_s:.4g} (whole GEMMs {report['gemm_flops_per_s']:.4g}); partial GEMM efficiency "
+    print(f"flops_per_s {hardware.flops_per_s:.4g} (whole GEMMs {report['gemm_flops_per_s']:.4g}, the rest "
+          f"{hardware.other_flops_per_s or 0:.4g}); partial GEMM efficiency "
           + ", ".join(f"W={w}: {e:.3f}" for w, e in hardware.partial_gemm_efficiency.items())
           + f"; host per ring step {hardware.ring_step_host_s * 1e6:.1f} us")
     for op, link in hardware.links.items():
