@@ -159,6 +159,7 @@ def test_auto_plans_hold_their_budget_and_train_like_torchtitan_fsdp(workdir, to
     measured = {int(step): float(total) for step, total in logged}
     assert sorted(measured) == list(range(1, STEPS + 1)), output[-3000:]
     assert len(logged) == STEPS and output.count("rsdp: dp_strategy=auto planned") == 1, "logged once, not per rank"
+    assert "torchtitan's chunked loss in 8 chunks" in output, "the config's loss is what the plan counts"
 
     print(f"budget {budget_mib} MiB: measured per step {measured}")
     assert max(measured.values()) <= budget_mib, (measured, output[-3000:])
@@ -242,7 +243,8 @@ def test_auto_plans_for_a_named_hardware_or_the_devices_preset(monkeypatch):
         default.hardware(8)
     named = ParallelismConfig(spmd_backend="partial_dtensor", dp_hardware="h100-sxm-infiniband", dp_flops_per_s=1e14)
     assert named.hardware(128) == _hardware.PRESETS["h100-sxm-infiniband"]
-    assert named.hardware(128).cost_model(128, flops_per_s=named.dp_flops_per_s).flops_per_s == 1e14
+    overridden = named.hardware(128).cost_model(128, flops_per_s=named.dp_flops_per_s)
+    assert overridden.flops_per_s == 1e14 and overridden.compute_seconds(1e14, linear_flops=5e13) == 1.0
 
 
 def meta_model(registry, flavor="debugmodel"):

@@ -87,6 +87,8 @@ class Hardware:
             **self.links,
         )
         fields.update({name: value for name, value in overrides.items() if value is not None})
+        if overrides.get("flops_per_s") is not None:  # one given rate for every FLOP replaces the measured split
+            fields["other_flops_per_s"] = None
         if {"bandwidth_bytes_per_s", "latency_s"} & {k for k, v in overrides.items() if v is not None}:
             for op in LINK_OPS:  # an overridden default link replaces the fitted ones
                 fields.pop(op, None)

@@ -88,7 +88,7 @@ def data_parallel_rules(
         log_once(
             f"rsdp: dp_strategy=auto planned with the cost model for {parallelism.hardware_name(_dp_world(parallel_dims))} "
             "(activations in mixed_precision_param, under "
-            f"the run's activation checkpointing); it chose\n{chosen}"
+            f"the run's activation checkpointing, {_loss_counted(parallelism)}); it chose\n{chosen}"
         )
         defaults = chosen.strategies
     else:
@@ -152,6 +152,11 @@ def _plan(
         counted, memory_budget=parallelism.memory_budget_bytes(), sample_input=sample, cost_model=cost_model,
         loss_fn=chunked_next_token_loss(parallelism.dp_loss_chunks) if parallelism.dp_loss_chunks > 1 else next_token_loss,
     )
+
+
+def _loss_counted(parallelism: ParallelismConfig) -> str:
+    chunks = parallelism.dp_loss_chunks
+    return f"torchtitan's chunked loss in {chunks} chunks" if chunks > 1 else "the cross-entropy over the whole logits"
 
 
 def _dp_world(parallel_dims: ParallelDims) -> int:
