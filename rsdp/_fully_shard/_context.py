@@ -103,21 +103,28 @@ class RingContext:
         self.reset()
         self.forward_pass += 1
 
-    def end_forward(self) -> None:
-        """The outermost forward ended (or raised)."""
-        self._end_schedule(False)
+    def end_forward(self, raised: bool = False) -> None:
+        """The outermost forward ended (or ``raised``: half a pass is no schedule to follow)."""
+        if raised:
+            self.schedules[False].abandon()
+        else:
+            self._end_schedule(False)
         self.forward_order.end_pass()
         self.pending_gathers.end_pass()
         self.buffers.release()
 
     def reset(self) -> None:
         """The one clean-up after a pass that raised (its end never came): queued gradients,
-        reductions, a deferred hop, the backward ring order and the post-backwards it awaited."""
+        reductions, a deferred hop, the backward's prefetch and schedule, and the post-backwards it
+        awaited (their modules' sharded parameters put back, their gathered gradients dropped)."""
         self.running_backward.abandon()
         self.pending_reductions.abandon()
         self.deferred_hops.abandon()
         self.backward_order.abandon()
         self.schedules[True].abandon()
+        for states in self._awaiting_post_backward.values():
+            for state in states:
+                state.abandon_backward()
         self._awaiting_post_backward.clear()
         self._end_queued.clear()
         self._due.clear()
