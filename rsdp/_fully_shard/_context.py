@@ -89,8 +89,8 @@ class RingContext:
         # their backward began.
         self._awaiting_post_backward: dict[int, list] = {}
         self._end_queued: set[int] = set()  # graph tasks whose end-of-backward callback is queued
-        # part -> the graph task at whose end the part (buffers, a ring order, the deferred hop, the
-        # running backward) finishes: the last backward that used it. Keyed by identity.
+        # part -> the graph task at whose end the part (buffers, the backward's schedule or prefetch,
+        # the deferred hop, the running backward) finishes: the last backward that used it. Keyed by identity.
         self._due: dict[object, int] = {}
         LIVE_CONTEXTS.add(self)
 
