@@ -35,7 +35,7 @@ Pitfalls:
   its message and the next ring's first one), and the next ring starts in the part of them behind
   the message, which the carrying ring no longer reads. In backward, where rsdp's memory peaks, a
   ring whose message and passengers would need more than the pass's largest message (in the record the
-  pass) carries nothing, so that the ring buffers' peak is not raised: the head's backward ring, the
+  pass follows) carries nothing, so that the ring buffers' peak is not raised: the head's backward ring, the
   largest, carries no passenger. A prefetched ring must not make them larger (that would lose its own
   message): if they are too small it carries nothing, and the next pass makes them large enough from
   its start (``RingBuffers.hold``). When the backward's ring buffers are trimmed
