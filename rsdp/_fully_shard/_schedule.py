@@ -6,7 +6,9 @@ the rings of one backward, forward rings recomputed by activation checkpointing 
 sequence of **entries**, each a plain tuple:
 
 - a ring begins: ``(RING, tag, message segments, first segment its first exchange sends, message bytes)``;
-- a ring buffer is asked for: ``(buffer index, bytes)``.
+- a ring buffer is asked for: ``(buffer index, bytes)``;
+- (backward) a module queues its gathered parameters' gradients for reduction:
+  ``(REDUCTION, weak reference to the module's GatheredParams)``.
 
 The first pass of a kind records them (a ``Schedule``); the next pass of the kind that begins with
 the same ring follows it, comparing what each step asks with the recorded entry at its position (one
@@ -37,8 +39,10 @@ Pitfalls:
 """
 
 import collections
+import weakref
 
 RING = "ring"  # the first field of a ring entry (a buffer entry's is the buffer's index)
+REDUCTION = "reduction"  # the first field of a gathered module's reduction entry
 BUFFERS = 3  # the two message buffers and the scratch
 _NOTHING = (0,) * BUFFERS
 
@@ -54,13 +58,13 @@ class Schedule:
     ``ring_tags``, the tags of its rings (none when ``prefetch`` is off: the rings change after the
     recorded pass, and it predicts no next ring)."""
 
-    __slots__ = ("entries", "rest", "rings", "largest", "ring_tags")
+    __slots__ = ("entries", "rest", "rings", "largest", "ring_tags", "reductions")
 
     def __init__(self, entries: tuple, prefetch: bool = True):
         self.entries = entries
         most, rest = list(_NOTHING), [_NOTHING]
         for entry in reversed(entries):
-            if entry[0] != RING:
+            if entry[0] != RING and entry[0] != REDUCTION:
                 index, nbytes = entry
                 most[index] = max(most[index], nbytes)
             rest.append(tuple(most))
@@ -69,6 +73,7 @@ class Schedule:
         self.largest = max((entry[4] for entry in rings), default=0)
         self.rings = rings if prefetch else ()
         self.ring_tags = frozenset(entry[1] for entry in self.rings)
+        self.reductions = tuple(entry for entry in entries if entry[0] == REDUCTION)
 
 
 _EMPTY = Schedule(())
@@ -90,6 +95,10 @@ class PassSchedule:
         # first message asks for larger buffers).
         self.ring_position = 0
         self.rings_on_track = True
+        # Likewise the reductions queued so far (which module queued, in order): the queue is complete,
+        # and may ride a ring, once it holds every one the record's does.
+        self.reduction_position = 0
+        self.reductions_on_track = True
         self._begun = False
         self._first_tag = None  # the first ring's tag (None when a buffer came first): the record's key
         self._recording: list | None = None  # the pass's entries, once it left the track
@@ -132,6 +141,23 @@ class PassSchedule:
         position = self.position
         self._enter((index, nbytes))
         return self.following.rest[position][index] if self.on_track else nbytes
+
+    def reduction(self, module) -> None:
+        """``module`` (a ``GatheredParams``) queued its gradients for reduction."""
+        if not self._begun:
+            self._begin(None)
+        entry = (REDUCTION, weakref.ref(module))  # a dead module's never equals a live one's
+        if self.reductions_on_track:
+            reductions = self.following.reductions
+            position = self.reduction_position
+            self.reductions_on_track = position < len(reductions) and reductions[position] == entry
+        self.reduction_position += 1
+        self._enter(entry)
+
+    def all_reductions_queued(self) -> bool:
+        """Whether the reductions queued so far are every one the record's pass queued, in its order
+        (so none will be queued after)."""
+        return self.reductions_on_track and 0 < self.reduction_position == len(self.following.reductions)
 
     def upcoming(self) -> tuple[int, ...] | None:
         """The most each buffer will be asked for by the rest of the pass running, or None off track."""
@@ -179,3 +205,4 @@ class PassSchedule:
         self._begun, self._first_tag, self.following = False, None, _EMPTY
         self.position, self.on_track, self._recording, self._forget = 0, True, None, False
         self.ring_position, self.rings_on_track = 0, True
+        self.reduction_position, self.reductions_on_track = 0, True
