@@ -13,7 +13,7 @@ its latency, not its bytes.
 From the second step on even that latency mostly goes: the vectors of the modules first needed after
 the pass's first ring has run travel on that ring's messages (``PendingGathers``), and the gradients
 queued before the backward's last ring on that ring's (``_ring.Rider``), as the previous pass of the
-kind predicts. A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
+kind predicts (for the reductions, the backward's recorded schedule, ``_schedule.py``). A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
 what it saves).
 
 While installed they are **leaf** ``nn.Parameter``s, persistent tensors whose storage is allocated for a
