@@ -75,7 +75,7 @@ class RingBuffers:
         """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
         they hold (a prefetched message, for one). Either way the request is recorded in the pass's
         schedule as if made: the next pass of the kind then gives them that much memory from its start."""
-        schedule = self._context.schedule(in_backward())
+        schedule = self._context.schedules[in_backward()]
         for index in (0, 1):
             schedule.ask(index, nbytes)
         buffers = self._sets.get(device, [None, None])[:2]
@@ -93,7 +93,7 @@ class RingBuffers:
         backward = in_backward()
         if backward:
             self._context.end_with_backward(self)
-        size = self._context.schedule(backward).ask(index, nbytes)
+        size = self._context.schedules[backward].ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
         # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
@@ -130,7 +130,7 @@ class RingBuffers:
         weights and partials) must not stay for its last ones (the Embedding's partials). The next
         request makes a freed buffer again, at the size the rest of the backward needs. A buffer that
         holds a region named by ``keep`` keeps it (and what lies before it)."""
-        upcoming = self._context.schedule(True).upcoming() if in_backward() else None
+        upcoming = self._context.schedules[True].upcoming() if in_backward() else None
         if upcoming is None:
             return
         freed = False

@@ -412,7 +412,7 @@ class PendingReductions:
             self._queued[task] = []
             self._context.queue_end_of_backward()
         self._queued[task].append((module, contributions, used_here))
-        self._context.schedule(True).reduction(module)
+        self._context.schedules[True].reduction(module)
 
     def ring_rider(self, ring) -> "_RingReduceScatter | None":
         """The queue of the backward running, to reduce-scatter on ``ring``'s messages, if the
@@ -420,7 +420,7 @@ class PendingReductions:
         group, device and one dtype. Depends only on the order of rings and modules, which every rank
         shares."""
         queued = self._queued.get(current_graph_task_id())
-        if not queued or not self._context.schedule(True).all_reductions_queued():
+        if not queued or not self._context.schedules[True].all_reductions_queued():
             return None
         if any(_batch_key(entry) != (ring.group, queued[0][1].dtype, ring.device) for entry in queued):
             return None

@@ -94,10 +94,6 @@ class RingContext:
         self._due: dict[object, int] = {}
         LIVE_CONTEXTS.add(self)
 
-    def schedule(self, backward: bool) -> PassSchedule:
-        """The schedule of the pass kind running (``backward``: ``in_backward()``)."""
-        return self.schedules[backward]
-
     def begin_forward(self) -> None:
         """An outermost forward starts: drop what a pass that raised left behind, count the pass."""
         self.reset()

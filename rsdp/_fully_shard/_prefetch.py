@@ -111,7 +111,7 @@ class RingOrder:
     def __init__(self, context, backward: bool):
         self._context = context
         self.backward = backward
-        self.schedule = context.schedule(backward)
+        self.schedule = context.schedules[backward]
         self._first_messages: dict[int, _FirstMessage | None] = {}  # None: not prefetchable
         self._prefetched: tuple[int, tuple, Prefetched] | None = None  # (tag, signature, exchange)
         self.used = 0  # prefetched exchanges that their ring took (tests count them)

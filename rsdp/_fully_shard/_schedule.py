@@ -36,6 +36,9 @@ Pitfalls:
   wrong record costs a buffer made again or a prefetch not taken, never a wrong result.
 - A pass that raised records nothing (``abandon``): its end never came, and half a pass is no
   prediction for a whole one.
+- A backward's schedule ends with the last backward that began one of its rings or queued one of
+  its reductions (a reentrant checkpoint's nested backward ends before the one it runs in); buffer
+  requests, which follow a ring, do not say so again (a call each, on the hot path).
 """
 
 import collections
@@ -108,16 +111,19 @@ class PassSchedule:
         self._begun, self._first_tag = True, first_tag
         self.following = self._records.get(first_tag, _EMPTY)
 
-    def _enter(self, entry: tuple) -> None:
-        if self.backward:
-            self._context.end_with_backward(self)
+    def _follows(self, entry: tuple) -> bool:
+        """Whether ``entry`` is the record's at the pass's position (then the position moves on)."""
+        position, entries = self.position, self.following.entries
+        if self.on_track and position < len(entries) and entries[position] == entry:
+            self.position = position + 1
+            return True
+        return False
+
+    def _leave(self, entry: tuple) -> None:
+        """``entry`` is not the record's: record the pass from here on (the record up to here first)."""
         if self.on_track:
-            position, entries = self.position, self.following.entries
-            if position < len(entries) and entries[position] == entry:
-                self.position = position + 1
-                return
             self.on_track = False
-            self._recording = list(entries[:position])
+            self._recording = list(self.following.entries[: self.position])
         self._recording.append(entry)
         self.position += 1
 
@@ -126,33 +132,42 @@ class PassSchedule:
         exchange sends segments ``first:``; the first ring of a pass picks the record it follows."""
         if not self._begun:
             self._begin(tag)
+        if self.backward:  # the backward's rings end it (its buffer requests follow them)
+            self._context.end_with_backward(self)
         entry = (RING, tag, segments, first, nbytes)
         if self.rings_on_track:
             rings = self.following.rings
             self.rings_on_track = self.ring_position < len(rings) and rings[self.ring_position] == entry
         self.ring_position += 1
-        self._enter(entry)
+        if not self._follows(entry):
+            self._leave(entry)
 
     def ask(self, index: int, nbytes: int) -> int:
         """Ring buffer ``index`` is asked for ``nbytes``: the size to make it if it must be made (the
         most the rest of the pass asks of it, when on track; at least ``nbytes``)."""
         if not self._begun:
             self._begin(None)
-        position = self.position
-        self._enter((index, nbytes))
-        return self.following.rest[position][index] if self.on_track else nbytes
+        # ``_follows`` inlined: every ring asks for its buffers, a few times per ring.
+        position, entries = self.position, self.following.entries
+        if self.on_track and position < len(entries) and entries[position] == (index, nbytes):
+            self.position = position + 1
+            return self.following.rest[position][index]
+        self._leave((index, nbytes))
+        return nbytes
 
     def reduction(self, module) -> None:
         """``module`` (a ``GatheredParams``) queued its gradients for reduction."""
         if not self._begun:
             self._begin(None)
+        self._context.end_with_backward(self)
         entry = (REDUCTION, weakref.ref(module))  # a dead module's never equals a live one's
         if self.reductions_on_track:
             reductions = self.following.reductions
             position = self.reduction_position
             self.reductions_on_track = position < len(reductions) and reductions[position] == entry
         self.reduction_position += 1
-        self._enter(entry)
+        if not self._follows(entry):
+            self._leave(entry)
 
     def all_reductions_queued(self) -> bool:
         """Whether the reductions queued so far are every one the record's pass queued, in its order
