@@ -59,7 +59,7 @@ class Schedule:
     the most each buffer is asked for from entry ``p`` on; ``rings``, the ring entries alone, in order
     (``rings[k]`` is the ring after the first ``k``); ``largest``, the largest message of the pass; and
     ``ring_tags``, the tags of its rings (none when ``prefetch`` is off: the rings change after the
-    recorded pass, and it predicts no next ring)."""
+    recorded pass, and it predicts no next ring); ``reductions``, the reduction entries alone."""
 
     __slots__ = ("entries", "rest", "rings", "largest", "ring_tags", "reductions")
 
