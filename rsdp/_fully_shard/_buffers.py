@@ -7,8 +7,8 @@ freed block per step in the caching allocator. They live for one pass, not longe
 outermost rsdp module's forward returns and when the backward ends, so they never add to the loss
 computation's or the optimizer step's peak. ``release_ring_buffers()`` frees them at any other time.
 
-A buffer's memory is the most the rest of its pass will ask of it, learned from the previous pass of
-the same kind (``_PassSizes``), so it is allocated once per pass; and in backward it is freed after a
+A buffer's memory is the most the rest of its pass will ask of it, read from the recorded schedule of
+its pass kind (``_schedule.py``: every request is an entry of it), so it is allocated once per pass; and in backward it is freed after a
 ring when the rest of the backward needs less (``RingBuffers.trim``): gradients pile up as a backward
 goes on, so its end is where memory peaks, and the buffers of a tied table's head (the first ring of
 a backward, weights and partials) must not stay for the Embedding's and the blocks' (the last rings).
@@ -31,47 +31,6 @@ from .._compat import in_backward, in_selective_checkpoint, outside_inference_mo
 from ._wire import Message, Segment
 
 
-class _PassSizes:
-    """What the ring buffers are asked for during the passes of one kind (forward or backward): from
-    each request of the pass running to its end, the most each buffer will be asked for, predicted
-    from the previous pass of that kind as long as this one has asked for the same sizes in the same
-    order (every step of a training loop does). Otherwise there is no prediction for the rest of the
-    pass: a buffer is made at the size asked, and none is freed early.
-
-    Only a prediction: a wrong one costs a buffer made again, never a wrong result."""
-
-    def __init__(self):
-        self._asked: list[tuple[int, int]] = []  # (buffer index, bytes) of the pass running, in order
-        self._previous: list[tuple[int, int]] = []
-        self._rest: list[tuple[int, int, int]] = []  # per request of the previous pass: the most each buffer was asked from it on
-        self._on_track = True
-
-    def ask(self, index: int, nbytes: int) -> int:
-        """Record a request; return the size to make the buffer if it must be made (at least ``nbytes``)."""
-        position = len(self._asked)
-        self._asked.append((index, nbytes))
-        self._on_track = self._on_track and position < len(self._previous) and self._previous[position] == (index, nbytes)
-        return self._rest[position][index] if self._on_track else nbytes
-
-    def upcoming(self) -> tuple[int, int, int] | None:
-        """The most each buffer will be asked for by the rest of the pass running, or None."""
-        if not self._on_track:
-            return None
-        position = len(self._asked)
-        return self._rest[position] if position < len(self._rest) else (0, 0, 0)
-
-    def end(self) -> None:
-        """The pass ended: it is the prediction for the next one (unless it asked for nothing)."""
-        if not self._asked:
-            return
-        self._previous, self._asked, self._on_track = self._asked, [], True
-        most, rest = [0, 0, 0], []
-        for index, nbytes in reversed(self._previous):
-            most[index] = max(most[index], nbytes)
-            rest.append(tuple(most))
-        self._rest = rest[::-1]
-
-
 class RingBuffers:
     """Two flat byte buffers per device for the messages, and one for a backward's own contribution,
     shared by every ring of one model (its ``RingContext``), and the ``Message`` layouts whose views
@@ -80,7 +39,7 @@ class RingBuffers:
     Rings never run concurrently on one rank (a ring layer's computation calls no other ring), so one
     set serves them all: two of the largest message (weights and partials, ~2/W of the largest ring
     layer each in backward) and one of the largest gradient contribution. A buffer is given the memory
-    the rest of its pass will ask of it (``_PassSizes``) when it is asked for more than it holds, so
+    the rest of its pass will ask of it (the pass's schedule, ``_schedule.py``) when it is asked for more than it holds, so
     once per pass; in backward, one that holds more than the rest of the backward needs is freed after
     a ring (``trim``). The tensors stay, at the largest size ever asked, and so do the views of them
     that messages cached.
@@ -95,26 +54,11 @@ class RingBuffers:
         self.generation = 0
         # The one ``Message`` per segment layout, so that its views of these buffers are reused.
         self._messages: dict[tuple[Segment, ...], Message] = {}
-        # (in backward, the tag of the pass's first ring) -> its sizes: each model's passes predict its own.
-        self._sizes: dict[tuple[bool, int | None], _PassSizes] = {}
-        self._pass_keys: dict[bool, int | None] = {False: None, True: None}
         # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
         # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
         self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
         # Regions of the message buffers that ``trim`` keeps (the next ring's first exchange, done ahead).
         self._kept: tuple[torch.Tensor, ...] = ()
-
-    def begin_pass(self, backward: bool, first_tag: int) -> None:
-        """A pass of the kind begins with the ring tagged ``first_tag`` (``RingOrder.begin``): its
-        requests are predicted from the last pass that began with the same ring."""
-        self._pass_keys[backward] = first_tag
-
-    def _pass_sizes(self, backward: bool) -> "_PassSizes":
-        key = (backward, self._pass_keys[backward])
-        sizes = self._sizes.get(key)
-        if sizes is None:
-            sizes = self._sizes[key] = _PassSizes()
-        return sizes
 
     def message_of(self, segments: tuple[Segment, ...]) -> Message:
         """The one ``Message`` for these segments, so that its views of these buffers are reused."""
@@ -129,14 +73,13 @@ class RingBuffers:
 
     def hold(self, nbytes: int, device: torch.device) -> bool:
         """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
-        they hold (a prefetched message, for one). If not, the request is recorded as if made: the
-        next pass of the kind then gives them that much memory from its start."""
-        buffers = self._sets.get(device, [None, None])[:2]
-        if all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers):
-            return True
+        they hold (a prefetched message, for one). Either way the request is recorded in the pass's
+        schedule as if made: the next pass of the kind then gives them that much memory from its start."""
+        schedule = self._context.schedules[in_backward()]
         for index in (0, 1):
-            self._pass_sizes(in_backward()).ask(index, nbytes)
-        return False
+            schedule.ask(index, nbytes)
+        buffers = self._sets.get(device, [None, None])[:2]
+        return all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers)
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
@@ -150,7 +93,7 @@ class RingBuffers:
         backward = in_backward()
         if backward:
             self._context.end_with_backward(self)
-        size = self._pass_sizes(backward).ask(index, nbytes)
+        size = self._context.schedules[backward].ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
         # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
@@ -187,7 +130,7 @@ class RingBuffers:
         weights and partials) must not stay for its last ones (the Embedding's partials). The next
         request makes a freed buffer again, at the size the rest of the backward needs. A buffer that
         holds a region named by ``keep`` keeps it (and what lies before it)."""
-        upcoming = self._pass_sizes(True).upcoming() if in_backward() else None
+        upcoming = self._context.schedules[True].upcoming() if in_backward() else None
         if upcoming is None:
             return
         freed = False
@@ -261,5 +204,3 @@ class RingBuffers:
         for _, buffer in list(self._live()):
             buffer.untyped_storage().resize_(0)
         self._reindex()
-        for sizes in self._sizes.values():
-            sizes.end()

@@ -13,7 +13,7 @@ its latency, not its bytes.
 From the second step on even that latency mostly goes: the vectors of the modules first needed after
 the pass's first ring has run travel on that ring's messages (``PendingGathers``), and the gradients
 queued before the backward's last ring on that ring's (``_ring.Rider``), as the previous pass of the
-kind predicts. A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
+kind predicts (for the reductions, the backward's recorded schedule, ``_schedule.py``). A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
 what it saves).
 
 While installed they are **leaf** ``nn.Parameter``s, persistent tensors whose storage is allocated for a
@@ -391,9 +391,9 @@ class PendingReductions:
     Where it can, the reduce-scatter rides a backward ring (``ring_rider``): a ring is W-1 steps that
     pass one segment per rank down to its owner, which is what a reduce-scatter does, and a collective
     is another synchronisation of every rank (with gloo as dear as several ring exchanges). A ring can
-    carry the queue once every module has queued, which the previous backward predicts: when every
-    module that had queued by its end has queued in this one, the next backward ring that offers a
-    ride takes the queue. A module that queues after that (the graph changed) is reduce-scattered
+    carry the queue once every module has queued, which the backward's schedule predicts (each module
+    queued is an entry of it, ``_schedule.py``): when every module its record queued has queued, in
+    the same order, the next backward ring that offers a ride takes the queue. A module that queues after that (the graph changed) is reduce-scattered
     when the backward ends, as are the queues of backwards that never matched. A model whose outermost
     rsdp module holds gathered parameters (a final norm) queues that module only at the very end,
     after its last ring, so it keeps the collective.
@@ -405,43 +405,30 @@ class PendingReductions:
     def __init__(self, context):
         self._context = context
         self._queued: dict[int, list] = {}  # graph task -> [(module, contributions, used flags)] not reduced yet
-        self._order: dict[int, list[GatheredParams]] = {}  # graph task -> every module it queued, in order
-        # The first module queued -> every module the last backward that began so queued: two models
-        # trained in turn each predict from their own. Weak keys: a dead module's id reused on some
-        # ranks only must not match.
-        self._previous_orders: weakref.WeakKeyDictionary[GatheredParams, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
     def add(self, module: GatheredParams, contributions: torch.Tensor, used_here: list[bool]) -> None:
         task = current_graph_task_id()
-        if task not in self._order:
-            self._queued[task], self._order[task] = [], []
+        if task not in self._queued:
+            self._queued[task] = []
             self._context.queue_end_of_backward()
         self._queued[task].append((module, contributions, used_here))
-        self._order[task].append(module)
+        self._context.schedules[True].reduction(module)
 
     def ring_rider(self, ring) -> "_RingReduceScatter | None":
-        """The queue of the backward running, to reduce-scatter on ``ring``'s messages, if every module
-        the previous backward queued has queued (so none will after), all on ``ring``'s group, device
-        and one dtype. Depends only on the order of rings and modules, which every rank shares."""
-        task = current_graph_task_id()
-        queued, order = self._queued.get(task), self._order.get(task, [])
-        previous = self._previous_orders.get(order[0], []) if order else []
-        if not queued or len(order) != len(previous):
-            return None
-        if any(module is not earlier() for module, earlier in zip(order, previous)):
+        """The queue of the backward running, to reduce-scatter on ``ring``'s messages, if the
+        backward's schedule says every module has queued (so none will after), all on ``ring``'s
+        group, device and one dtype. Depends only on the order of rings and modules, which every rank
+        shares."""
+        queued = self._queued.get(current_graph_task_id())
+        if not queued or not self._context.schedules[True].all_reductions_queued():
             return None
         if any(_batch_key(entry) != (ring.group, queued[0][1].dtype, ring.device) for entry in queued):
             return None
-        self._queued[task] = []
+        self._queued[current_graph_task_id()] = []
         return _RingReduceScatter(ring, queued)
 
     def end_of_backward(self, task: int) -> None:
         """Reduce-scatter what the backward ``task`` queued and no ring carried."""
-        if task not in self._order:
-            return
-        order = self._order.pop(task)
-        if order:
-            self._previous_orders[order[0]] = [weakref.ref(module) for module in order]
         batches: dict[tuple, list] = {}
         for entry in self._queued.pop(task, []):
             batches.setdefault(_batch_key(entry), []).append(entry)
@@ -454,7 +441,6 @@ class PendingReductions:
 
     def abandon(self) -> None:
         self._queued.clear()
-        self._order.clear()
 
 
 def _batch_key(entry: tuple) -> tuple:

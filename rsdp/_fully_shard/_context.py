@@ -12,8 +12,9 @@ carry each other's data (a deferred hop, the reductions, the next ring's first m
 would let them. A state finds its context through its ring (``state.ring.context``), which every
 ring function has at hand.
 
-A context owns: the ring buffers and the messages laid out in them; the ring order of each pass kind
-(what to prefetch); the parameters left to ride a ring (pending gathers and reductions); the hop a
+A context owns: the recorded schedule of each pass kind (``_schedule.py``: its rings, their
+messages and the buffers they ask for, from which buffer sizes and prefetch targets are read); the
+ring buffers and the messages laid out in them; the prefetch of each pass kind; the parameters left to ride a ring (pending gathers and reductions); the hop a
 planned sub-block deferred; the works of the exchange waited for last; the gradients the backward
 running holds; how many of its forwards are open and how many passes have begun. Two models in one
 process each have their own (when sharded bottom-up, or by ``parallelize``): sharding, running or
@@ -21,7 +22,8 @@ failing one never touches another's buffers, predictions or queues.
 
 A pass: the first forward of the context that starts outside a backward is the outermost; it
 ``begin_forward``s (dropping what a pass that raised left behind: ``reset``), and when it ends the
-context ``end_forward``s (forward ring order recorded, pending gathers settled, buffers freed). Each
+context ``end_forward``s (forward schedule recorded where it changed, pending gathers settled,
+buffers freed). Each
 backward that touches the context queues ONE end-of-backward callback (``queue_end_of_backward``),
 which finishes, in this order:
 
@@ -31,8 +33,9 @@ which finishes, in this order:
 3. the queued reductions of gathered parameters, one reduce-scatter per group, dtype and device;
 4. the gradients still held (written to ``.grad``; under HSDP after their all-reduce), and the
    all-reduces in flight;
-5. the backward ring order (recorded as the next backward's prediction; an unused prefetch dropped);
-6. the ring buffers (freed; their sizes recorded for the next backward).
+5. the backward's schedule (recorded for the next backward if it left the one it followed; an unused
+   prefetch dropped);
+6. the ring buffers (freed).
 
 Each step acts only if that part was used in the backward ending: a part says so with
 ``end_with_backward``, and is finished at the end of the last backward that used it (a reentrant
@@ -57,6 +60,7 @@ from ._grad import RunningBackward
 from ._prefetch import RingOrder
 from ._buffers import RingBuffers
 from ._ring import DeferredHops, WaitedWorks
+from ._schedule import PassSchedule
 
 # Every context alive, for ``release_ring_buffers()`` without a module; weak, so a model's context
 # goes with it. With ``rootless_context``'s one context, the engine's only module-level state.
@@ -67,6 +71,8 @@ class RingContext:
     """The shared state of one model's rsdp modules; see the module docstring for the end-of-backward order."""
 
     def __init__(self):
+        # The recorded schedule of each pass kind (forward, backward), indexed by "in backward".
+        self.schedules = (PassSchedule(self, backward=False), PassSchedule(self, backward=True))
         self.buffers = RingBuffers(self)
         self.waited_works = WaitedWorks()
         self.deferred_hops = DeferredHops(self)
@@ -83,8 +89,8 @@ class RingContext:
         # their backward began.
         self._awaiting_post_backward: dict[int, list] = {}
         self._end_queued: set[int] = set()  # graph tasks whose end-of-backward callback is queued
-        # part -> the graph task at whose end the part (buffers, a ring order, the deferred hop, the
-        # running backward) finishes: the last backward that used it. Keyed by identity.
+        # part -> the graph task at whose end the part (buffers, the backward's schedule or prefetch,
+        # the deferred hop, the running backward) finishes: the last backward that used it. Keyed by identity.
         self._due: dict[object, int] = {}
         LIVE_CONTEXTS.add(self)
 
@@ -93,19 +99,28 @@ class RingContext:
         self.reset()
         self.forward_pass += 1
 
-    def end_forward(self) -> None:
-        """The outermost forward ended (or raised)."""
+    def end_forward(self, raised: bool = False) -> None:
+        """The outermost forward ended (or ``raised``: half a pass is no schedule to follow)."""
+        if raised:
+            self.schedules[False].abandon()
+        else:
+            self._end_schedule(False)
         self.forward_order.end_pass()
         self.pending_gathers.end_pass()
         self.buffers.release()
 
     def reset(self) -> None:
         """The one clean-up after a pass that raised (its end never came): queued gradients,
-        reductions, a deferred hop, the backward ring order and the post-backwards it awaited."""
+        reductions, a deferred hop, the backward's prefetch and schedule, and the post-backwards it
+        awaited (their modules' sharded parameters put back, their gathered gradients dropped)."""
         self.running_backward.abandon()
         self.pending_reductions.abandon()
         self.deferred_hops.abandon()
         self.backward_order.abandon()
+        self.schedules[True].abandon()
+        for states in self._awaiting_post_backward.values():
+            for state in states:
+                state.abandon_backward()
         self._awaiting_post_backward.clear()
         self._end_queued.clear()
         self._due.clear()
@@ -131,6 +146,12 @@ class RingContext:
             del self._due[part]
             part.end_of_backward()
 
+    def _end_schedule(self, backward: bool) -> None:
+        """The pass of the kind ended: record its schedule where it changed, and keep the first
+        messages of only the rings the records expect."""
+        if self.schedules[backward].end_pass():
+            (self.backward_order if backward else self.forward_order).keep_expected()
+
     def queue_end_of_backward(self) -> None:
         """Finish the backward now running at its end (one callback per backward and context)."""
         task = current_graph_task_id()
@@ -146,6 +167,9 @@ class RingContext:
         self.pending_reductions.end_of_backward(task)
         self._end_if_due(self.running_backward, task)
         self._end_if_due(self.backward_order, task)
+        if self._due.get(self.schedules[True]) == task:
+            del self._due[self.schedules[True]]
+            self._end_schedule(True)
         self._end_if_due(self.buffers, task)
         self._end_queued.discard(task)
 

@@ -124,7 +124,7 @@ class SharedInputFusion:
             for member in members:
                 self._formed[id(member)] = (group_layer, members)
         if groups:  # the next pass runs other rings: this one says nothing about its order
-            self.state.ring.context.forward_order.forget_this_pass()
+            self.state.ring.context.schedules[False].forget_this_pass()
 
     def _all_ranks_agree(self, groups: list[list[nn.Module]]) -> bool:
         """One all-reduce (max and -min at once) over every rank of the mesh, once per module."""

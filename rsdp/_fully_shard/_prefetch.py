@@ -22,20 +22,20 @@ into it. Those bytes do not travel; the message prefetched starts that far befor
 the carrying ring's own message, which that ring has copied out before the next one writes its
 partials there.
 
-Which ring comes next is learned from the last pass of the same kind that began with the same ring
-(forward: the rings between the start of the outermost rsdp forward and its end; backward: the rings
-of one backward, forward rings recomputed by activation checkpointing included, which take no
-prefetch and make none; each model learns from its own, in its ``RingContext``), and a ring is
-prefetched as its previous call made its first message: the same layout, packed from the same
-tensors. A prefetched ring that is not called next (control flow changed, or a different layout) runs
-as usual, its own first exchange and all; the next pass learns the new order.
+Which ring comes next is read from the recorded schedule of the pass kind (``_schedule.py``: the
+rings of the last pass of the same kind that began with the same ring, forward rings recomputed in
+backward by activation checkpointing included, which take no prefetch and make none; each model's
+``RingContext`` has its own), while the pass running follows it; and a ring is prefetched as its
+previous call made its first message: the same layout, packed from the same tensors. A prefetched
+ring that is not called next (control flow changed, or a different layout) runs as usual, its own
+first exchange and all; the pass leaves its schedule, which is recorded anew.
 
 Pitfalls:
 - The ring buffers are a passenger's length longer during the carrying ring (each of the two holds
   its message and the next ring's first one), and the next ring starts in the part of them behind
   the message, which the carrying ring no longer reads. In backward, where rsdp's memory peaks, a
-  ring whose message and passengers would need more than the pass's largest message (in the previous
-  pass) carries nothing, so that the ring buffers' peak is not raised: the head's backward ring, the
+  ring whose message and passengers would need more than the pass's largest message (in the record the
+  pass follows) carries nothing, so that the ring buffers' peak is not raised: the head's backward ring, the
   largest, carries no passenger. A prefetched ring must not make them larger (that would lose its own
   message): if they are too small it carries nothing, and the next pass makes them large enough from
   its start (``RingBuffers.hold``). When the backward's ring buffers are trimmed
@@ -48,7 +48,6 @@ Pitfalls:
   the sequence of rings, which every rank runs alike, as the rings themselves require.
 """
 
-import collections
 import dataclasses
 import math
 
@@ -104,30 +103,17 @@ class _NextFirstMessage:
         self.order.arrived(self.tag, self.first.signature(), Prefetched(sent, received, received_in))
 
 
-# Predictions kept per order, one per ring that begins a pass: a model's passes may begin with
-# different rings (a call that skips its first layers). One no longer seen is forgotten after as many others.
-_KEPT_PREDICTIONS = 8
-
-
 class RingOrder:
-    """The rings of the pass of one kind (forward or backward) now running, those of the last pass of
-    that kind that began with each first ring, and the first exchange done ahead for the ring expected
-    next."""
+    """The prefetch of one pass kind (forward or backward): how each ring made its first message at its
+    last call, and the first exchange done ahead for the ring the pass's schedule (``_schedule.py``)
+    says comes next."""
 
     def __init__(self, context, backward: bool):
         self._context = context
         self.backward = backward
-        # (tag, (message layout, first segment its first exchange sends)) of each ring, in call order:
-        # a ring's layout changes when Linears start sharing its ring, and then it is another ring.
-        self._previous_pass: list[tuple] = []
-        # The first ring's tag -> (the rings of the last pass that began with it, its largest message):
-        # two models whose passes alternate (DPO's policy and reference) each predict from their own.
-        self._predictions: collections.OrderedDict[int, tuple[list[tuple], int]] = collections.OrderedDict()
-        self._this_pass: list[tuple] = []
+        self.schedule = context.schedules[backward]
         self._first_messages: dict[int, _FirstMessage | None] = {}  # None: not prefetchable
         self._prefetched: tuple[int, tuple, Prefetched] | None = None  # (tag, signature, exchange)
-        self._largest = self._largest_previous = 0  # the largest message of the pass, of the previous one
-        self._forget = False
         self.used = 0  # prefetched exchanges that their ring took (tests count them)
 
     def arrived(self, tag: int, signature: tuple, exchange: Prefetched) -> None:
@@ -149,15 +135,11 @@ class RingOrder:
         exchange if the ring before did it, or None (then it makes its own)."""
         if self.backward:
             self._context.end_with_backward(self)
-        if not self._this_pass:
-            self._previous_pass, self._largest_previous = self._predictions.get(tag, ([], 0))
-            self._context.buffers.begin_pass(self.backward, tag)
+        self.schedule.ring(tag, message.segments, first, message.nbytes)
         prefetched = self._take()
         prefetchable = tensors is not None and ring.size > 1 and not in_selective_checkpoint()
         first_message = _FirstMessage(ring, message, tensors, first) if prefetchable else None
         self._first_messages[tag] = first_message
-        self._this_pass.append((tag, (message.segments, first)))
-        self._largest = max(self._largest, message.nbytes)
         if prefetched is None:
             return None
         expected_tag, signature, exchange = prefetched
@@ -168,54 +150,42 @@ class RingOrder:
 
     def next_first(self, ring: Ring) -> _NextFirstMessage | None:
         """The next ring's first message, for ``ring``'s last exchange to carry (``Ring.circulate``'s
-        ``carry_next``), if the previous pass says which ring that is and it shares ``ring``'s group
-        and device. Called as a ring of this order's kind starts."""
+        ``carry_next``), if the schedule says which ring that is and it shares ``ring``'s group and
+        device. Called as a ring of this order's kind starts."""
         if in_backward() != self.backward or in_selective_checkpoint():
             return None
         if self.backward and ring.size < 4:  # the deferred hop the next ring would carry has no place
             return None
-        position = len(self._this_pass)
-        if position >= len(self._previous_pass) or self._this_pass != self._previous_pass[:position]:
+        upcoming = self.schedule.next_ring()
+        if upcoming is None:
             return None
-        tag, layout = self._previous_pass[position]
+        _, tag, segments, first_segment, _ = upcoming
         first = self._first_messages.get(tag)
-        if first is None or (first.message.segments, first.first) != layout:
+        if first is None or first.message.segments != segments or first.first != first_segment:
             return None
         if first.ring.group is not ring.group or first.ring.device != ring.device:
             return None
         # In backward, where rsdp's memory peaks (gradients pile up), no larger than the pass's largest
         # message: its first ring, a head's, is often the largest, and carries nothing then.
-        room = self._largest_previous if self.backward else math.inf
+        room = self.schedule.largest if self.backward else math.inf
         return _NextFirstMessage(self, tag, first, room)
 
-    def forget_this_pass(self) -> None:
-        """The rings change after this pass (Linears start sharing one): do not predict from it."""
-        self._forget = True
-
     def end_pass(self) -> None:
-        """The pass ended: drop an exchange no ring took, remember the order."""
+        """The pass ended: drop an exchange no ring took."""
         self._take()
-        if self._this_pass:
-            first_tag = self._this_pass[0][0]
-            self._predictions[first_tag] = ([] if self._forget else self._this_pass, self._largest)
-            self._predictions.move_to_end(first_tag)
-            while len(self._predictions) > _KEPT_PREDICTIONS:
-                self._predictions.popitem(last=False)
-        self._previous_pass, self._largest = [], 0
-        # Only the predicted rings can be prefetched next: the others' tensors (a model no longer
-        # trained, perhaps) are not kept alive here.
-        predicted = {tag for rings, _ in self._predictions.values() for tag, _ in rings}
-        self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in predicted}
-        self._this_pass, self._forget = [], False
+
+    def keep_expected(self) -> None:
+        """The schedule was recorded anew: keep the first messages of the rings some record says come
+        next, not the others' (their tensors, of a model no longer trained perhaps, are not kept alive here)."""
+        expected = self.schedule.ring_tags()
+        self._first_messages = {tag: first for tag, first in self._first_messages.items() if tag in expected}
 
     def abandon(self) -> None:
         """Drop what a pass that raised left (called as a forward starts): its end never came."""
-        if self._this_pass or self._prefetched is not None:
-            self._take()
-            self._this_pass, self._forget, self._largest = [], False, 0
+        self._take()
 
     def end_of_backward(self) -> None:
-        """The backward whose rings this pass records ended."""
+        """The backward whose rings this order prefetched for ended."""
         self.end_pass()
 
 

@@ -210,7 +210,7 @@ def ring_backward(
     unsynced = bool(grad_keys) and not state.requires_gradient_sync
     # Its first message carries partials: not prefetchable, but its last exchange may carry the next
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
-    # prediction of their sizes the pass follows (``RingBuffers.begin_pass``).
+    # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
     ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], weights_only if unsynced else message)
     ring.context.buffers.pair(message.nbytes, ring.device)
     contribution.reserve(ring, grads)

@@ -208,7 +208,7 @@ class RSDPState(FSDPState):
         for batch in batches.values():
             gather_together(batch, context.forward_pass)
 
-    def end_forward(self, backward_follows: bool = False) -> None:
+    def end_forward(self, backward_follows: bool = False, raised: bool = False) -> None:
         """Put the sharded parameters back and close the forward (also when it raised). The full
         parameters stay allocated only if a backward through the module follows (autograd saved them,
         whether or not they need a gradient) and they are not resharded. The ring buffers are freed
@@ -223,7 +223,7 @@ class RSDPState(FSDPState):
         context.open_forwards -= 1
         self.forward_depth -= 1
         if context.open_forwards == 0 and not in_backward():
-            context.end_forward()
+            context.end_forward(raised)
 
     def close_raised_forward(self, depth: int) -> None:
         """A call of the module begun at ``forward_depth`` ``depth`` raised: close its forward, unless
@@ -231,7 +231,7 @@ class RSDPState(FSDPState):
         never closed twice."""
         if self.forward_depth > depth:
             self.fusion.forward_raised()
-            self.end_forward()
+            self.end_forward(raised=True)
 
     @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -290,6 +290,18 @@ class RSDPState(FSDPState):
         if self.gathered is not None:
             self.gathered.reduce_gradients()
         self.gradients.flush()
+        self.restore_sharded_params()
+        if self.gathered is not None:
+            self.gathered.free()
+
+    def abandon_backward(self) -> None:
+        """Its backward raised, and its post-backward never came (``RingContext.reset``): drop the
+        gathered parameters' gradients, put the sharded parameters back, free the full ones."""
+        self._post_backward_task = None
+        self.fusion.backward_ended()
+        if self.gathered is not None and self.gathered.full is not None:
+            for full in self.gathered.full:
+                full.grad = None
         self.restore_sharded_params()
         if self.gathered is not None:
             self.gathered.free()
