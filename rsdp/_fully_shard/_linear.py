@@ -21,6 +21,7 @@ Pitfalls:
   (``_ring_function.first_message``): the weights packed must be the ones it would pack.
 """
 
+import functools
 import itertools
 import math
 from typing import NamedTuple
@@ -52,7 +53,7 @@ class _Stacked:
     (``width`` the sum of the chunks) starting where the first member's view starts. Its products fill
     ``[tokens, W, width]``, whose member columns, unpadded, are that member's output."""
 
-    def __init__(self, layouts: list[ShardLayout]):
+    def __init__(self, layouts: tuple[ShardLayout, ...]):
         self.layouts = layouts
         self.offsets = list(itertools.accumulate((layout.chunk for layout in layouts), initial=0))
         self.width = self.offsets[-1]
@@ -94,6 +95,12 @@ class _Stacked:
             out.copy_(columns.reshape(out.shape[0], layout.world * layout.chunk)[:, : layout.rows])
 
 
+@functools.lru_cache(maxsize=None)
+def _stacked(layouts: tuple[ShardLayout, ...]) -> _Stacked:
+    """The one ``_Stacked`` of a group's layouts (it holds nothing else), made once, not at every pass."""
+    return _Stacked(layouts)
+
+
 class LinearMember(NamedTuple):
     """One Linear of a ring group: its output features, and the key of its parameters' sync-off
     gradient accumulators (``RSDPState.unsynced_gradient``)."""
@@ -119,7 +126,7 @@ class RingLinearFunction(torch.autograd.Function):
         message = ring.context.buffers.message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
         slot = {index: position for position, index in enumerate(order)}
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        stacked = _Stacked(layouts) if len(members) > 1 else None
+        stacked = _stacked(tuple(layouts)) if len(members) > 1 else None
         all_biases = all(bias is not None for bias in params[1::2])
 
         def rotate() -> tuple[torch.Tensor, ...]:
@@ -194,7 +201,7 @@ class RingLinearFunction(torch.autograd.Function):
              if need and (index % 2 == 0 or ctx.has_bias[index // 2])),
             key=lambda entry: (entry[1], entry[0]),
         )
-        group = _Stacked(layouts) if len(layouts) > 1 else None
+        group = _stacked(tuple(layouts)) if len(layouts) > 1 else None
         every = range(len(layouts))
         stacked = group is not None and wanted[: len(layouts)] == [(member, False) for member in every]
         stacked_biases = stacked and wanted == [(m, False) for m in every] + [(m, True) for m in every]

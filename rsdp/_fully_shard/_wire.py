@@ -115,8 +115,10 @@ class Message:
         place = self._buffers.place_of(buffer)
         if place is None:
             return Views(self._make_views(buffer, shard, first, transposed), cached=False)
+        if self._generation != self._buffers.generation:
+            self._forget_views()
         key = (place, shard, first, transposed)
-        views = self._cached(key)
+        views = self._ring_views.get(key)
         if views is None:
             with outside_inference_mode():
                 views = self._ring_views[key] = Views(self._make_views(buffer, shard, first, transposed), cached=True)
@@ -133,21 +135,21 @@ class Message:
         if dtype is None:
             return None
         place = self._buffers.place_of(buffer)
+        if place is None:
+            return buffer[self.offsets[first] : self.nbytes].view(dtype)
+        if self._generation != self._buffers.generation:
+            self._forget_views()
         key = (place, "flat", first)
-        flat = None if place is None else self._cached(key)
+        flat = self._ring_views.get(key)
         if flat is None:
             with outside_inference_mode():
-                flat = buffer[self.offsets[first] : self.nbytes].view(dtype)
-            if place is not None:
-                self._ring_views[key] = flat
+                flat = self._ring_views[key] = buffer[self.offsets[first] : self.nbytes].view(dtype)
         return flat
 
-    def _cached(self, key: tuple):
-        """What was cached under ``key`` for the pool's current buffers, or None."""
-        if self._generation != self._buffers.generation:
-            self._ring_views.clear()
-            self._generation = self._buffers.generation
-        return self._ring_views.get(key)
+    def _forget_views(self) -> None:
+        """The pool's buffers were replaced: the views cached are of old ones."""
+        self._ring_views.clear()
+        self._generation = self._buffers.generation
 
     def _make_views(self, buffer: torch.Tensor, shard: int, first: int, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:
         views = []
