@@ -6,14 +6,20 @@ random ``upstream``, so input gradients match exactly and parameter gradients ar
 divided by the world size (rsdp's default is the mean over data-parallel ranks, as FSDP2's).
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from models import assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
+from models import MLP, assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
 from rsdp import rsdp_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from host_overhead import OpCounter  # noqa: E402
 
 worlds = st.sampled_from([1, 2, 3, 4])
 sizes = st.integers(1, 9)
@@ -326,3 +332,29 @@ def empty_batch_training_case(empty_per_step, checkpointing):
 @pytest.mark.parametrize("world, empty_per_step", [(1, [{0}, set()]), (2, [{1}, {0, 1}, set()]), (3, [{0}, {2}])])
 def test_training_steps_with_empty_batches_match_reference(ranks, world, empty_per_step, checkpointing):
     ranks.run(world, empty_batch_training_case, empty_per_step, checkpointing)
+
+
+def steady_ops_case():
+    """The aten ops of one steady-state training step of a SwiGLU MLP (gate/up share a ring, down is
+    alone): (all of them, the views among them, by op)."""
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    rsdp_shard(model)
+    x = torch.randn(3, 8, requires_grad=True)
+    for _ in range(3):  # the ring buffers' sizes and the views cached of them settle
+        model(x).sum().backward()
+    with OpCounter() as ops:
+        model(x).sum().backward()
+    return ops.ops, ops.views, ops.by_op
+
+
+def test_a_ring_step_issues_its_arithmetic_and_no_view(ranks):
+    """Each ring step dispatches only what it computes: a rank more adds, per ring (gate/up's, down's),
+    one forward GEMM, one input-gradient GEMM, one gradient-contribution GEMM and one add of the
+    arrived partials (gate's and up's in one): 4 × 2 = 8 ops, none of them a view. Every view a step
+    uses (shard columns, transposed and stacked weights) is made once per pass or cached with the
+    ring's buffers: each op is a host dispatch, a kernel launch on a GPU."""
+    ops2, views2, by_op2 = ranks.run(2, steady_ops_case)[0]
+    ops4, views4, by_op4 = ranks.run(4, steady_ops_case)[0]
+    assert views4 == views2, (by_op2, by_op4)
+    assert ops4 - ops2 == 2 * 8, (by_op2, by_op4)

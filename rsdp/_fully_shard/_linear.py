@@ -21,6 +21,7 @@ Pitfalls:
   (``_ring_function.first_message``): the weights packed must be the ones it would pack.
 """
 
+import functools
 import itertools
 import math
 from typing import NamedTuple
@@ -43,7 +44,7 @@ from ._ring_function import (
     sharded,
     write_product,
 )
-from ._wire import Segment
+from ._wire import Segment, Views
 
 
 class _Stacked:
@@ -52,7 +53,7 @@ class _Stacked:
     (``width`` the sum of the chunks) starting where the first member's view starts. Its products fill
     ``[tokens, W, width]``, whose member columns, unpadded, are that member's output."""
 
-    def __init__(self, layouts: list[ShardLayout]):
+    def __init__(self, layouts: tuple[ShardLayout, ...]):
         self.layouts = layouts
         self.offsets = list(itertools.accumulate((layout.chunk for layout in layouts), initial=0))
         self.width = self.offsets[-1]
@@ -62,6 +63,12 @@ class _Stacked:
         """``[width, trailing]`` from the first member's view of one shard (its real rows only)."""
         trailing = first.shape[1:]
         return first.as_strided((self.width, *trailing), (math.prod(trailing), *first.stride()[1:]), first.storage_offset())
+
+    def rows_of(self, views: Views, index: int, transposed: bool = False) -> torch.Tensor:
+        """``rows`` of ``views[index]`` (transposed, as a GEMM takes a weight), made once per view."""
+        if transposed:
+            return views.derived(("stacked.t", index, self.width), lambda views: self.rows(views[index]).t())
+        return views.derived(("stacked", index, self.width), lambda views: self.rows(views[index]))
 
     def spread(self, outputs: list[torch.Tensor]) -> torch.Tensor:
         """``[tokens, W, width]`` laid out like the products, holding ``outputs`` (every member's
@@ -86,6 +93,12 @@ class _Stacked:
             out.view(out.shape[0], layout.world, layout.chunk).copy_(columns)
         else:
             out.copy_(columns.reshape(out.shape[0], layout.world * layout.chunk)[:, : layout.rows])
+
+
+@functools.lru_cache(maxsize=None)
+def _stacked(layouts: tuple[ShardLayout, ...]) -> _Stacked:
+    """The one ``_Stacked`` of a group's layouts (it holds nothing else), made once, not at every pass."""
+    return _Stacked(layouts)
 
 
 class LinearMember(NamedTuple):
@@ -113,39 +126,43 @@ class RingLinearFunction(torch.autograd.Function):
         message = ring.context.buffers.message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
         slot = {index: position for position, index in enumerate(order)}
         x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        stacked = _Stacked(layouts) if len(members) > 1 else None
+        stacked = _stacked(tuple(layouts)) if len(members) > 1 else None
         all_biases = all(bias is not None for bias in params[1::2])
 
         def rotate() -> tuple[torch.Tensor, ...]:
             outs = [x2d.new_empty(*x.shape[:-1], rows) for rows in out_features]
             outs2d = [out.view(-1, rows) for out, rows in zip(outs, out_features)]
-            products = None if stacked is None else x2d.new_empty(x2d.shape[0], ring.size, stacked.width)
+            # Every shard's output block, split once (one op) rather than sliced at each step.
+            if stacked is None:
+                columns = outs2d[0].split(layouts[0].sizes, 1)
+            else:
+                products = x2d.new_empty(x2d.shape[0], ring.size, stacked.width)
+                columns = products.unbind(1)
 
             def during(step: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(step)
-                views = message.views(buffer, shard)
                 if stacked is not None:
+                    views = message.views(buffer, shard)
                     # Padding rows give columns that are never read.
-                    product = products[:, shard]
+                    product = columns[shard]
                     if all_biases:  # adjacent too, right after the weights
-                        torch.addmm(stacked.rows(views[len(layouts)]), x2d, stacked.rows(views[0]).t(), out=product)
+                        torch.addmm(stacked.rows_of(views, len(layouts)), x2d, stacked.rows_of(views, 0, transposed=True), out=product)
                         return
-                    torch.mm(x2d, stacked.rows(views[0]).t(), out=product)
+                    torch.mm(x2d, stacked.rows_of(views, 0, transposed=True), out=product)
                     for member, layout in enumerate(layouts):
                         if 2 * member + 1 in slot and layout.rows_of(shard):
                             start = stacked.offsets[member]
                             product[:, start : start + layout.rows_of(shard)].add_(views[slot[2 * member + 1]])
                     return
-                layout, out = layouts[0], outs2d[0]
-                start, stop = layout.start(shard), layout.stop(shard)
-                if start == stop:
+                if not layouts[0].rows_of(shard):
                     return
+                views = message.views(buffer, shard, transposed=(True,))
                 # A column block of a row-major matrix is a valid BLAS output (leading dimension
                 # out_features), so the product is written in place, with no temporary.
                 if 1 in slot:
-                    torch.addmm(views[slot[1]], x2d, views[0].t(), out=out[:, start:stop])
+                    torch.addmm(views[slot[1]], x2d, views[0], out=columns[shard])
                 else:
-                    torch.mm(x2d, views[0].t(), out=out[:, start:stop])
+                    torch.mm(x2d, views[0], out=columns[shard])
 
             tensors = [params[index] for index in order]
             start = first_message(layer, message, tensors)
@@ -184,7 +201,7 @@ class RingLinearFunction(torch.autograd.Function):
              if need and (index % 2 == 0 or ctx.has_bias[index // 2])),
             key=lambda entry: (entry[1], entry[0]),
         )
-        group = _Stacked(layouts) if len(layouts) > 1 else None
+        group = _stacked(tuple(layouts)) if len(layouts) > 1 else None
         every = range(len(layouts))
         stacked = group is not None and wanted[: len(layouts)] == [(member, False) for member in every]
         stacked_biases = stacked and wanted == [(m, False) for m in every] + [(m, True) for m in every]
@@ -192,6 +209,15 @@ class RingLinearFunction(torch.autograd.Function):
         # stale bytes of earlier messages, which a zero column of the gradient would not cancel (0 × NaN).
         stacked_input = group is not None and need_x and group.unpadded
         dy_stacked = group.spread(dys) if stacked or stacked_input else None
+        # Each shard's columns of the output gradients (and, transposed, as the weight gradient's GEMM
+        # takes them), split once (an op or two) rather than sliced and transposed at every step.
+        if dy_stacked is not None:
+            dy_shards, dy_shards_t = dy_stacked.unbind(1), dy_stacked.permute(1, 2, 0).unbind(0)
+        unstacked_biases = not stacked_biases and any(is_bias for _, is_bias in wanted)
+        if (need_x and not stacked_input) or unstacked_biases:
+            dys_split = [dy.split(layout.sizes, 1) for dy, layout in zip(dys, layouts)]
+        if not stacked and any(not is_bias for _, is_bias in wanted):
+            dys_split_t = [dy.t().split(layout.sizes, 0) for dy, layout in zip(dys, layouts)]
         weight_segments = [Segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
         grad_segments = [
             Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
@@ -204,29 +230,27 @@ class RingLinearFunction(torch.autograd.Function):
             for view, weight in zip(views, weights):
                 view.copy_(weight)
 
-        def use_weights(shard: int, views: list[torch.Tensor]) -> None:
+        def use_weights(shard: int, views: Views) -> None:
             if stacked_input:
-                grad_x.addmm_(dy_stacked[:, shard], group.rows(views[0]))
+                grad_x.addmm_(dy_shards[shard], group.rows_of(views, 0))
                 return
-            for layout, dy, weight in zip(layouts, dys, views):
+            for layout, dy, weight in zip(layouts, dys_split, views):
                 if layout.rows_of(shard):
-                    grad_x.addmm_(dy[:, layout.row_slice(shard)], weight)
+                    grad_x.addmm_(dy[shard], weight)
 
-        def contribute(shard: int, views: list[torch.Tensor]) -> None:
+        def contribute(shard: int, views: Views) -> None:
             if stacked:
-                write_product(group.rows(views[0]), dy_stacked[:, shard].t(), x2d)
+                write_product(group.rows_of(views, 0), dy_shards_t[shard], x2d)
                 if stacked_biases:
-                    group.rows(views[len(layouts)]).copy_(dy_stacked[:, shard].sum(0))
+                    group.rows_of(views, len(layouts)).copy_(dy_shards[shard].sum(0))
                     return
             for (member, is_bias), view in zip(wanted, views):
                 if stacked and not is_bias:
                     continue
-                layout = layouts[member]
-                dy_shard = dys[member][:, layout.row_slice(shard)]
                 if is_bias:
-                    view.copy_(dy_shard.sum(0))
+                    view.copy_(dys_split[member][shard].sum(0))
                 else:
-                    write_product(view, dy_shard.t(), x2d)
+                    write_product(view, dys_split_t[member][shard], x2d)
 
         with layer.profiled(Phase.BACKWARD):
             keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
@@ -256,11 +280,12 @@ class RingInputSplitFunction(torch.autograd.Function):
 
         def rotate() -> tuple[torch.Tensor]:
             out = x2d.new_zeros(x2d.shape[0], out_features)
+            x_shards = x2d.split(layout.sizes, 1)
 
             def during(step: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(step)
                 if layout.rows_of(shard):
-                    out.addmm_(x2d[:, layout.row_slice(shard)], message.views(buffer, shard)[0])
+                    out.addmm_(x_shards[shard], message.views(buffer, shard)[0])
 
             start = first_message(layer, message, [weight])
             with layer.profiled(Phase.FORWARD):
@@ -292,12 +317,15 @@ class RingInputSplitFunction(torch.autograd.Function):
         def pack_weights(views: list[torch.Tensor]) -> None:
             views[0].copy_(weight)
 
-        def use_weights(shard: int, views: list[torch.Tensor]) -> None:
-            if layout.rows_of(shard):
-                grad_x[:, layout.row_slice(shard)].addmm_(dy, views[0].t())
+        grad_x_shards = grad_x.split(layout.sizes, 1) if need_x else None
+        x_shards_t = x2d.t().split(layout.sizes, 0) if need_weight else None
 
-        def contribute(shard: int, views: list[torch.Tensor]) -> None:
-            write_product(views[0], x2d[:, layout.row_slice(shard)].t(), dy)
+        def use_weights(shard: int, views: Views) -> None:
+            if layout.rows_of(shard):
+                grad_x_shards[shard].addmm_(dy, views.derived(("t", 0), lambda views: views[0].t()))
+
+        def contribute(shard: int, views: Views) -> None:
+            write_product(views[0], x_shards_t[shard], dy)
 
         with layer.profiled(Phase.BACKWARD):
             keys = [(id(layer), "weight")] if need_weight else []

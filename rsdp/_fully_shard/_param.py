@@ -37,6 +37,11 @@ class ShardLayout:
     def _slices(self) -> tuple[slice, ...]:
         return tuple(slice(start, stop) for start, stop in self._bounds)
 
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """Every shard's row count, in shard order: what ``split`` takes to cut all shards in one op."""
+        return [stop - start for start, stop in self._bounds]
+
     def row_slice(self, shard: int) -> slice:
         """Shard ``shard``'s rows, as a slice."""
         return self._slices[shard]

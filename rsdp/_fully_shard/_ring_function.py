@@ -40,7 +40,7 @@ from torch.profiler import record_function
 from .._compat import DTensor, autocast_dtype, profiler_enabled
 from ._prefetch import ring_begins
 from ._ring import Phase, Ring
-from ._wire import Message
+from ._wire import Message, Views
 
 
 class RingLayer:
@@ -101,12 +101,13 @@ class DenseContribution:
     buffer while the partial travels, added to the partial when it arrives.
 
     ``write(shard, views)`` writes this rank's contribution to shard ``shard`` of every gradient into
-    ``views``. ``earlier(shard, views)``, where given, adds what backwards without synchronisation
-    kept for the shard."""
+    ``views`` (a ``Views``: what it derives from them, ``Views.derived``, is kept for the next pass).
+    ``earlier(shard, views)``, where given, adds what backwards without synchronisation kept for the
+    shard."""
 
     computes_ahead = True
 
-    def __init__(self, write: Callable[[int, list[torch.Tensor]], None]):
+    def __init__(self, write: Callable[[int, Views], None]):
         self.write = write
 
     def reserve(self, ring: Ring, grads: Message) -> None:
@@ -136,6 +137,14 @@ class DenseContribution:
     def arrival(self, ring: Ring, message: Message, first: int, earlier) -> Callable[[int, torch.Tensor], None]:
         """The ring's ``on_arrival``: add the contribution computed while the partial travelled."""
         grads, scratch = self._grads, self._scratch
+        mine_flat = grads.flat(scratch)
+        if mine_flat is not None:
+            # Gradients of one dtype lie with no gap between them, in the message as in the scratch:
+            # one add for all of them (padding rows too, which nothing reads), not one per gradient.
+            def arrived(step: int, buffer: torch.Tensor) -> None:
+                message.flat(buffer, first).add_(mine_flat)
+
+            return arrived
 
         def arrived(step: int, buffer: torch.Tensor) -> None:
             shard = ring.partial_shard_at(step)
@@ -184,9 +193,10 @@ class SparseContribution:
 
 class RingWeights:
     """The weights a backward ring rotates for the input gradient: ``pack(views)`` writes this rank's
-    shards into a message's weight views, ``use(shard, views)`` adds their input-gradient terms."""
+    shards into a message's weight views, ``use(shard, views)`` adds their input-gradient terms
+    (``views`` a ``Views``, as ``DenseContribution.write`` has them)."""
 
-    def __init__(self, pack: Callable[[list[torch.Tensor]], None], use: Callable[[int, list[torch.Tensor]], None]):
+    def __init__(self, pack: Callable[[Views], None], use: Callable[[int, Views], None]):
         self.pack, self.use = pack, use
 
 
@@ -223,7 +233,7 @@ def ring_backward(
             _rotate_weights(layer, weights_only, weights)
         return None
     earlier = [state.take_unsynced(key) for key in grad_keys]
-    return _reduce_on_ring(layer, message, grads, weight_segments, earlier, weights, contribution)
+    return _reduce_on_ring(layer, message, weights_only, grads, earlier, weights, contribution)
 
 
 def _unsynced_shards(state, grads: Message, totals: list[torch.Tensor | None], shard: int) -> list[torch.Tensor | None]:
@@ -248,12 +258,15 @@ def _rotate_weights(layer: RingLayer, message: Message, weights: RingWeights) ->
     ring.context.buffers.trim()
 
 
-def _reduce_on_ring(layer: RingLayer, message: Message, grads: Message, weight_segments: int, unsynced: list, weights, contribution) -> list[torch.Tensor]:
-    """The weights and the partials (``grads``, segments ``weight_segments:`` of ``message``) round the
-    ring: the partial of shard ``ring.partial_shard_at(k)`` is held at step k and reaches its owner
+def _reduce_on_ring(
+    layer: RingLayer, message: Message, weights_only: Message, grads: Message, unsynced: list, weights, contribution
+) -> list[torch.Tensor]:
+    """The weights (``weights_only``, the leading segments of ``message``) and the partials (``grads``,
+    the rest) round the ring: the partial of shard ``ring.partial_shard_at(k)`` is held at step k and reaches its owner
     after W-1 hops, reduced. ``unsynced``: what backwards without synchronisation kept for each
     gradient (None where nothing), added on the way."""
     state, ring = layer.state, layer.state.ring
+    weight_segments = len(weights_only.segments)
 
     def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
         for view, total in zip(views, _unsynced_shards(state, grads, unsynced, shard)):
@@ -268,14 +281,14 @@ def _reduce_on_ring(layer: RingLayer, message: Message, grads: Message, weight_s
 
     def start(buffer: torch.Tensor) -> None:
         if weight_segments:
-            weights.pack(message.views(buffer, ring.rank)[:weight_segments])
+            weights.pack(weights_only.views(buffer, ring.rank))
         shard = ring.partial_shard_at(0)
         contribution.start(shard, message.views(buffer, shard, weight_segments), earlier)
 
     def during(step: int, buffer: torch.Tensor) -> None:
         if weight_segments:
             shard = ring.weight_shard_at(step)
-            weights.use(shard, message.views(buffer, shard)[:weight_segments])
+            weights.use(shard, weights_only.views(buffer, shard))
         if ahead and step + 1 < ring.size:
             contribution.ahead(ring.partial_shard_at(step + 1), earlier)
 

@@ -13,6 +13,8 @@ reused, and views of any other buffer are made fresh.
 Pitfalls:
 - A segment is aligned to its own element size only: a wider alignment would put gap bytes on the wire.
 - A cached view is valid only while the pool's buffers are the ones it was made of (``generation``).
+- What a caller derives from a shard's views (``Views.derived``: a transposed or stacked view of them)
+  is cached with the views, so it must be a function of the views alone, and its key must name it.
 """
 
 import math
@@ -48,6 +50,32 @@ class Segment:
         return self.layout.chunk * math.prod(self.trailing) * self.dtype.itemsize
 
 
+class Views(list):
+    """The views of one shard's segments (a list), and what callers derive from them: a ring step's
+    GEMM often wants a transposed or stacked view of a segment, and making it again at every step costs
+    a dispatch each. Views of the ring's own buffers are cached, and so is what is derived from them;
+    fresh views (of any other buffer) derive afresh and are dropped with the list."""
+
+    __slots__ = ("_derived", "_cached")
+
+    def __init__(self, views: list[torch.Tensor], cached: bool):
+        super().__init__(views)
+        self._derived: dict = {}
+        self._cached = cached
+
+    def derived(self, key, make: "typing.Callable[[Views], torch.Tensor]") -> torch.Tensor:
+        """``make(self)``, made once per ``key`` for these views (``key`` names what ``make`` derives)."""
+        value = self._derived.get(key)
+        if value is None:
+            if self._cached:
+                with outside_inference_mode():
+                    value = make(self)
+            else:
+                value = make(self)
+            self._derived[key] = value
+        return value
+
+
 class Message:
     """The wire format of one ring step: shard ``s`` of several tensors in one flat byte buffer.
 
@@ -72,11 +100,12 @@ class Message:
             offset += segment.padded_nbytes
         self.nbytes = offset
         # Views of the ring's own buffers, which outlive a step:
-        # ((buffer index, offset), shard, first, transposed) -> views.
-        self._ring_views: dict[tuple, list[torch.Tensor]] = {}
+        # ((buffer index, offset), shard, first, transposed) -> views; ((index, offset), "flat", first) -> ``flat``.
+        self._ring_views: dict[tuple, Views | torch.Tensor] = {}
         self._generation = buffers.generation
+        self._flat_dtypes: dict[int, torch.dtype | None] = {}  # first -> the one dtype of segments first:
 
-    def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:
+    def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> Views:
         """Segments ``first:`` of ``buffer`` (a byte tensor holding one message) as shard ``shard``'s
         rows, shaped ``[rows, *trailing]``; those that ``transposed`` flags (one flag per segment from
         ``first`` on) transposed, as a GEMM takes a colwise weight.
@@ -85,16 +114,42 @@ class Message:
         step's host time); other buffers get fresh views, since their memory may be reused."""
         place = self._buffers.place_of(buffer)
         if place is None:
-            return self._make_views(buffer, shard, first, transposed)
+            return Views(self._make_views(buffer, shard, first, transposed), cached=False)
         if self._generation != self._buffers.generation:
-            self._ring_views.clear()
-            self._generation = self._buffers.generation
+            self._forget_views()
         key = (place, shard, first, transposed)
         views = self._ring_views.get(key)
         if views is None:
             with outside_inference_mode():
-                views = self._ring_views[key] = self._make_views(buffer, shard, first, transposed)
+                views = self._ring_views[key] = Views(self._make_views(buffer, shard, first, transposed), cached=True)
         return views
+
+    def flat(self, buffer: torch.Tensor, first: int = 0) -> torch.Tensor | None:
+        """Segments ``first:`` of ``buffer`` as one flat tensor, padding rows included, when they share
+        one dtype (then no gap lies between them); else None. What a GEMM never reads may be added to:
+        one op over every segment instead of one per segment. Cached like ``views``."""
+        dtype = self._flat_dtypes.get(first, False)
+        if dtype is False:
+            dtypes = {segment.dtype for segment in self.segments[first:]}
+            dtype = self._flat_dtypes[first] = dtypes.pop() if len(dtypes) == 1 else None
+        if dtype is None:
+            return None
+        place = self._buffers.place_of(buffer)
+        if place is None:
+            return buffer[self.offsets[first] : self.nbytes].view(dtype)
+        if self._generation != self._buffers.generation:
+            self._forget_views()
+        key = (place, "flat", first)
+        flat = self._ring_views.get(key)
+        if flat is None:
+            with outside_inference_mode():
+                flat = self._ring_views[key] = buffer[self.offsets[first] : self.nbytes].view(dtype)
+        return flat
+
+    def _forget_views(self) -> None:
+        """The pool's buffers were replaced: the views cached are of old ones."""
+        self._ring_views.clear()
+        self._generation = self._buffers.generation
 
     def _make_views(self, buffer: torch.Tensor, shard: int, first: int, transposed: tuple[bool, ...] = ()) -> list[torch.Tensor]:
         views = []
