@@ -86,6 +86,18 @@ def test_the_linears_flops_run_at_the_gemm_rate_and_the_rest_at_its_own():
     assert seconds(Strategy.FSDP, gemm_flops_per_s=2e12) == pytest.approx(PART.forward_flops / 1e12)
 
 
+def test_fsdp2s_own_work_is_charged_per_parameter_byte_with_the_compute():
+    """FSDP2's copies and hooks (``rsdp calibrate`` measures them per stored parameter byte, forward
+    and backward) add to FSDP's and replicate's compute, each its own figure; rsdp's ring has its own
+    host term instead."""
+    overheads = dict(fsdp_overhead_s_per_byte=(1e-9, 3e-9), replicate_overhead_s_per_byte=(2e-9, 5e-9))
+    for strategy, (forward, backward) in ((Strategy.FSDP, (1e-9, 3e-9)), (Strategy.REPLICATE, (2e-9, 5e-9))):
+        assert seconds(strategy, **overheads) - seconds(strategy) == pytest.approx(PART.param_bytes * forward)
+        charged = seconds(strategy, backward=True, **overheads) - seconds(strategy, backward=True)
+        assert charged == pytest.approx(PART.param_bytes * backward)
+    assert seconds(Strategy.RSDP, **overheads) == seconds(Strategy.RSDP)
+
+
 def test_where_the_host_computes_transfers_add_to_compute():
     gather = Link(1e-3, 1e9)
     share = (WORLD - 1) / WORLD * PART.param_bytes

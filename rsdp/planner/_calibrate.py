@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from .._compat import all_gather_flat, fake_store, reduce_scatter_flat, send_and_receive
+from .._compat import MixedPrecisionPolicy, all_gather_flat, fake_store, reduce_scatter_flat, send_and_receive
 from .._fully_shard._ring import WaitedWorks, wait_for
 from ._cost_model import Link
 from ..policy import Strategy, parallelize
@@ -179,6 +179,56 @@ def ring_step_host_seconds(world: int, width: int = 16, layers: int = 8) -> floa
     return max(extra, 0.0) / (2 * world * layers)
 
 
+class _SideBySide(nn.Module):
+    """One Linear per shape, each on its own input (shapes need not chain), each a unit."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(fan_in, fan_out, bias=False) for fan_in, fan_out in shapes)
+
+    def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return sum(linear(x).sum() for linear, x in zip(self.linears, inputs))
+
+
+def gathered_overhead_seconds_per_byte(world: int, shapes: collections.Counter, mp_policy=None) -> dict[str, tuple[float, float]]:
+    """FSDP2's own work per stored parameter byte, forward and backward, for FSDP and replicate: its
+    copies into and out of the collectives' buffers (into memory just allocated), the pre-division and
+    its hooks. A step of one Linear per shape (each a unit) at 2 tokens on the fake process group at
+    ``world``, whose collectives return at once and move nothing, less the unsharded step, over the
+    parameters' bytes. Initialises (and destroys) the fake process group: call it with no other group."""
+    store = fake_store()
+    if store is None:
+        raise ValueError("rsdp calibrate: this torch has no fake process group; FSDP2's copies cannot be measured.")
+    torch.manual_seed(0)
+    plain = _SideBySide(shapes)
+    inputs = [torch.randn(2, fan_in) for fan_in, _ in shapes]
+    nbytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+    units = [f"linears.{i}" for i in range(len(shapes))]
+
+    def seconds(model: nn.Module) -> tuple[float, float]:
+        def step() -> None:
+            model(inputs).backward()
+            for param in model.parameters():
+                param.grad = None
+
+        forward, whole = median_seconds(lambda: model(inputs), rounds=1), median_seconds(step, rounds=1)
+        return forward, whole - forward
+
+    dist.init_process_group("fake", store=store, rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        overhead = {}
+        for strategy in (Strategy.FSDP, Strategy.REPLICATE):
+            sharded = parallelize(copy.deepcopy(plain), dict.fromkeys(units, strategy), mesh=mesh, mp_policy=mp_policy)
+            rounds = [(seconds(sharded), seconds(plain)) for _ in range(3)]
+            overhead[strategy.value] = tuple(
+                max(statistics.median(r[phase] - p[phase] for r, p in rounds), 0.0) / nbytes for phase in (0, 1)
+            )
+    finally:
+        dist.destroy_process_group()
+    return overhead
+
+
 # Linear shapes measured without --model: a 1024-wide Llama-style block (q, k, v, o; gate, up; down).
 DEFAULT_SHAPES = collections.Counter({(1024, 1024): 4, (1024, 2816): 2, (2816, 1024): 1})
 
@@ -220,6 +270,8 @@ def calibrate(args) -> tuple[Hardware, dict]:
     tokens = args.seq_len * args.local_batch_size
     world_sizes = sorted({2, 4, 8, world} - {1})
     dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == torch.bfloat16 else None
+    gathered = gathered_overhead_seconds_per_byte(world, shapes, mp_policy)  # also before the real group
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
@@ -229,7 +281,8 @@ def calibrate(args) -> tuple[Hardware, dict]:
         if args.model == "benchmark":
             batch = torch.randint(vocab, (args.local_batch_size, args.seq_len + 1))
             step_rate, other_rate = step_rates(model.to(device), loss_fn, batch.to(device), gemms.flops_per_s)
-        measured = [gemms.flops_per_s, step_rate, other_rate, host, *(gemms.partial_gemm_efficiency[w] for w in world_sizes)]
+        overheads = [*gathered["fsdp"], *gathered["replicate"]]
+        measured = [gemms.flops_per_s, step_rate, other_rate, host, *overheads, *(gemms.partial_gemm_efficiency[w] for w in world_sizes)]
         if distributed:  # every rank measured its own: the mean
             mean = torch.tensor(measured, dtype=torch.float64, device=device)
             dist.all_reduce(mean, group=dist.group.WORLD)
@@ -238,7 +291,8 @@ def calibrate(args) -> tuple[Hardware, dict]:
         if distributed:
             dist.destroy_process_group()
     gemm_rate, step_rate, other_rate, host = measured[0], measured[1] or None, measured[2] or None, measured[3]
-    efficiency = dict(zip(world_sizes, measured[4:]))
+    fsdp_overhead, replicate_overhead = tuple(measured[4:6]), tuple(measured[6:8])
+    efficiency = dict(zip(world_sizes, measured[8:]))
     what = f"{args.model or 'default shapes'} at {tokens} tokens, {dtype}, {device.type}"
     if distributed:
         default = links["send_recv"]
@@ -253,6 +307,7 @@ def calibrate(args) -> tuple[Hardware, dict]:
         f"W = {world_sizes}; host per ring step on the fake process group at W = {world}; {link_source}",
         partial_gemm_efficiency=efficiency, ring_step_host_s=host, host_overlaps_compute=device.type != "cpu",
         links=links, gemm_flops_per_s=gemm_rate, other_flops_per_s=other_rate,
+        fsdp_overhead_s_per_byte=fsdp_overhead, replicate_overhead_s_per_byte=replicate_overhead,
     )
     report = {"world_size": world, "gemm_flops_per_s": gemm_rate, "step_flops_per_s": step_rate, "other_flops_per_s": other_rate,
               "linear_shapes": {f"{i}x{o}": n for (i, o), n in shapes.items()}, "tokens": tokens}

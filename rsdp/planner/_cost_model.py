@@ -143,6 +143,11 @@ class CostModel:
     # in for the step's elementwise and normalisation work too, which the count gives no FLOPs). Then
     # the Linears' FLOPs run at ``gemm_flops_per_s`` and the rest at this; None: every FLOP at ``flops_per_s``.
     other_flops_per_s: float | None = None
+    # FSDP2's own work beside the wire per stored parameter byte of a unit, (forward, backward): its
+    # copies into and out of the collectives' buffers, the pre-division, its hooks (``rsdp calibrate``
+    # measures them on the fake process group; 0: not modelled). It runs where the compute runs.
+    fsdp_overhead_s_per_byte: tuple[float, float] = (0.0, 0.0)
+    replicate_overhead_s_per_byte: tuple[float, float] = (0.0, 0.0)
     ring_step_host_s: float = 0.0  # host time per ring step, beside its GEMMs
     host_overlaps_compute: bool = True  # False where the host itself computes (CPU ranks)
     send_recv: Link | None = None
@@ -543,10 +548,12 @@ class _Parallelism:
             exchange = cost.link("send_recv").seconds(message)
             return rings * (step + (world - 1) * overlap(step, exchange))
         if self.strategy is Strategy.FSDP:
+            compute += self.params * cost.fsdp_overhead_s_per_byte[backward]
             transfer = cost.link("all_gather").seconds(share * self.compute, world - 1)
             if backward:  # the re-gather (the unit was resharded after its forward), then the reduce
                 transfer += cost.link("reduce_scatter").seconds(share * self.reduced, world - 1)
             return overlap(compute, transfer)
+        compute += self.params * cost.replicate_overhead_s_per_byte[backward]
         if not backward:  # replication communicates in backward only
             return compute
         return overlap(compute, cost.link("all_reduce").seconds(2 * share * self.reduced, 2 * (world - 1)))

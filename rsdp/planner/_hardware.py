@@ -7,6 +7,10 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
 - ``flops_per_s``: the rate at which this device runs the FLOPs the cost model counts. Calibrated with a
   model, it is a whole training step's (GEMMs, attention, norms, elementwise ops); without one, the
   rate of whole GEMMs at default shapes, which a step does not reach (an upper bound of speed);
+- ``fsdp_overhead_s_per_byte``, ``replicate_overhead_s_per_byte``: FSDP2's own work beside the wire per
+  stored parameter byte, ``[forward, backward]`` (its copies into and out of the collectives' buffers,
+  into memory just allocated; the pre-division; its hooks), measured by ``rsdp calibrate`` on the fake
+  process group; the presets leave it out (0: the GPU runs these copies at HBM speed into cached memory);
 - ``other_flops_per_s``: with ``gemm_flops_per_s``, the rate of the FLOPs outside the Linears' GEMMs:
   a measured step's time less its Linears' FLOPs at the whole-GEMM rate, over its other FLOPs. Where
   set, the cost model charges the Linears at the GEMM rate and the rest at this one;
@@ -57,6 +61,9 @@ class Hardware:
     reserved_per_allocated: float = 1.0  # the caching allocator's reserved peak per allocated byte
     memory_bandwidth_bytes_per_s: float | None = None  # the device memory's: the optimizer step's time
     other_flops_per_s: float | None = None  # the FLOPs outside the Linears' GEMMs (CostModel's)
+    # FSDP2's own work per stored parameter byte beside the wire, forward and backward (CostModel's).
+    fsdp_overhead_s_per_byte: tuple[float, float] = (0.0, 0.0)
+    replicate_overhead_s_per_byte: tuple[float, float] = (0.0, 0.0)
 
     def efficiency_at(self, world_size: int) -> float:
         """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
@@ -84,7 +91,8 @@ class Hardware:
             host_overlaps_compute=self.host_overlaps_compute, gemm_flops_per_s=self.gemm_flops_per_s,
             reserved_per_allocated=self.reserved_per_allocated,
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s, other_flops_per_s=self.other_flops_per_s,
-            **self.links,
+            fsdp_overhead_s_per_byte=self.fsdp_overhead_s_per_byte,
+            replicate_overhead_s_per_byte=self.replicate_overhead_s_per_byte, **self.links,
         )
         fields.update({name: value for name, value in overrides.items() if value is not None})
         if overrides.get("flops_per_s") is not None:  # one given rate for every FLOP replaces the measured split
@@ -103,6 +111,8 @@ class Hardware:
             "links": {op: dataclasses.asdict(link) for op, link in self.links.items()},
             "gemm_flops_per_s": self.gemm_flops_per_s, "reserved_per_allocated": self.reserved_per_allocated,
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s, "other_flops_per_s": self.other_flops_per_s,
+            "fsdp_overhead_s_per_byte": list(self.fsdp_overhead_s_per_byte),
+            "replicate_overhead_s_per_byte": list(self.replicate_overhead_s_per_byte),
         }
 
 
@@ -234,7 +244,17 @@ def from_json(values: dict, source: str) -> Hardware:
         reserved_per_allocated=float(values.get("reserved_per_allocated", 1.0)),
         memory_bandwidth_bytes_per_s=float(values["memory_bandwidth_bytes_per_s"]) if values.get("memory_bandwidth_bytes_per_s") else None,
         other_flops_per_s=float(values["other_flops_per_s"]) if values.get("other_flops_per_s") else None,
+        fsdp_overhead_s_per_byte=_pair(values.get("fsdp_overhead_s_per_byte")),
+        replicate_overhead_s_per_byte=_pair(values.get("replicate_overhead_s_per_byte")),
     )
+
+
+def _pair(value) -> tuple[float, float]:
+    """A (forward, backward) pair from a profile; absent: not measured (no time charged)."""
+    if value is None:
+        return (0.0, 0.0)
+    forward, backward = value
+    return (float(forward), float(backward))
 
 
 def load(name_or_path: str) -> Hardware:
