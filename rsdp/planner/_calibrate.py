@@ -14,6 +14,9 @@ What it measures, each rank at once (ranks share the host's cores and links as t
 - per op (point-to-point ring exchange, all-gather, reduce-scatter, all-reduce), ``t = hops x latency
   + bytes / bandwidth`` fitted by least squares over message sizes (bytes as nccl-tests' busbw counts
   them, the slowest rank's time per size);
+- FSDP2's own work per stored parameter byte beside the wire, forward and backward, for FSDP and
+  replicate (its copies into and out of the collectives' buffers, into memory just allocated; the
+  pre-division; its hooks): the same shapes as units on torch's fake process group over unsharded;
 - host time per ring step, on torch's fake process group at W (every message returns at once, so
   what is left over an unsharded run of the same tiny model is rsdp's own host work), divided by the
   ring steps the cost model charges (W per Linear and phase).

@@ -62,8 +62,10 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
 
 Gathered weights and ring weight messages move in ``param_dtype``, reductions and partials in
 ``reduce_dtype``. The optimizer step is memory-bound: its traffic per parameter byte over the device's
-memory bandwidth (where known). Not modelled: FSDP's host time per collective, and the first gather of
-a pass (not overlapped with anything).
+memory bandwidth (where known). FSDP2's own work beside the wire (copies into and out of the
+collectives' buffers, the pre-division, its hooks) is charged per parameter byte with the compute where
+``rsdp calibrate`` measured it (``fsdp_overhead_s_per_byte``, ``replicate_overhead_s_per_byte``; the GPU
+presets leave it out). Not modelled: the first gather of a pass (not overlapped with anything).
 
 The estimate is within 15% of what a run measures, so far from above (``tests/test_planner.py`` runs
 plans of several shapes, every strategy and mixed, and compares): where the timing of a buffer depends
