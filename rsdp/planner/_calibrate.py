@@ -28,6 +28,7 @@ profile says so in its ``source``. Times are medians of rounds; a loaded host sh
 """
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import json
@@ -153,31 +154,41 @@ def measure_links(group, device: torch.device, message_bytes=MESSAGE_BYTES, sync
     return links
 
 
-def ring_step_host_seconds(world: int, width: int = 16, layers: int = 8) -> float:
-    """Host time per ring step at ``world`` ranks: an rsdp step of ``layers`` tiny Linears on the fake
-    process group, less the same model's unsharded step, over the 2 x W x layers steps of its rings.
-    Initialises (and destroys) the fake process group: call it with no other group initialised."""
+@contextlib.contextmanager
+def _fake_group(world: int, what: str):
+    """torch's fake process group of ``world`` ranks (every collective returns at once and moves
+    nothing) with a CPU mesh over it, destroyed on exit: call it with no other group initialised."""
     store = fake_store()
     if store is None:
-        raise ValueError("rsdp calibrate: this torch has no fake process group; the host time per ring step cannot be measured.")
+        raise ValueError(f"rsdp calibrate: this torch has no fake process group; {what} cannot be measured.")
+    dist.init_process_group("fake", store=store, rank=0, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _training_step(model: nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """A step to time: ``loss()``'s backward, then the gradients dropped (as the optimizer's zero_grad)."""
+
+    def step() -> None:
+        loss().backward()
+        for param in model.parameters():
+            param.grad = None
+
+    return step
+
+
+def ring_step_host_seconds(world: int, width: int = 16, layers: int = 8) -> float:
+    """Host time per ring step at ``world`` ranks: an rsdp step of ``layers`` tiny Linears on the fake
+    process group, less the same model's unsharded step, over the 2 x W x layers steps of its rings."""
     torch.manual_seed(0)
     plain = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     x = torch.randn(4, width)
-    dist.init_process_group("fake", store=store, rank=0, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    with _fake_group(world, "the host time per ring step") as mesh:
         sharded = parallelize(copy.deepcopy(plain), {str(i): Strategy.RSDP for i in range(layers)}, mesh=mesh)
-
-        def step(model: nn.Module) -> Callable[[], None]:
-            def run() -> None:
-                model(x).sum().backward()
-                for param in model.parameters():
-                    param.grad = None
-            return run
-
-        rounds = [(median_seconds(step(sharded), rounds=1), median_seconds(step(plain), rounds=1)) for _ in range(3)]
-    finally:
-        dist.destroy_process_group()
+        steps = [_training_step(model, lambda model=model: model(x).sum()) for model in (sharded, plain)]
+        rounds = [tuple(median_seconds(step, rounds=1) for step in steps) for _ in range(3)]
     extra = statistics.median(r - p for r, p in rounds)
     return max(extra, 0.0) / (2 * world * layers)
 
@@ -197,11 +208,8 @@ def gathered_overhead_seconds_per_byte(world: int, shapes: collections.Counter, 
     """FSDP2's own work per stored parameter byte, forward and backward, for FSDP and replicate: its
     copies into and out of the collectives' buffers (into memory just allocated), the pre-division and
     its hooks. A step of one Linear per shape (each a unit) at 2 tokens on the fake process group at
-    ``world``, whose collectives return at once and move nothing, less the unsharded step, over the
-    parameters' bytes. Initialises (and destroys) the fake process group: call it with no other group."""
-    store = fake_store()
-    if store is None:
-        raise ValueError("rsdp calibrate: this torch has no fake process group; FSDP2's copies cannot be measured.")
+    ``world``, whose collectives move nothing, less the unsharded step, over the parameters' bytes.
+    On the host's memory: what CPU ranks pay (a GPU's copies run on the device)."""
     torch.manual_seed(0)
     plain = _SideBySide(shapes)
     inputs = [torch.randn(2, fan_in) for fan_in, _ in shapes]
@@ -209,26 +217,17 @@ def gathered_overhead_seconds_per_byte(world: int, shapes: collections.Counter, 
     units = [f"linears.{i}" for i in range(len(shapes))]
 
     def seconds(model: nn.Module) -> tuple[float, float]:
-        def step() -> None:
-            model(inputs).backward()
-            for param in model.parameters():
-                param.grad = None
+        forward = median_seconds(lambda: model(inputs), rounds=1)
+        return forward, median_seconds(_training_step(model, lambda: model(inputs)), rounds=1) - forward
 
-        forward, whole = median_seconds(lambda: model(inputs), rounds=1), median_seconds(step, rounds=1)
-        return forward, whole - forward
-
-    dist.init_process_group("fake", store=store, rank=0, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        overhead = {}
+    overhead = {}
+    with _fake_group(world, "FSDP2's copies") as mesh:
         for strategy in (Strategy.FSDP, Strategy.REPLICATE):
             sharded = parallelize(copy.deepcopy(plain), dict.fromkeys(units, strategy), mesh=mesh, mp_policy=mp_policy)
             rounds = [(seconds(sharded), seconds(plain)) for _ in range(3)]
             overhead[strategy.value] = tuple(
                 max(statistics.median(r[phase] - p[phase] for r, p in rounds), 0.0) / nbytes for phase in (0, 1)
             )
-    finally:
-        dist.destroy_process_group()
     return overhead
 
 
@@ -246,12 +245,7 @@ def step_rates(model: nn.Module, loss_fn: Callable, batch: torch.Tensor, gemm_fl
     flops = sum(3 * part.forward_flops + part.recomputed_flops for part in parts)
     linear = sum(part.linear_flops * (3 * part.forward_flops + part.recomputed_flops) / part.forward_flops for part in parts)
 
-    def step() -> None:
-        loss_fn(model, batch).backward()
-        for param in model.parameters():
-            param.grad = None
-
-    seconds = median_seconds(step, min_seconds=0.2)
+    seconds = median_seconds(_training_step(model, lambda: loss_fn(model, batch)), min_seconds=0.2)
     other_seconds = seconds - linear / gemm_flops_per_s
     return flops / seconds, (flops - linear) / other_seconds if other_seconds > 0 and flops > linear else 0.0
 
@@ -274,7 +268,10 @@ def calibrate(args) -> tuple[Hardware, dict]:
     world_sizes = sorted({2, 4, 8, world} - {1})
     dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == torch.bfloat16 else None
-    gathered = gathered_overhead_seconds_per_byte(world, shapes, mp_policy)  # also before the real group
+    # Also before the real group. On a GPU FSDP2's copies run on the device, not the host measured here:
+    # not charged there, as in the GPU presets.
+    not_measured = {strategy: (0.0, 0.0) for strategy in ("fsdp", "replicate")}
+    gathered = gathered_overhead_seconds_per_byte(world, shapes, mp_policy) if device.type == "cpu" else not_measured
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
@@ -307,7 +304,8 @@ def calibrate(args) -> tuple[Hardware, dict]:
     hardware = Hardware(
         step_rate or gemm_rate, default.bandwidth_bytes_per_s, default.latency_s,
         f"rsdp calibrate: {'one training step' if step_rate else 'whole GEMMs'} of {what}; partial GEMMs at "
-        f"W = {world_sizes}; host per ring step on the fake process group at W = {world}; {link_source}",
+        f"W = {world_sizes}; host per ring step on the fake process group at W = {world}; FSDP2's own work per byte "
+        f"{'on the fake process group' if device.type == 'cpu' else 'not charged (a GPU copies on the device)'}; {link_source}",
         partial_gemm_efficiency=efficiency, ring_step_host_s=host, host_overlaps_compute=device.type != "cpu",
         links=links, gemm_flops_per_s=gemm_rate, other_flops_per_s=other_rate,
         fsdp_overhead_s_per_byte=fsdp_overhead, replicate_overhead_s_per_byte=replicate_overhead,
