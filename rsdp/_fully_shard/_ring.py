@@ -159,78 +159,106 @@ class Ring:
         first message); a deferred hop it cannot take goes alone before its first exchange.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
-        hops = self.size - 1
-        prefetched = isinstance(start, Prefetched)
-        rider_at = nbytes
+        ring_pass = _RingPass(self, nbytes, tag, start, region, carry_next, rider)
+        for step in range(self.size):
+            ring_pass.send(step)
+            if during is not None:
+                try:
+                    during(step, ring_pass.current)
+                except BaseException:
+                    drain(ring_pass.works, self.context.waited_works)
+                    raise
+            ring_pass.receive(step, on_arrival)
+        return ring_pass.finish()
+
+
+class _RingPass:
+    """One ``Ring.circulate``: the two message buffers, which of them holds the message ``current``, the
+    exchange in flight (``works``), and what rides it (rider, passengers).
+
+    Step k ``send``s the message held (the part ``region(k)`` says) and starts receiving the next into
+    the other buffer, except at the last step and at a prefetched ring's first (done ahead); after the
+    step's computation, ``receive`` waits, makes the arrived message ``current`` and shows it to
+    ``on_arrival``, the rider and the passengers that alight."""
+
+    def __init__(self, ring: Ring, nbytes: int, tag: int, start, region, carry_next, rider: "Rider | None"):
+        self.ring, self.tag, self.region, self.rider = ring, tag, region, rider
+        self.hops = ring.size - 1
+        # True for step 0 only: its exchange was done ahead, and its arrival is taken after the step's
+        # computation like any other.
+        self.prefetched = isinstance(start, Prefetched)
+        self.rider_at = nbytes
         if rider is not None:
-            if prefetched or region is not None:
+            if self.prefetched or region is not None:
                 raise AssertionError("a rider needs a whole message not yet sent")
-            rider_at = _aligned(nbytes)
-            nbytes = rider_at + rider.nbytes
-        boarding = _Boarding(self, nbytes, prefetched, region)
+            self.rider_at = _aligned(nbytes)
+            nbytes = self.rider_at + rider.nbytes
+        boarding = self.boarding = _Boarding(ring, nbytes, self.prefetched, region)
         boarding.add_deferred_hop()
         if carry_next is not None:
             boarding.add_next_first(carry_next)
         boarding.fit()
+        buffers = ring.context.buffers
         if boarding:
             # First, so that the message's own (shorter) views below are of the buffers it makes.
-            wide = self.context.buffers.pair(boarding.nbytes, self.device)
+            self.wide = buffers.pair(boarding.nbytes, ring.device)
         if isinstance(start, torch.Tensor) and (rider is not None or boarding):
             start = functools.partial(_copy_message, start)  # into a ring buffer, for what follows it
-        buffers = self.context.buffers.pair(nbytes, self.device)
-        boarding_at = boarding.steps
-        works = []
-        held = None  # which of ``buffers`` holds ``current``, if one does
-        # ``prefetched`` stays true for step 0 only: its exchange was done ahead, and its arrival is
-        # taken after the step's computation like any other.
-        if prefetched:
-            current, incoming, arriving = start.sent, start.received, start.received_in
+        self.buffers = buffers.pair(nbytes, ring.device)
+        self.works: list = []
+        self.held = None  # which of ``buffers`` holds ``current``, if one does
+        if self.prefetched:
+            self.current, self.incoming, self.arriving = start.sent, start.received, start.received_in
         elif callable(start):
-            current, held = buffers[0], 0
-            start(current)
+            self.current, self.held = self.buffers[0], 0
+            start(self.current)
         else:
-            current = start
+            self.current = start
         if rider is not None:
-            rider.start(current[rider_at:])
-        for step in range(hops + 1):
-            if step < hops and not prefetched:
-                # The buffer not held: its last send was waited for at the last step.
-                arriving = 1 if held == 0 else 0
-                incoming = buffers[arriving]
-                part = None if region is None else region(step)
-                if part == slice(None):
-                    part = None  # all of it, with no slice dispatched
-                if step in boarding_at:
-                    sent, received = wide[held], wide[arriving]
-                    aboard = boarding.board(step, sent, received)
-                    first = 0 if part is None else part.start
-                    works = self.exchange(sent[first : boarding.end(step)], received[first : boarding.end(step)], tag)
-                elif part is None:
-                    works = self.exchange(current, incoming, tag)
-                else:
-                    works = self.exchange(current[part], incoming[part], tag)
-            if during is not None:
-                try:
-                    during(step, current)
-                except BaseException:
-                    drain(works, self.context.waited_works)
-                    raise
-            if works or prefetched:
-                if works:
-                    wait_for(works, self.context.waited_works)
-                works = []
-                current, held = incoming, arriving
-                if on_arrival is not None:
-                    on_arrival(step + 1, current)
-                if rider is not None:
-                    rider.arrived(step + 1, current[rider_at:])
-                if step in boarding_at:
-                    for passenger, sent_region, received_region in aboard:
-                        passenger.alight(sent_region, received_region, arriving)
-            prefetched = False
-        if rider is not None:
-            rider.finish(current[rider_at:])
-        return current
+            rider.start(self.current[self.rider_at :])
+
+    def send(self, step: int) -> None:
+        """Start the exchange of ``step``: the message held (its ``region``, and what boards it) down,
+        the next one from up into the buffer not held, whose last send was waited for at the last step."""
+        if step == self.hops or self.prefetched:
+            return
+        self.arriving = arriving = 1 if self.held == 0 else 0
+        self.incoming = incoming = self.buffers[arriving]
+        part = None if self.region is None else self.region(step)
+        if part == slice(None):
+            part = None  # all of it, with no slice dispatched
+        if step in self.boarding.steps:
+            sent, received = self.wide[self.held], self.wide[arriving]
+            self.aboard = self.boarding.board(step, sent, received)
+            first, end = 0 if part is None else part.start, self.boarding.end(step)
+            self.works = self.ring.exchange(sent[first:end], received[first:end], self.tag)
+        elif part is None:
+            self.works = self.ring.exchange(self.current, incoming, self.tag)
+        else:
+            self.works = self.ring.exchange(self.current[part], incoming[part], self.tag)
+
+    def receive(self, step: int, on_arrival: Callable[[int, torch.Tensor], None] | None) -> None:
+        """Wait for the exchange of ``step`` (if there was one); the message that arrived is held next."""
+        if not (self.works or self.prefetched):
+            return
+        if self.works:
+            wait_for(self.works, self.ring.context.waited_works)
+            self.works = []
+        self.current, self.held = self.incoming, self.arriving
+        if on_arrival is not None:
+            on_arrival(step + 1, self.current)
+        if self.rider is not None:
+            self.rider.arrived(step + 1, self.current[self.rider_at :])
+        if step in self.boarding.steps:
+            for passenger, sent_region, received_region in self.aboard:
+                passenger.alight(sent_region, received_region, self.arriving)
+        self.prefetched = False
+
+    def finish(self) -> torch.Tensor:
+        """The message held last, once the rider has seen it."""
+        if self.rider is not None:
+            self.rider.finish(self.current[self.rider_at :])
+        return self.current
 
 
 class _Boarding:
