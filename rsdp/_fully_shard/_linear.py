@@ -185,83 +185,105 @@ class RingLinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grad_outs):
         x2d, *weights = ctx.saved_tensors
-        layer = ctx.layer
-        state, ring = layer.state, layer.state.ring
-        need_x = ctx.needs_input_grad[0]
-        need_params = ctx.needs_input_grad[3:]
+        group = _GroupBackward(ctx, x2d, weights, grad_outs)
+        with ctx.layer.profiled(Phase.BACKWARD):
+            reduced = ring_backward(ctx.layer, group.message, group.weight_segments, group.keys,
+                                    RingWeights(group.pack_weights, group.use_weights), DenseContribution(group.contribute))
+        return group.x_gradient(), None, None, *group.parameter_gradients(reduced)
+
+
+class _GroupBackward:
+    """One backward of a Linear group (``RingLinearFunction``): the message it lays out, and what each
+    ring step does with the shard held (``ring_backward`` drives the ring):
+
+    - ``pack_weights`` / ``use_weights``: the weights rotate for the input gradient, ``grad_x +=
+      dy[:, cols(s)] W_s`` at each step;
+    - ``contribute``: this rank's term of shard s's weight (and bias) gradients, ``dy[:, cols(s)]^T x``.
+
+    Where every member's weight gradient is wanted they are adjacent in the message and computed as one
+    GEMM per shard (``_Stacked``), and so is the input gradient's term when no member is padded."""
+
+    def __init__(self, ctx, x2d: torch.Tensor, weights: list[torch.Tensor], grad_outs: tuple[torch.Tensor, ...]):
+        ring = ctx.layer.state.ring
+        self.x2d, self.weights = x2d, weights
+        self.x_shape, self.x_dtype = ctx.x_shape, ctx.x_dtype
+        need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        self.n_params = len(need_params)
         dtype = ctx.dtype  # the forward's (autocast's, if it was on then)
-        reduce_dtype = state.reduce_dtype(weights[0].dtype)
-        layouts = [shard_layout(rows, ring.size) for rows in ctx.out_features]
+        reduce_dtype = ctx.layer.state.reduce_dtype(weights[0].dtype)
+        self.layouts = layouts = [shard_layout(rows, ring.size) for rows in ctx.out_features]
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
 
         # Gradients in the message: (member, is_bias) for every parameter that needs one, the weights'
         # first, so that a group's are adjacent (one GEMM per shard when every member's is wanted).
-        wanted = sorted(
+        self.wanted = wanted = sorted(
             ((index // 2, index % 2 == 1) for index, need in enumerate(need_params)
              if need and (index % 2 == 0 or ctx.has_bias[index // 2])),
             key=lambda entry: (entry[1], entry[0]),
         )
-        group = _stacked(tuple(layouts)) if len(layouts) > 1 else None
+        self.group = group = _stacked(tuple(layouts)) if len(layouts) > 1 else None
         every = range(len(layouts))
-        stacked = group is not None and wanted[: len(layouts)] == [(member, False) for member in every]
-        stacked_biases = stacked and wanted == [(m, False) for m in every] + [(m, True) for m in every]
+        self.stacked = stacked = group is not None and wanted[: len(layouts)] == [(member, False) for member in every]
+        self.stacked_biases = stacked and wanted == [(m, False) for m in every] + [(m, True) for m in every]
         # The input gradient's term is one GEMM per shard too, but only without padding rows: they hold
         # stale bytes of earlier messages, which a zero column of the gradient would not cancel (0 × NaN).
-        stacked_input = group is not None and need_x and group.unpadded
-        dy_stacked = group.spread(dys) if stacked or stacked_input else None
+        self.stacked_input = group is not None and need_x and group.unpadded
         # Each shard's columns of the output gradients (and, transposed, as the weight gradient's GEMM
         # takes them), split once (an op or two) rather than sliced and transposed at every step.
-        if dy_stacked is not None:
-            dy_shards, dy_shards_t = dy_stacked.unbind(1), dy_stacked.permute(1, 2, 0).unbind(0)
-        unstacked_biases = not stacked_biases and any(is_bias for _, is_bias in wanted)
-        if (need_x and not stacked_input) or unstacked_biases:
-            dys_split = [dy.split(layout.sizes, 1) for dy, layout in zip(dys, layouts)]
+        if stacked or self.stacked_input:
+            dy_stacked = group.spread(dys)
+            self.dy_shards, self.dy_shards_t = dy_stacked.unbind(1), dy_stacked.permute(1, 2, 0).unbind(0)
+        unstacked_biases = not self.stacked_biases and any(is_bias for _, is_bias in wanted)
+        if (need_x and not self.stacked_input) or unstacked_biases:
+            self.dys_split = [dy.split(layout.sizes, 1) for dy, layout in zip(dys, layouts)]
         if not stacked and any(not is_bias for _, is_bias in wanted):
-            dys_split_t = [dy.t().split(layout.sizes, 0) for dy, layout in zip(dys, layouts)]
+            self.dys_split_t = [dy.t().split(layout.sizes, 0) for dy, layout in zip(dys, layouts)]
+
         weight_segments = [Segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
         grad_segments = [
             Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
             for member, is_bias in wanted
         ]
-        message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
-        grad_x = torch.zeros_like(x2d) if need_x else None
+        self.message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
+        self.weight_segments = len(weight_segments)
+        self.keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
+        self.grad_x = torch.zeros_like(x2d) if need_x else None
 
-        def pack_weights(views: list[torch.Tensor]) -> None:
-            for view, weight in zip(views, weights):
-                view.copy_(weight)
+    def pack_weights(self, views: list[torch.Tensor]) -> None:
+        for view, weight in zip(views, self.weights):
+            view.copy_(weight)
 
-        def use_weights(shard: int, views: Views) -> None:
-            if stacked_input:
-                grad_x.addmm_(dy_shards[shard], group.rows_of(views, 0))
+    def use_weights(self, shard: int, views: Views) -> None:
+        if self.stacked_input:
+            self.grad_x.addmm_(self.dy_shards[shard], self.group.rows_of(views, 0))
+            return
+        for layout, dy, weight in zip(self.layouts, self.dys_split, views):
+            if layout.rows_of(shard):
+                self.grad_x.addmm_(dy[shard], weight)
+
+    def contribute(self, shard: int, views: Views) -> None:
+        if self.stacked:
+            write_product(self.group.rows_of(views, 0), self.dy_shards_t[shard], self.x2d)
+            if self.stacked_biases:
+                self.group.rows_of(views, len(self.layouts)).copy_(self.dy_shards[shard].sum(0))
                 return
-            for layout, dy, weight in zip(layouts, dys_split, views):
-                if layout.rows_of(shard):
-                    grad_x.addmm_(dy[shard], weight)
+        for (member, is_bias), view in zip(self.wanted, views):
+            if self.stacked and not is_bias:
+                continue
+            if is_bias:
+                view.copy_(self.dys_split[member][shard].sum(0))
+            else:
+                write_product(view, self.dys_split_t[member][shard], self.x2d)
 
-        def contribute(shard: int, views: Views) -> None:
-            if stacked:
-                write_product(group.rows_of(views, 0), dy_shards_t[shard], x2d)
-                if stacked_biases:
-                    group.rows_of(views, len(layouts)).copy_(dy_shards[shard].sum(0))
-                    return
-            for (member, is_bias), view in zip(wanted, views):
-                if stacked and not is_bias:
-                    continue
-                if is_bias:
-                    view.copy_(dys_split[member][shard].sum(0))
-                else:
-                    write_product(view, dys_split_t[member][shard], x2d)
+    def x_gradient(self) -> torch.Tensor | None:
+        return None if self.grad_x is None else self.grad_x.view(self.x_shape).to(self.x_dtype)
 
-        with layer.profiled(Phase.BACKWARD):
-            keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
-            reduced = ring_backward(layer, message, len(weight_segments), keys, RingWeights(pack_weights, use_weights), DenseContribution(contribute))
-        grads = [None] * len(need_params)
-        if reduced is not None:
-            for (member, is_bias), grad in zip(wanted, reduced):
-                grads[2 * member + is_bias] = grad.to(weights[member].dtype)
-        if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        return grad_x, None, None, *grads
+    def parameter_gradients(self, reduced: list[torch.Tensor] | None) -> list[torch.Tensor | None]:
+        """The reduced shards (``ring_backward``'s), as ``W_0, b_0, W_1, b_1, ...`` in their dtypes."""
+        grads = [None] * self.n_params
+        for (member, is_bias), grad in zip(self.wanted, reduced or ()):
+            grads[2 * member + is_bias] = grad.to(self.weights[member].dtype)
+        return grads
 
 
 class RingInputSplitFunction(torch.autograd.Function):
