@@ -115,70 +115,12 @@ class RingLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layer: RingLayer, members: tuple[LinearMember, ...], *params):
-        state, ring = layer.state, layer.state.ring
-        out_features = tuple(member.out_features for member in members)
-        weights = params[0::2]
-        dtype = state.matmul_dtype(weights[0].dtype)
-        layouts = [shard_layout(rows, ring.size) for rows in out_features]
-        # Every member's weight, then the biases there are: the weights of one shard are then adjacent
-        # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
-        order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
-        message = ring.context.buffers.message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
-        slot = {index: position for position, index in enumerate(order)}
-        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        stacked = _stacked(tuple(layouts)) if len(members) > 1 else None
-        all_biases = all(bias is not None for bias in params[1::2])
-
-        def rotate() -> tuple[torch.Tensor, ...]:
-            outs = [x2d.new_empty(*x.shape[:-1], rows) for rows in out_features]
-            outs2d = [out.view(-1, rows) for out, rows in zip(outs, out_features)]
-            # Every shard's output block, split once (one op) rather than sliced at each step.
-            if stacked is None:
-                columns = outs2d[0].split(layouts[0].sizes, 1)
-            else:
-                products = x2d.new_empty(x2d.shape[0], ring.size, stacked.width)
-                columns = products.unbind(1)
-
-            def during(step: int, buffer: torch.Tensor) -> None:
-                shard = ring.weight_shard_at(step)
-                if stacked is not None:
-                    views = message.views(buffer, shard)
-                    # Padding rows give columns that are never read.
-                    product = columns[shard]
-                    if all_biases:  # adjacent too, right after the weights
-                        torch.addmm(stacked.rows_of(views, len(layouts)), x2d, stacked.rows_of(views, 0, transposed=True), out=product)
-                        return
-                    torch.mm(x2d, stacked.rows_of(views, 0, transposed=True), out=product)
-                    for member, layout in enumerate(layouts):
-                        if 2 * member + 1 in slot and layout.rows_of(shard):
-                            start = stacked.offsets[member]
-                            product[:, start : start + layout.rows_of(shard)].add_(views[slot[2 * member + 1]])
-                    return
-                if not layouts[0].rows_of(shard):
-                    return
-                views = message.views(buffer, shard, transposed=(True,))
-                # A column block of a row-major matrix is a valid BLAS output (leading dimension
-                # out_features), so the product is written in place, with no temporary.
-                if 1 in slot:
-                    torch.addmm(views[slot[1]], x2d, views[0], out=columns[shard])
-                else:
-                    torch.mm(x2d, views[0], out=columns[shard])
-
-            tensors = [params[index] for index in order]
-            start = first_message(layer, message, tensors)
-            with layer.profiled(Phase.FORWARD):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
-                               carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
-                if stacked is not None:
-                    for member, out in enumerate(outs2d):
-                        stacked.copy_member(out, products, member)
-            return tuple(outs)
-
-        outs = kept_or_run(layer, rotate)
-        ctx.save_for_backward(x2d, *weights)
-        ctx.layer, ctx.members, ctx.out_features = layer, members, out_features
+        group = _GroupForward(layer, x, members, params)
+        outs = kept_or_run(layer, group.rotate)
+        ctx.save_for_backward(group.x2d, *group.weights)
+        ctx.layer, ctx.members, ctx.out_features = layer, members, group.out_features
         ctx.has_bias = [p is not None for p in params[1::2]]
-        ctx.x_shape, ctx.x_dtype, ctx.dtype = x.shape, x.dtype, dtype
+        ctx.x_shape, ctx.x_dtype, ctx.dtype = x.shape, x.dtype, group.dtype
         return outs
 
     @staticmethod
@@ -190,6 +132,73 @@ class RingLinearFunction(torch.autograd.Function):
             reduced = ring_backward(ctx.layer, group.message, group.weight_segments, group.keys,
                                     RingWeights(group.pack_weights, group.use_weights), DenseContribution(group.contribute))
         return group.x_gradient(), None, None, *group.parameter_gradients(reduced)
+
+
+class _GroupForward:
+    """One forward of a Linear group (``RingLinearFunction``): its message (every member's weight, then
+    the biases there are) and, at each ring step, the products of the shard held (``during``)."""
+
+    def __init__(self, layer: RingLayer, x: torch.Tensor, members: tuple[LinearMember, ...], params: tuple):
+        self.layer, self.x_shape, self.params = layer, x.shape, params
+        ring = self.ring = layer.state.ring
+        self.out_features = out_features = tuple(member.out_features for member in members)
+        self.weights = params[0::2]
+        self.dtype = dtype = layer.state.matmul_dtype(self.weights[0].dtype)
+        self.layouts = layouts = [shard_layout(rows, ring.size) for rows in out_features]
+        # Every member's weight, then the biases there are: the weights of one shard are then adjacent
+        # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
+        self.order = order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
+        self.message = ring.context.buffers.message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
+        self.slot = {index: position for position, index in enumerate(order)}
+        self.x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+        self.stacked = _stacked(tuple(layouts)) if len(members) > 1 else None
+        self.all_biases = all(bias is not None for bias in params[1::2])
+
+    def rotate(self) -> tuple[torch.Tensor, ...]:
+        """The group's outputs, from one ring."""
+        layer, ring, x2d, stacked = self.layer, self.ring, self.x2d, self.stacked
+        outs = [x2d.new_empty(*self.x_shape[:-1], rows) for rows in self.out_features]
+        outs2d = [out.view(-1, rows) for out, rows in zip(outs, self.out_features)]
+        # Every shard's output block, split once (one op) rather than sliced at each step.
+        if stacked is None:
+            self.columns = outs2d[0].split(self.layouts[0].sizes, 1)
+        else:
+            products = x2d.new_empty(x2d.shape[0], ring.size, stacked.width)
+            self.columns = products.unbind(1)
+        start = first_message(layer, self.message, [self.params[index] for index in self.order])
+        with layer.profiled(Phase.FORWARD):
+            ring.circulate(self.message.nbytes, layer.tags[Phase.FORWARD], start, self.during,
+                           carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+            if stacked is not None:
+                for member, out in enumerate(outs2d):
+                    stacked.copy_member(out, products, member)
+        return tuple(outs)
+
+    def during(self, step: int, buffer: torch.Tensor) -> None:
+        """The products of the shard held at ``step`` (in ``buffer``), into their output columns."""
+        shard, stacked, x2d = self.ring.weight_shard_at(step), self.stacked, self.x2d
+        if stacked is not None:
+            views = self.message.views(buffer, shard)
+            # Padding rows give columns that are never read.
+            product = self.columns[shard]
+            if self.all_biases:  # adjacent too, right after the weights
+                torch.addmm(stacked.rows_of(views, len(self.layouts)), x2d, stacked.rows_of(views, 0, transposed=True), out=product)
+                return
+            torch.mm(x2d, stacked.rows_of(views, 0, transposed=True), out=product)
+            for member, layout in enumerate(self.layouts):
+                if 2 * member + 1 in self.slot and layout.rows_of(shard):
+                    start = stacked.offsets[member]
+                    product[:, start : start + layout.rows_of(shard)].add_(views[self.slot[2 * member + 1]])
+            return
+        if not self.layouts[0].rows_of(shard):
+            return
+        views = self.message.views(buffer, shard, transposed=(True,))
+        # A column block of a row-major matrix is a valid BLAS output (leading dimension
+        # out_features), so the product is written in place, with no temporary.
+        if 1 in self.slot:
+            torch.addmm(views[self.slot[1]], x2d, views[0], out=self.columns[shard])
+        else:
+            torch.mm(x2d, views[0], out=self.columns[shard])
 
 
 class _GroupBackward:
