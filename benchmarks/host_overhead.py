@@ -7,9 +7,10 @@ where kernels are short. The model is a stack of Llama-shaped blocks (RMSNorm, q
 SwiGLU gate/up/down), each sharded with ``fully_shard``, ``rsdp_shard``, or ``rsdp_shard`` with Hugging
 Face's Llama tensor-parallel plan as its ring plan, tiny so that compute is negligible. Strategies
 alternate over ``--repeats`` rounds; the table gives the median per strategy, the ratio to FSDP2, and
-per block what one step issues: sends, collectives and aten ops. The op count does not depend on the
-machine's load, unlike the times: each op costs a dispatch on the host, and each that is not a view
-(a view only makes a new tensor over the same memory) is a kernel launch on a GPU.
+per block what one step issues: sends, collectives, aten ops and the interpreter's calls. The counts
+do not depend on the machine's load, unlike the times: each op costs a dispatch on the host, and each
+that is not a view (a view only makes a new tensor over the same memory) is a kernel launch on a GPU;
+each Python function called (and each builtin, torch's bindings among them) is interpreter work.
 
 Two references run alongside, unsharded and with no process group, to say what part of a strategy's
 host time is its own: "unsharded" is the model itself, and "unsharded, split" computes what a ring
@@ -27,6 +28,7 @@ import argparse
 import collections
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -127,6 +129,26 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CallCounter:
+    """The Python functions called while active, and the builtins (C functions: torch's bindings
+    included) they call: a count of the interpreter's work that, unlike a time, does not depend on the
+    machine's load."""
+
+    def __enter__(self) -> "CallCounter":
+        self.python = self.builtin = 0
+        sys.setprofile(self._count)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+
+    def _count(self, frame, event: str, arg) -> None:
+        if event == "call":
+            self.python += 1
+        elif event == "c_call":
+            self.builtin += 1
+
+
 def build(strategy: str, args) -> nn.Module:
     torch.manual_seed(0)
     split = args.world if strategy == "unsharded, split" else 1
@@ -179,11 +201,15 @@ def main() -> None:
             step(model, x)
         with OpCounter() as ops:
             step(model, x)
+        with CallCounter() as calls:
+            step(model, x)
         counts[strategy] = {
             "sends_per_block": comm.calls["c10d::send"] / args.blocks,
             "collectives_per_block": sum(n for op, n in comm.calls.items() if op != "c10d::send") / args.blocks,
             "ops_per_block": ops.ops / args.blocks,
             "views_per_block": ops.views / args.blocks,
+            "python_calls_per_block": calls.python / args.blocks,
+            "builtin_calls_per_block": calls.builtin / args.blocks,
         }
     loadavg_before = open("/proc/loadavg").read().split()[:3]
     rounds = {strategy: [] for strategy in models}
@@ -204,9 +230,9 @@ def main() -> None:
     )
     print(
         "| strategy | host time per step | × fsdp | per block | per block over unsharded | sends per block | "
-        "collectives per block | aten ops per block (views) |"
+        "collectives per block | aten ops per block (views) | Python calls per block (builtins) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for strategy in models:
         print(
             f"| {strategy} | {median[strategy] * 1e3:.2f} ms | {median[strategy] / median['fsdp']:.2f} | "
@@ -214,7 +240,8 @@ def main() -> None:
             f"{(median[strategy] - median['unsharded']) / args.blocks * 1e6:.0f} µs | "
             f"{counts[strategy]['sends_per_block']:.0f} | "
             f"{counts[strategy]['collectives_per_block']:.0f} | "
-            f"{counts[strategy]['ops_per_block']:.0f} ({counts[strategy]['views_per_block']:.0f}) |"
+            f"{counts[strategy]['ops_per_block']:.0f} ({counts[strategy]['views_per_block']:.0f}) | "
+            f"{counts[strategy]['python_calls_per_block']:.0f} ({counts[strategy]['builtin_calls_per_block']:.0f}) |"
         )
     if args.json:
         with open(args.json, "w") as out:

@@ -140,9 +140,9 @@ def unwrap_activation_checkpoint(module: torch.nn.Module) -> torch.nn.Module:
 WRAPPER_NAME_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 
 
-def current_graph_task_id() -> int:
-    """The id of the backward autograd's engine is running on this thread, -1 outside backward."""
-    return torch._C._current_graph_task_id()
+# The id of the backward autograd's engine is running on this thread, -1 outside backward (private;
+# bound as it is: ring code asks at every buffer request, and a wrapper would double the call).
+current_graph_task_id = torch._C._current_graph_task_id
 
 
 def outside_inference_mode():

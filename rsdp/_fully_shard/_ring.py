@@ -198,6 +198,7 @@ class _RingPass:
         if carry_next is not None:
             boarding.add_next_first(carry_next)
         boarding.fit()
+        self.boarding_at = boarding.steps  # looked up at every step
         buffers = ring.context.buffers
         if boarding:
             # First, so that the message's own (shorter) views below are of the buffers it makes.
@@ -227,7 +228,7 @@ class _RingPass:
         part = None if self.region is None else self.region(step)
         if part == slice(None):
             part = None  # all of it, with no slice dispatched
-        if step in self.boarding.steps:
+        if step in self.boarding_at:
             sent, received = self.wide[self.held], self.wide[arriving]
             self.aboard = self.boarding.board(step, sent, received)
             first, end = 0 if part is None else part.start, self.boarding.end(step)
@@ -249,7 +250,7 @@ class _RingPass:
             on_arrival(step + 1, self.current)
         if self.rider is not None:
             self.rider.arrived(step + 1, self.current[self.rider_at :])
-        if step in self.boarding.steps:
+        if step in self.boarding_at:
             for passenger, sent_region, received_region in self.aboard:
                 passenger.alight(sent_region, received_region, self.arriving)
         self.prefetched = False
