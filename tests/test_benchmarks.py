@@ -176,3 +176,26 @@ def test_scale_model_is_torchtitans_llama3():
         theirs = {name.replace("qkv_linear.", ""): p.shape for name, p in titan.build().state_dict().items()}
         ours = {name: p.shape for name, p in Llama3(Llama3Config(n_layers=2)).state_dict().items()}
     assert ours == theirs
+
+
+def test_host_overhead_counts_each_strategys_host_work(tmp_path):
+    """benchmarks/host_overhead.py on a tiny config: a time for every strategy and reference, and counts
+    that say what each issues (a ring sends, FSDP2 runs collectives, a sharded step does more than the
+    model itself)."""
+    out = tmp_path / "host.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS.parent / "host_overhead.py"), "--world=2", "--blocks=1", "--dim=16", "--heads=2",
+         "--hidden=8", "--tokens=4", "--steps=1", "--repeats=3", f"--json={out}"],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert_succeeded(done)
+    result = json.loads(out.read_text())
+    strategies = ["fsdp", "rsdp", "rsdp+plan", "unsharded", "unsharded, split"]
+    assert list(result["median_s"]) == strategies and all(result["median_s"][s] > 0 for s in strategies)
+    counts = result["counts"]
+    assert counts["fsdp"]["sends_per_block"] == 0 and counts["fsdp"]["collectives_per_block"] > 0
+    for strategy in ("rsdp", "rsdp+plan"):
+        assert counts[strategy]["sends_per_block"] > 0, counts[strategy]
+    for strategy in ("fsdp", "rsdp", "rsdp+plan"):
+        for count in ("ops_per_block", "python_calls_per_block", "builtin_calls_per_block"):
+            assert counts[strategy][count] > counts["unsharded"][count] > 0, (strategy, count, counts)
