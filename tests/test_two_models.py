@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from models import assert_close, assert_param_grads_match, assert_params_match, lm_loss, local_rows, rank_and_world
-from models import planned_llama, rsdp_lm
+from models import planned_llama, rsdp_lm, twin
+from host_overhead import LLAMA_PLAN, LlamaBlock  # noqa: E402  benchmarks/ is on the path once models is imported
+from rsdp import rsdp_shard
 from rsdp.memory import CommCounter
 
 
@@ -201,3 +203,54 @@ def test_each_model_keeps_its_lone_exchanges_when_one_runs_inside_the_other(rank
     alone = ranks.run(4, teacher_exchanges_case, "alone")
     for pattern in ("nested", "shard_between"):
         assert ranks.run(4, teacher_exchanges_case, pattern) == alone, pattern
+
+
+def rootless_case(pattern, planned):
+    """Two models whose blocks are sharded one by one under a plain root (no rsdp root, so both on the
+    process's rootless context): DPO's reference forward between the policy's forward and backward, or
+    the two trained in turn; each step exact against the fp64 reference."""
+    rank, world = rank_and_world()
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(*(LlamaBlock(8, 2 * world, 4 * world) for _ in range(2))).double()
+        reference = twin(model)
+        for block in model:
+            rsdp_shard(block, ring_plan=LLAMA_PLAN if planned else None)
+        models.append((model, reference))
+    (policy, policy_reference), (other, other_reference) = models
+    trained = models if pattern == "alternate" else models[:1]
+    if pattern == "dpo":
+        other.requires_grad_(False)
+        other_reference.requires_grad_(False)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for pair in trained for m in pair]
+    for step in range(3):
+        x = torch.randn(world * 2, 5, 8, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        mine = local_rows(x, rank, world)
+        y = policy(mine)
+        if pattern == "dpo":
+            with torch.no_grad():
+                other_y = other(mine)
+            (y * other_y).mean().backward()
+            expected = (policy_reference(x) * other_reference(x)).mean()
+        else:
+            y.pow(2).mean().backward()
+            other_y = other(mine)
+            other_y.pow(2).mean().backward()
+            expected = policy_reference(x).pow(2).mean() + other_reference(x).pow(2).mean()
+        expected.backward()
+        with torch.no_grad():
+            assert_close(y, policy_reference(mine), what=f"policy output at step {step}")
+            assert_close(other_y, other_reference(mine), what=f"other output at step {step}")
+        for model, reference in trained:
+            assert_param_grads_match(model, reference, 1.0)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for model, reference in trained:
+        assert_params_match(model, reference)
+
+
+@pytest.mark.parametrize("pattern, world, planned", [("dpo", 2, True), ("alternate", 3, False), ("dpo", 4, False)])
+def test_two_rootless_models_share_the_rootless_context_and_stay_exact(ranks, pattern, world, planned):
+    ranks.run(world, rootless_case, pattern, planned)
