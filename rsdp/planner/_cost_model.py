@@ -353,125 +353,133 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
     """:func:`count`'s one training step of ``meta`` (on the meta device): each part's forward FLOPs and
     parameters, and the step's phases without the parameters' gradients, which are the strategies' to
     count (whole, sharded, or one shard at a time)."""
-    per_unit = {name: PartCounts() for name in units}
-    before, after = PartCounts(), PartCounts()
-    seen: set[int] = set()
-    for name in units:
-        for module in meta.get_submodule(name).modules():
-            per_unit[name].add_layer(module, seen)
-    in_units = {id(m) for name in units for m in meta.get_submodule(name).modules()}
+    counter = _StepCounter(meta, units, batch, loss_fn)
+    handles = counter.hooks()
+    try:
+        with counter.storages:
+            timeline = run_marked_step(meta, units, counter.storages, counter.step)
+    finally:
+        for handle in handles:
+            handle.remove()
+    timeline.relevel(counter.storages.levels(counter.gradients))
+    return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units))
 
-    storages = _MetaStorages()
-    current = {"section": before, "flops_at_entry": 0, "forward": True}
 
-    def switch_to(section: PartCounts) -> None:
-        current["section"].forward_flops += storages.flops - current["flops_at_entry"]
-        current["section"], current["flops_at_entry"] = section, storages.flops
+class _StepCounter:
+    """What ``count_step``'s hooks count while the step runs: which part (a unit, or the root before or
+    after the units) the ops run in, each part's layers, Linears and ring outputs, and the FLOPs that
+    activation checkpointing recomputes in backward."""
 
-    # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``). An
-    # input is known by a serial number, dropped when it dies: a checkpointed region frees its
-    # intermediates at once, and a new tensor may then get a freed one's id.
-    shared_input: dict[tuple[int, int], int] = collections.defaultdict(int)  # (part, input) -> bytes
-    serial_of: dict[int, int] = {}  # live input's id -> its serial number
-    serials = itertools.count()
+    def __init__(self, meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn):
+        self.meta, self.units, self.batch, self.loss_fn = meta, units, batch, loss_fn
+        self.per_unit = {name: PartCounts() for name in units}
+        self.before, self.after = PartCounts(), PartCounts()
+        self.seen: set[int] = set()
+        for name in units:
+            for module in meta.get_submodule(name).modules():
+                self.per_unit[name].add_layer(module, self.seen)
+        self.unit_of = {id(m): self.per_unit[name] for name in units for m in meta.get_submodule(name).modules()}
+        self.storages = _MetaStorages()
+        self.section, self.flops_at_entry, self.forward = self.before, 0, True
+        # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``). An
+        # input is known by a serial number, dropped when it dies: a checkpointed region frees its
+        # intermediates at once, and a new tensor may then get a freed one's id.
+        self.shared_input: dict[tuple[int, int], int] = collections.defaultdict(int)  # (part, input) -> bytes
+        self.serial_of: dict[int, int] = {}  # live input's id -> its serial number
+        self.serials = itertools.count()
+        # Activation checkpointing's recomputation in backward: a unit's module runs its forward again.
+        # Counted from the outermost such forward to its end (ops a selective policy saved are not run
+        # again: the checkpoint's mode answers them before this one sees them).
+        self.recompute_depth, self.recomputed_section, self.recompute_flops_at_entry = 0, None, 0
+        self.gradients: set[int] = set()  # the allocations of the parameters' gradients
 
-    def weight_bytes(module: nn.Module) -> int:  # in the stored dtype: the meta copy may be cast
-        _, itemsize = getattr(module, "_rsdp_original_params", {}).get("weight", (None, module.weight.element_size()))
-        return module.weight.numel() * itemsize
+    def hooks(self) -> list:
+        handles = []
+        for name in self.units:
+            module = self.meta.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(lambda m, args, name=name: self.enter_unit(name)))
+            handles.append(module.register_forward_hook(lambda m, args, out: self.switch_to(self.after)))
+        for module in self.meta.modules():
+            handles.append(module.register_forward_pre_hook(self.recompute_begins))
+            handles.append(module.register_forward_hook(self.recompute_ends))
+            if id(module) not in self.unit_of and any(True for _ in module.parameters(recurse=False)):
+                handles.append(module.register_forward_pre_hook(self.note_root_layer))
+            if isinstance(module, nn.Linear):
+                handles.append(module.register_forward_pre_hook(self.note_linear))
+            if isinstance(module, nn.Embedding):
+                handles.append(module.register_forward_pre_hook(self.note_embedding))
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                handles.append(module.register_forward_hook(self.note_ring_output))
+        handles += [param.register_post_accumulate_grad_hook(self.drop_gradient) for param in self.meta.parameters() if param.requires_grad]
+        return handles
 
-    def note_linear(module: nn.Linear, args) -> None:
-        if not current["forward"]:  # a checkpointed region recomputing in backward
-            return
-        part, tensor = current["section"], args[0]
-        if id(tensor) not in serial_of:
-            serial_of[id(tensor)] = next(serials)
-            weakref.finalize(tensor, serial_of.pop, id(tensor), None)
-        key = (id(part), serial_of[id(tensor)])
-        shared_input[key] += weight_bytes(module)  # a bias is a vector: gathered whole, not rotated
-        part.largest_layer_bytes = max(part.largest_layer_bytes, shared_input[key])
-        part.largest_linear_bytes = max(part.largest_linear_bytes, shared_input[key])
-        part.linear_flops += 2 * tensor.numel() * module.out_features
-
-    def note_embedding(module: nn.Embedding, args) -> None:
-        if current["forward"]:
-            part = current["section"]
-            part.largest_layer_bytes = max(part.largest_layer_bytes, weight_bytes(module))
-
-    def note_ring_output(module: nn.Module, args, output) -> None:
-        if current["forward"] and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
-            current["section"].checkpointed_ring_output_bytes += output.untyped_storage().nbytes()
-
-    # Activation checkpointing's recomputation in backward: a unit's module runs its forward again.
-    # Counted from the outermost such forward to its end (ops a selective policy saved are not run
-    # again: the checkpoint's mode answers them before this one sees them).
-    unit_of = {id(m): per_unit[name] for name in units for m in meta.get_submodule(name).modules()}
-    recomputing = {"depth": 0, "section": None, "flops_at_entry": 0}
-
-    def recompute_begins(module: nn.Module, args) -> None:
-        if current["forward"] or (recomputing["depth"] == 0 and id(module) not in unit_of):
-            return
-        if recomputing["depth"] == 0:
-            recomputing.update(section=unit_of[id(module)], flops_at_entry=storages.flops)
-            storages.recomputing = True
-        recomputing["depth"] += 1
-
-    def recompute_ends(module: nn.Module, args, output) -> None:
-        if current["forward"] or recomputing["depth"] == 0:
-            return
-        recomputing["depth"] -= 1
-        if recomputing["depth"] == 0:
-            recomputing["section"].recomputed_flops += storages.flops - recomputing["flops_at_entry"]
-            storages.recomputing = False
-
-    def note_root_layer(module: nn.Module, args) -> None:
-        if current["forward"]:
-            current["section"].add_layer(module, seen)
-
-    def enter_unit(name: str) -> None:
-        if current["forward"]:  # not a recomputation
-            per_unit[name].calls += 1
-        switch_to(per_unit[name])
-
-    handles = []
-    for name in units:
-        module = meta.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(lambda m, args, name=name: enter_unit(name)))
-        handles.append(module.register_forward_hook(lambda m, args, out: switch_to(after)))
-    for module in meta.modules():
-        handles.append(module.register_forward_pre_hook(recompute_begins))
-        handles.append(module.register_forward_hook(recompute_ends))
-        if id(module) not in in_units and any(True for _ in module.parameters(recurse=False)):
-            handles.append(module.register_forward_pre_hook(note_root_layer))
-        if isinstance(module, nn.Linear):
-            handles.append(module.register_forward_pre_hook(note_linear))
-        if isinstance(module, nn.Embedding):
-            handles.append(module.register_forward_pre_hook(note_embedding))
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            handles.append(module.register_forward_hook(note_ring_output))
-
-    gradients: set[int] = set()
-
-    def drop_gradient(param: nn.Parameter) -> None:
-        gradients.add(storages.allocation_of[id(param.grad.untyped_storage())])
-        param.grad = None
-
-    def step(timeline) -> None:
-        loss = loss_fn(meta, batch)
-        switch_to(after)
-        current["forward"] = storages.counting_flops = False
+    def step(self, timeline) -> None:
+        loss = self.loss_fn(self.meta, self.batch)
+        self.switch_to(self.after)
+        self.forward = self.storages.counting_flops = False
         loss.backward()
         del loss  # freed before the mark, as a step that never names it frees it
         timeline.mark("backward-done")
 
-    handles += [param.register_post_accumulate_grad_hook(drop_gradient) for param in meta.parameters() if param.requires_grad]
-    try:
-        with storages:
-            timeline = run_marked_step(meta, units, storages, step)
-    finally:
-        for handle in handles:
-            handle.remove()
-    timeline.relevel(storages.levels(gradients))
-    return Counts(per_unit, before, after, StepPhases.of(timeline, units))
+    def switch_to(self, section: PartCounts) -> None:
+        self.section.forward_flops += self.storages.flops - self.flops_at_entry
+        self.section, self.flops_at_entry = section, self.storages.flops
+
+    def enter_unit(self, name: str) -> None:
+        if self.forward:  # not a recomputation
+            self.per_unit[name].calls += 1
+        self.switch_to(self.per_unit[name])
+
+    def note_linear(self, module: nn.Linear, args) -> None:
+        if not self.forward:  # a checkpointed region recomputing in backward
+            return
+        part, tensor = self.section, args[0]
+        if id(tensor) not in self.serial_of:
+            self.serial_of[id(tensor)] = next(self.serials)
+            weakref.finalize(tensor, self.serial_of.pop, id(tensor), None)
+        key = (id(part), self.serial_of[id(tensor)])
+        self.shared_input[key] += _weight_bytes(module)  # a bias is a vector: gathered whole, not rotated
+        part.largest_layer_bytes = max(part.largest_layer_bytes, self.shared_input[key])
+        part.largest_linear_bytes = max(part.largest_linear_bytes, self.shared_input[key])
+        part.linear_flops += 2 * tensor.numel() * module.out_features
+
+    def note_embedding(self, module: nn.Embedding, args) -> None:
+        if self.forward:
+            self.section.largest_layer_bytes = max(self.section.largest_layer_bytes, _weight_bytes(module))
+
+    def note_ring_output(self, module: nn.Module, args, output) -> None:
+        if self.forward and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
+            self.section.checkpointed_ring_output_bytes += output.untyped_storage().nbytes()
+
+    def note_root_layer(self, module: nn.Module, args) -> None:
+        if self.forward:
+            self.section.add_layer(module, self.seen)
+
+    def recompute_begins(self, module: nn.Module, args) -> None:
+        if self.forward or (self.recompute_depth == 0 and id(module) not in self.unit_of):
+            return
+        if self.recompute_depth == 0:
+            self.recomputed_section, self.recompute_flops_at_entry = self.unit_of[id(module)], self.storages.flops
+            self.storages.recomputing = True
+        self.recompute_depth += 1
+
+    def recompute_ends(self, module: nn.Module, args, output) -> None:
+        if self.forward or self.recompute_depth == 0:
+            return
+        self.recompute_depth -= 1
+        if self.recompute_depth == 0:
+            self.recomputed_section.recomputed_flops += self.storages.flops - self.recompute_flops_at_entry
+            self.storages.recomputing = False
+
+    def drop_gradient(self, param: nn.Parameter) -> None:
+        self.gradients.add(self.storages.allocation_of[id(param.grad.untyped_storage())])
+        param.grad = None
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    """A Linear's or Embedding's weight in its stored dtype (the meta copy may be cast)."""
+    _, itemsize = getattr(module, "_rsdp_original_params", {}).get("weight", (None, module.weight.element_size()))
+    return module.weight.numel() * itemsize
 
 
 class _Parallelism:
