@@ -69,7 +69,7 @@ class RingBuffers:
 
     def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The two message buffers (ping-pong), ``nbytes`` long."""
-        return tuple(self._buffer(index, nbytes, device) for index in (0, 1))
+        return self._buffer(0, nbytes, device), self._buffer(1, nbytes, device)
 
     def hold(self, nbytes: int, device: torch.device) -> bool:
         """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what

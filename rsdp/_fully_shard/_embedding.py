@@ -26,7 +26,7 @@ from ._param import ShardLayout, shard_layout
 from ._prefetch import ring_begins
 from ._ring import Phase
 from ._ring_function import RingLayer, SparseContribution, check_device, local_shard, ring_backward
-from ._wire import Segment
+from ._wire import segment
 
 
 class RingEmbeddingFunction(torch.autograd.Function):
@@ -37,7 +37,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
         layout = shard_layout(num_embeddings, ring.size)
         # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
         message = ring.context.buffers.message_of(
-            (Segment(layout, weight.shape[1:], dtype), Segment(shard_layout(ring.size, ring.size), torch.Size(), torch.uint8))
+            (segment(layout, weight.shape[1:], dtype), segment(shard_layout(ring.size, ring.size), torch.Size(), torch.uint8))
         )
         flat_indices = indices.reshape(-1)
 
@@ -92,7 +92,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
         ring = layer.state.ring
         reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
         layout = shard_layout(ctx.num_embeddings, ring.size)
-        message = ring.context.buffers.message_of((Segment(layout, ctx.trailing, reduce_dtype),))
+        message = ring.context.buffers.message_of((segment(layout, ctx.trailing, reduce_dtype),))
         selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
         dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
         masked = torch.empty(dy.shape, dtype=reduce_dtype, device=dy.device)

@@ -44,7 +44,7 @@ from ._ring_function import (
     sharded,
     write_product,
 )
-from ._wire import Segment, Views
+from ._wire import Views, segment
 
 
 class _Stacked:
@@ -148,7 +148,7 @@ class _GroupForward:
         # Every member's weight, then the biases there are: the weights of one shard are then adjacent
         # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
         self.order = order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
-        self.message = ring.context.buffers.message_of(tuple(Segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
+        self.message = ring.context.buffers.message_of(tuple(segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
         self.slot = {index: position for position, index in enumerate(order)}
         self.x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         self.stacked = _stacked(tuple(layouts)) if len(members) > 1 else None
@@ -248,9 +248,9 @@ class _GroupBackward:
         if not stacked and any(not is_bias for _, is_bias in wanted):
             self.dys_split_t = [dy.t().split(layout.sizes, 0) for dy, layout in zip(dys, layouts)]
 
-        weight_segments = [Segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
+        weight_segments = [segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
         grad_segments = [
-            Segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
+            segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
             for member, is_bias in wanted
         ]
         self.message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
@@ -306,7 +306,7 @@ class RingInputSplitFunction(torch.autograd.Function):
         in_features, out_features = full_shape
         dtype = state.matmul_dtype(weight.dtype)
         layout = shard_layout(in_features, ring.size)
-        message = ring.context.buffers.message_of((Segment(layout, weight.shape[1:], dtype),))
+        message = ring.context.buffers.message_of((segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
 
         def rotate() -> tuple[torch.Tensor]:
@@ -340,8 +340,8 @@ class RingInputSplitFunction(torch.autograd.Function):
         layout = shard_layout(in_features, ring.size)
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         dy = grad_out.reshape(-1, out_features).to(dtype)
-        weight_segments = [Segment(layout, weight.shape[1:], dtype)] if need_x else []
-        grad_segments = [Segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
+        weight_segments = [segment(layout, weight.shape[1:], dtype)] if need_x else []
+        grad_segments = [segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
         message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
         grad_x = torch.zeros_like(x2d) if need_x else None
 

@@ -17,9 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._compat import DTensor, Replicate, Shard
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ShardLayout:
-    """How ``rows`` rows split over ``world`` ranks, torch.chunk-style."""
+    """How ``rows`` rows split over ``world`` ranks, torch.chunk-style. Made by ``shard_layout`` only,
+    one per (rows, world), so it compares and hashes by identity: layouts key the messages' caches,
+    looked up at every ring, and a generated ``__hash__`` would be a Python call each time."""
 
     rows: int
     world: int
@@ -77,7 +79,7 @@ def shard_parameter(param: nn.Parameter, mesh: DeviceMesh, device: torch.device,
     parameter on the meta device stays on meta; ``to_empty`` + initialisation fill it later.
     """
     shard_dim_rank = mesh.get_local_rank(mesh.ndim - 1)
-    layout = ShardLayout(param.shape[dim], mesh.size(mesh.ndim - 1))
+    layout = shard_layout(param.shape[dim], mesh.size(mesh.ndim - 1))
     index = (slice(None),) * dim + (slice(layout.start(shard_dim_rank), layout.stop(shard_dim_rank)),)
     if param.is_meta:
         local = torch.empty_like(param[index], device="meta")

@@ -70,6 +70,7 @@ class RSDPState(FSDPState):
         super().__init__()
         self._modules = (module,)
         self.mesh = mesh
+        self._data_parallel_ranks = mesh.size()  # read by every gradient; DeviceMesh.size() is Python calls
         self.mp_policy = mp_policy
         self.device = (
             torch.device(mesh.device_type, torch.cuda.current_device())
@@ -116,7 +117,7 @@ class RSDPState(FSDPState):
     def gradient_divisor(self) -> float:
         """What a shard group's reduced gradient is divided by: the mean over all data-parallel ranks once
         the replica groups' are summed (HSDP, ``RingGradients.flush``), unless a divide factor was set."""
-        return self.gradient_divide_factor or self.mesh.size()
+        return self.gradient_divide_factor or self._data_parallel_ranks
 
     def divide_gradient(self, reduced: torch.Tensor) -> None:
         """Divide a shard group's reduced gradient in place (``gradient_divisor``)."""

@@ -75,7 +75,7 @@ from ._checkpoint import kept_or_run
 from ._ring_function import RingLayer, autocast_like, finished_gradients, first_message, local_shard, sharded
 from ._prefetch import ring_begins
 from ._param import shard_layout
-from ._wire import Message, Segment
+from ._wire import Message, Segment, segment
 from ._ring import DeferredHop, Phase
 from ._sub_block_cache import SubBlockCache, shard_cache_arguments
 
@@ -125,10 +125,10 @@ class SubBlock:
             segments = []
             for column, has_bias in zip(self.columns, self.column_has_bias):
                 layout = shard_layout(column.out_features, world)
-                segments.append(Segment(layout, torch.Size([column.in_features]), dtype))
+                segments.append(segment(layout, torch.Size([column.in_features]), dtype))
                 if has_bias:
-                    segments.append(Segment(layout, torch.Size(), dtype))
-            segments.append(Segment(shard_layout(self.row.in_features, world), torch.Size([self.row.out_features]), dtype))
+                    segments.append(segment(layout, torch.Size(), dtype))
+            segments.append(segment(shard_layout(self.row.in_features, world), torch.Size([self.row.out_features]), dtype))
             self._segments[key] = tuple(segments)
         return self._segments[key]
 
@@ -481,7 +481,7 @@ class _SubBlockBackward:
         self.reduce_dtype = self.state.reduce_dtype(self.params[self.present[0]].dtype)
         self.grad_index = [slot for slot, i in enumerate(self.present) if self.needs_params[i]]
         self.grad_segments = [
-            Segment(self.weight_segments[slot].layout, self.weight_segments[slot].trailing, self.reduce_dtype)
+            segment(self.weight_segments[slot].layout, self.weight_segments[slot].trailing, self.reduce_dtype)
             for slot in self.grad_index
         ]
         # The partials' views in the orientation of the gradients autograd gives: those of colwise weights

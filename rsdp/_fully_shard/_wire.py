@@ -17,6 +17,7 @@ Pitfalls:
   is cached with the views, so it must be a function of the views alone, and its key must name it.
 """
 
+import functools
 import math
 import typing
 from dataclasses import dataclass
@@ -37,9 +38,11 @@ class MessagePool(typing.Protocol):
     def message_of(self, segments: tuple["Segment", ...]) -> "Message": ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Segment:
-    """One tensor in a ring message: its row split, the shape of one row, and its dtype on the wire."""
+    """One tensor in a ring message: its row split, the shape of one row, and its dtype on the wire.
+    Made by ``segment`` only, one per value, so it compares and hashes by identity (as ``ShardLayout``
+    does): a message's segments key the pool's ``Message`` of them at every ring."""
 
     layout: ShardLayout
     trailing: torch.Size
@@ -48,6 +51,12 @@ class Segment:
     @property
     def padded_nbytes(self) -> int:
         return self.layout.chunk * math.prod(self.trailing) * self.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def segment(layout: ShardLayout, trailing: torch.Size, dtype: torch.dtype) -> Segment:
+    """The one ``Segment`` of these values."""
+    return Segment(layout, torch.Size(trailing), dtype)
 
 
 class Views(list):
