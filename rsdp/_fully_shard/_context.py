@@ -21,9 +21,9 @@ process each have their own (when sharded bottom-up, or by ``parallelize``): sha
 failing one never touches another's buffers, predictions or queues.
 
 A pass: the first forward of the context that starts outside a backward is the outermost; it
-``begin_forward``s (dropping what a pass that raised left behind: ``reset``), and when it ends the
-context ``end_forward``s (forward schedule recorded where it changed, pending gathers settled,
-buffers freed). Each
+``begin_forward``s (dropping what a pass that raised left behind: ``reset``; the forward's record,
+keyed by that module, is followed from here), and when it ends the context ``end_forward``s
+(forward schedule recorded where it changed, gathers still pending dropped, buffers freed). Each
 backward that touches the context queues ONE end-of-backward callback (``queue_end_of_backward``),
 which finishes, in this order:
 

@@ -23,8 +23,8 @@ the carrying ring's own message, which that ring has copied out before the next 
 partials there.
 
 Which ring comes next is read from the recorded schedule of the pass kind (``_schedule.py``: the
-rings of the last pass of the same kind that began with the same ring, forward rings recomputed in
-backward by activation checkpointing included, which take no prefetch and make none; each model's
+rings of the last pass of the same kind with the same key — a forward's outermost rsdp module, a
+backward's first ring —, forward rings recomputed in backward by activation checkpointing included, which take no prefetch and make none; each model's
 ``RingContext`` has its own), while the pass running follows it; and a ring is prefetched as its
 previous call made its first message: the same layout, packed from the same tensors. A prefetched
 ring that is not called next (control flow changed, or a different layout) runs as usual, its own

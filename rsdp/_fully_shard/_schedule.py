@@ -122,7 +122,7 @@ class PassSchedule:
         # and may ride a ring, once it holds every one the record's does.
         self.reduction_position = 0
         self.reductions_on_track = True
-        self.carrier_begun = False  # (forward) the pass's first ring able to carry gathers has begun
+        self._carrier_begun = False  # (forward) the pass's first ring able to carry gathers has begun
         self._begun = False
         # The record's key: a forward's outermost rsdp state (a weak reference), a backward's first
         # ring tag (None when a buffer came first).
@@ -207,9 +207,9 @@ class PassSchedule:
     def carrier(self) -> bool:
         """(forward) The ring just begun could carry the gathers left to a ring. Returns whether it is
         the pass's first such ring, its carrier (recorded as an entry after the ring's)."""
-        if self.carrier_begun:
+        if self._carrier_begun:
             return False
-        self.carrier_begun = True
+        self._carrier_begun = True
         if not self._follows((CARRIER,)):
             self._leave((CARRIER,))
         return True
@@ -266,4 +266,4 @@ class PassSchedule:
         self.position, self.on_track, self._recording, self._forget = 0, True, None, False
         self.ring_position, self.rings_on_track = 0, True
         self.reduction_position, self.reductions_on_track = 0, True
-        self.carrier_begun = False
+        self._carrier_begun = False
