@@ -446,25 +446,49 @@ def test_an_error_inside_a_ring_step_leaves_the_process_group_usable(ranks):
     ranks.run(2, error_inside_a_ring_step_case)
 
 
-def hook_raising_after_rsdp_case():
-    """A forward hook registered after rsdp's raises: rsdp's post-forward has closed the forward, so
-    the error path must not close it again (its model's forwards would count one too few open and the
-    next forward would not be an outermost one). Training afterwards stays exact."""
+def _rsdp_blocks_under_a_plain_root():
+    """A TinyLM whose blocks are sharded one by one under a plain root, each block the outermost rsdp
+    module of its forward; the root's own parameters (embedding, final norm, head) are frozen in both,
+    as they are not sharded (each rank would train its own copy)."""
+    torch.manual_seed(0)
+    model = TinyLM(vocab=13, dim=6, heads=2, hidden=9, layers=2).double()
+    for module in (model.embed, model.norm):
+        module.requires_grad_(False)
+    reference = twin(model)
+    for layer in model.layers:
+        rsdp_shard(layer)
+    return model, reference
+
+
+def user_hook_raising_case(root, kind):
+    """A user's forward pre-hook (run after rsdp's pre-forward) or forward hook (after rsdp's
+    post-forward) raises once on an outermost rsdp module: a whole-model root, or a block under a plain
+    root. The forward raises the user's error; the module's forwards are closed exactly once (every
+    later forward is an outermost one again, its buffers freed) and training afterwards is exact."""
     rank, world = rank_and_world()
-    model, reference = rsdp_lm(0, vocab=13, dim=6, heads=2, hidden=9, layers=2)
+    if root == "model":
+        model, reference = rsdp_lm(0, vocab=13, dim=6, heads=2, hidden=9, layers=2)
+        target = model
+    else:
+        model, reference = _rsdp_blocks_under_a_plain_root()
+        target = model.layers[0]
+    failures = ["a user hook failed"]
 
-    def raise_in_hook(module, args, output):
-        raise RuntimeError("a user hook failed")
+    def fail_once(*_):
+        if failures:
+            raise RuntimeError(failures.pop())
 
-    handle = model.register_forward_hook(raise_in_hook)
+    register = target.register_forward_pre_hook if kind == "pre" else target.register_forward_hook
+    register(fail_once)  # stays registered: it raises once, then passes
     tokens = torch.randint(0, 13, (world, 5))
     _raises(RuntimeError, "a user hook failed", lambda: model(tokens[rank : rank + 1]))
-    handle.remove()
-    state = model._get_rsdp_state()
+    state = target._get_rsdp_state()
     assert (state.ring.context.open_forwards, state.forward_depth) == (0, 0)
     assert state.ring.context.buffers.nbytes == 0  # the outermost forward's end freed them, once
-    train_and_compare(model, reference, steps=2, rows=1, seq=5)
+    train_and_compare(model, reference, steps=3, rows=1, seq=5)
 
 
-def test_a_hook_raising_after_rsdps_post_forward_closes_the_forward_once(ranks):
-    ranks.run(2, hook_raising_after_rsdp_case)
+@pytest.mark.parametrize("root", ["model", "block"])
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_a_user_forward_hook_raising_on_a_root_leaves_training_exact(ranks, root, kind):
+    ranks.run(2, user_hook_raising_case, root, kind)

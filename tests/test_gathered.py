@@ -193,6 +193,77 @@ def test_every_modules_vectors_travel_in_one_collective_per_pass(ranks, world):
             assert first == {**second, "c10d::allreduce_": 3}, first
 
 
+class NormThenLinear(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm, self.linear = nn.LayerNorm(dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.linear(self.norm(x))
+
+
+class BlockFirstOrNot(nn.Module):
+    """A root whose Linear (its ring, the forward's carrier) runs first, or after the first block
+    (``block_first``): then that block's forward, and its norm, start before any ring."""
+
+    def __init__(self, dim=5):
+        super().__init__()
+        self.entry = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(NormThenLinear(dim) for _ in range(2))
+        self.block_first = False
+
+    def forward(self, x):
+        first, second = self.blocks
+        if self.block_first:
+            return second(self.entry(first(x)))
+        return second(first(self.entry(x)))
+
+
+def left_to_the_carrier_case(orders):
+    """All-gathers per forward, each step checked against the fp64 reference (output, input gradient,
+    every parameter gradient), as the order of the blocks and the root's ring changes."""
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    model = BlockFirstOrNot().double()
+    reference = twin(model)
+    for block in model.blocks:
+        rsdp_shard(block)
+    rsdp_shard(model)
+    gathers = []
+    for step, block_first in enumerate(orders):
+        model.block_first = reference.block_first = block_first
+        x = torch.randn(world * 2, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        mine = local_rows(x, rank, world).requires_grad_()
+        with CommCounter() as comm:
+            out = model(mine)
+        gathers.append(comm.calls["c10d::_allgather_base_"])
+        out.pow(2).sum().backward()
+        full = x.clone().requires_grad_()
+        expected = reference(full)
+        (expected.pow(2).sum() / world).backward()
+        assert_close(out, local_rows(expected, rank, world), what=f"output at step {step}")
+        assert_close(mine.grad, local_rows(full.grad, rank, world) * world, what=f"input grad at step {step}")
+        assert_param_grads_match(model, reference, 1.0)
+        model.zero_grad()
+        reference.zero_grad()
+    return gathers
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathers_are_left_to_the_ring_the_forwards_record_says_carries_them(ranks, world):
+    """The blocks' norms ride the forward's first ring able to carry them (the carrier) when the
+    record of the last forward says their forwards began after it; a block that began before it is
+    gathered at the start. A forward whose order differs from its record gathers what it finds
+    pending when a module needs it (never a wrong number) and is recorded for the next: all-gathers
+    per forward for the steps normal, normal, block first, block first, normal, normal."""
+    orders = [False, False, True, True, False, False]
+    for gathers in ranks.run(world, left_to_the_carrier_case, orders):
+        # 1: no record yet (all at the start); 0: both ride; 1: both pending, gathered at the first
+        # block's start; 1: that block at the start, the other rides its Linear's ring; 1: that block
+        # at the start, the other rides the root's ring; 0: both ride again.
+        assert gathers == [1, 0, 1, 1, 1, 0], gathers
+
+
 def vector_ops_case():
     """The aten ops of a training step of a module whose parameters are all gathered (vectors)."""
     torch.manual_seed(0)

@@ -31,13 +31,13 @@ from rsdp._compat import fully_shard
 from rsdp.memory import CommCounter
 
 
-def forward_order(model):
-    """The forward ``RingOrder`` of ``model``'s ``RingContext`` (its prefetch counts)."""
-    return model._get_rsdp_state().ring.context.forward_order
+def forward_prefetch(model):
+    """The forward ``RingPrefetch`` of ``model``'s ``RingContext`` (its prefetch counts)."""
+    return model._get_rsdp_state().ring.context.forward_prefetch
 
 
-def backward_order(model):
-    return model._get_rsdp_state().ring.context.backward_order
+def backward_prefetch(model):
+    return model._get_rsdp_state().ring.context.backward_prefetch
 
 
 def steady_state_case():
@@ -53,12 +53,12 @@ def steady_state_case():
     tokens = local_rows(torch.randint(0, 61, (world * 2, 5)), rank, world)
     counts = []
     for _ in range(5):
-        used = forward_order(model).used
+        used = forward_prefetch(model).used
         with CommCounter() as forward:
             loss = lm_loss(model(tokens), tokens)
         with CommCounter() as backward:
             loss.backward()
-        counts.append((forward_order(model).used - used, forward.calls["c10d::send"], backward.calls["c10d::send"]))
+        counts.append((forward_prefetch(model).used - used, forward.calls["c10d::send"], backward.calls["c10d::send"]))
     return counts
 
 
@@ -107,10 +107,10 @@ def changing_order_case():
     used = []
     for step, skip in enumerate([False, False, False, True, False, True, True, False]):
         model.skip_middle = reference.skip_middle = skip
-        before = forward_order(model).used
+        before = forward_prefetch(model).used
         x = torch.randn(world * 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
         out = model(x[2 * rank : 2 * rank + 2])
-        used.append(forward_order(model).used - before)
+        used.append(forward_prefetch(model).used - before)
         out.pow(2).sum().backward()
         expected = reference(x)
         expected.pow(2).sum().div(world).backward()
@@ -135,7 +135,7 @@ def test_a_changed_order_of_rings_stays_exact(ranks):
 def trajectory_case():
     model, reference = rsdp_lm(2, vocab=13, dim=6, heads=2, hidden=9, layers=3)
     train_and_compare(model, reference, steps=5, rows=1, seq=5)
-    return forward_order(model).used
+    return forward_prefetch(model).used
 
 
 def test_training_with_prefetched_rings_matches_reference(ranks):
@@ -150,10 +150,10 @@ def planned_backward_case(steps):
     counts = []
 
     def count_backward(loss):
-        used = backward_order(model).used
+        used = backward_prefetch(model).used
         with CommCounter() as backward:
             loss.backward()
-        counts.append((backward_order(model).used - used, backward.calls["c10d::send"]))
+        counts.append((backward_prefetch(model).used - used, backward.calls["c10d::send"]))
 
     train_and_compare(model, reference, steps=steps, rows=1, seq=5, backward=count_backward)
     return counts
@@ -201,9 +201,9 @@ def changing_backward_order_case():
     for step, skip in enumerate([False, False, False, False, True, False, False, False, True, True, False]):
         model.skip_first = reference.skip_first = skip
         tokens = torch.randint(0, 211, (world, 5), generator=torch.Generator().manual_seed(step))
-        before = backward_order(model).used
+        before = backward_prefetch(model).used
         lm_loss(model(local_rows(tokens, rank, world)), local_rows(tokens, rank, world)).backward()
-        used.append(backward_order(model).used - before)
+        used.append(backward_prefetch(model).used - before)
         lm_loss(reference(tokens), tokens).backward()
         assert_param_grads_match(model, reference, 1.0)
         for param in (*model.parameters(), *reference.parameters()):
@@ -242,7 +242,7 @@ def bf16_planned_case():
                 fully_shard(layer, mp_policy=policy)
         shard(model, mp_policy=policy)
     exact = exact.double()
-    used = backward_order(models["rsdp"]).used
+    used = backward_prefetch(models["rsdp"]).used
     for step in range(4):
         tokens = torch.randint(0, 211, (world * 2, 6), generator=torch.Generator().manual_seed(step))
         lm_loss(exact(tokens), tokens).backward()
@@ -258,7 +258,7 @@ def bf16_planned_case():
             allowed = 1.5 * fsdp_error + 1e-2 * max(grad.abs().max().item(), 1e-3)
             assert rsdp_error <= allowed, f"step {step}, {name}: rsdp {rsdp_error:.3g} from exact, FSDP2 {fsdp_error:.3g}"
         exact.zero_grad(set_to_none=True)
-    return backward_order(models["rsdp"]).used - used
+    return backward_prefetch(models["rsdp"]).used - used
 
 
 def test_prefetched_backward_messages_of_mixed_dtypes_match_fsdp2(ranks):
@@ -283,9 +283,9 @@ def tapered_case():
     for layer in model.layers:
         rsdp_shard(layer, ring_plan=HF_PLAN)
     rsdp_shard(model)
-    used = backward_order(model).used
+    used = backward_prefetch(model).used
     train_and_compare(model, reference, steps=4, rows=1, seq=5)
-    return backward_order(model).used - used
+    return backward_prefetch(model).used - used
 
 
 def test_ring_buffers_trimmed_while_they_hold_a_prefetched_message_keep_it(ranks):

@@ -16,7 +16,7 @@ VOCAB = 23
 def _step(model, reference, tokens, rank, world):
     """One exact forward and backward of both; returns (prefetches taken, sends)."""
     context = model._get_rsdp_state().ring.context
-    used = context.forward_order.used + context.backward_order.used
+    used = context.forward_prefetch.used + context.backward_prefetch.used
     mine = local_rows(tokens, rank, world)
     with CommCounter() as counter:
         loss = lm_loss(model(mine), mine)
@@ -27,7 +27,7 @@ def _step(model, reference, tokens, rank, world):
     assert_param_grads_match(model, reference, 1.0)
     for module in (model, reference):
         module.zero_grad()
-    return context.forward_order.used + context.backward_order.used - used, counter.calls["c10d::send"]
+    return context.forward_prefetch.used + context.backward_prefetch.used - used, counter.calls["c10d::send"]
 
 
 def full_mean(loss, world):

@@ -12,8 +12,8 @@ its latency, not its bytes.
 
 From the second step on even that latency mostly goes: the vectors of the modules first needed after
 the pass's first ring has run travel on that ring's messages (``PendingGathers``), and the gradients
-queued before the backward's last ring on that ring's (``_ring.Rider``), as the previous pass of the
-kind predicts (for the reductions, the backward's recorded schedule, ``_schedule.py``). A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
+queued before the backward's last ring on that ring's (``_ring.Rider``), as the recorded schedule of
+the pass kind predicts (``_schedule.py``). A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
 what it saves).
 
 While installed they are **leaf** ``nn.Parameter``s, persistent tensors whose storage is allocated for a
@@ -280,58 +280,58 @@ def gather_together(modules: list[GatheredParams], forward_pass: int | None = No
 
 
 class PendingGathers:
-    """The gathered parameters that the forward running leaves to its first ring, not to a collective.
+    """The gathered parameters that the forward running leaves to a ring, not to a collective.
 
     The outermost rsdp forward gathers the parameters of every module under it in one all-gather
     (``RSDPState.gather_nested``). A ring is W-1 steps in which every rank's message passes every
     other rank, which is what an all-gather does, and a collective is another synchronisation of every
-    rank (with gloo as dear as several ring exchanges). So the modules that the previous forward first
-    needed after a ring that can carry them had started (``ring_rider``: the Linear, Embedding and
-    input-split rings; not a planned sub-block's, which runs module code while it turns) are left
-    pending, and that ring carries their segments. A module whose forward starts while they are still
-    pending (the graph changed, or no ring came) gathers all those pending in one collective, as
-    before, and the next forward does not leave it to a ring. The decisions depend only on the order
-    of modules and rings, which every rank shares.
+    rank (with gloo as dear as several ring exchanges). So a module is left pending for the forward's
+    *carrier*, its first ring able to carry them (the Linear, Embedding and input-split rings, not
+    prefetched; not a planned sub-block's, which runs module code while it turns), when the record of
+    the last forward with the same outermost module (``_schedule.py``) says its forward began after
+    that ring: the record holds each module's forward start (``GATHER``) and the carrier (``CARRIER``)
+    as entries, in order. The pass's own carrier takes them, whichever ring it is; a module whose
+    forward starts while they are still pending (the pass differs: the module starts before the
+    carrier, or no carrier comes) gathers all those pending in one collective, as before, and the
+    pass, off its record, is recorded for the next. The decisions depend only on the order of modules
+    and rings, which every rank shares.
 
     The outermost module itself always gathers at once (its forward starts before any ring), so a
     model whose root holds a final norm keeps one all-gather for it; its blocks' still ride.
     """
 
-    def __init__(self):
+    def __init__(self, context):
+        self._schedule = context.schedules[False]
         self._pending: list[GatheredParams] = []
         self._forward_pass = -1
-        self._candidates: list[GatheredParams] = []  # the pass's modules gathered at its start
-        self._carrier_started = False  # a ring that could carry them has started in this pass
-        self._needed_early: set[int] = set()  # ids of modules whose forward started before that
-        # Modules whose last pass leaves them to a ring. Held weakly, not by id: a dead module's id,
-        # reused on some ranks only, would make the ranks decide differently (and wait on each other).
-        self._leave_to_ring: weakref.WeakSet[GatheredParams] = weakref.WeakSet()
 
     def begin_pass(self, forward_pass: int, candidates: list[GatheredParams]) -> list[GatheredParams]:
         """The outermost forward starts and would gather ``candidates``: returns those to gather now,
-        and leaves the others (of one ``gather_key``: one ring carries them) pending for a ring."""
-        self._forward_pass, self._candidates = forward_pass, candidates
-        self._carrier_started, self._needed_early = False, set()
-        riding = [module for module in candidates if module in self._leave_to_ring]
+        and leaves the others (of one ``gather_key``: one ring carries them) pending for the carrier,
+        as the record the pass follows says."""
+        self._forward_pass = forward_pass
+        needed_early = self._schedule.following.needed_early
+        if needed_early is None:  # no record, or no ring of its pass could carry them
+            self._pending = []
+            return candidates
+        riding = [module for module in candidates if weakref.ref(module) not in needed_early]
         self._pending = [module for module in riding if module.gather_key == riding[0].gather_key]
         return [module for module in candidates if not any(module is pending for pending in self._pending)]
 
     def needs(self, module: GatheredParams) -> None:
         """``module``'s forward starts: its parameters must be current (gather the pending now if it is
         one of them)."""
-        if not self._carrier_started:
-            self._needed_early.add(id(module))
+        self._schedule.gather(module)
         if any(module is pending for pending in self._pending):
             gather_together(self._pending, self._forward_pass)
             self._pending = []
 
     def ring_rider(self, ring, start) -> "_RingAllGather | None":
         """The pending parameters, to all-gather on a forward ring whose first message is ``start``
-        (``Ring.circulate``'s), if they share its group and device."""
+        (``Ring.circulate``'s), if it is the pass's carrier and shares their group and device."""
         if in_backward() or in_selective_checkpoint():  # a recomputation, or a replay that needs its ops alike
             return None
-        self._carrier_started = True
-        if not self._pending or isinstance(start, Prefetched):
+        if isinstance(start, Prefetched) or not self._schedule.carrier() or not self._pending:
             return None
         group, _, device = self._pending[0].gather_key
         if group is not ring.group or device != ring.device:
@@ -340,17 +340,9 @@ class PendingGathers:
         return rider
 
     def end_pass(self) -> None:
-        """The outermost forward ended (or raised): the next one leaves to a ring those not needed
-        before a ring could carry them in this one."""
-        # Per module, so that the modules of another model whose passes alternate with this one's (a
-        # policy's and its reference's) keep what their own last pass decided.
-        for module in self._candidates:
-            if id(module) in self._needed_early:
-                self._leave_to_ring.discard(module)
-            else:
-                self._leave_to_ring.add(module)
-        self._pending, self._candidates = [], []
-
+        """The outermost forward ended (or raised): what no ring carried and no module needed stays
+        sharded."""
+        self._pending = []
 
 
 class _RingAllGather:

@@ -21,9 +21,9 @@ process each have their own (when sharded bottom-up, or by ``parallelize``): sha
 failing one never touches another's buffers, predictions or queues.
 
 A pass: the first forward of the context that starts outside a backward is the outermost; it
-``begin_forward``s (dropping what a pass that raised left behind: ``reset``), and when it ends the
-context ``end_forward``s (forward schedule recorded where it changed, pending gathers settled,
-buffers freed). Each
+``begin_forward``s (dropping what a pass that raised left behind: ``reset``; the forward's record,
+keyed by that module, is followed from here), and when it ends the context ``end_forward``s
+(forward schedule recorded where it changed, gathers still pending dropped, buffers freed). Each
 backward that touches the context queues ONE end-of-backward callback (``queue_end_of_backward``),
 which finishes, in this order:
 
@@ -57,7 +57,7 @@ import weakref
 from .._compat import at_end_of_backward, current_graph_task_id
 from ._collectives import PendingGathers, PendingReductions
 from ._grad import RunningBackward
-from ._prefetch import RingOrder
+from ._prefetch import RingPrefetch
 from ._buffers import RingBuffers
 from ._ring import DeferredHops, WaitedWorks
 from ._schedule import PassSchedule
@@ -76,9 +76,9 @@ class RingContext:
         self.buffers = RingBuffers(self)
         self.waited_works = WaitedWorks()
         self.deferred_hops = DeferredHops(self)
-        self.forward_order = RingOrder(self, backward=False)
-        self.backward_order = RingOrder(self, backward=True)
-        self.pending_gathers = PendingGathers()
+        self.forward_prefetch = RingPrefetch(self, backward=False)
+        self.backward_prefetch = RingPrefetch(self, backward=True)
+        self.pending_gathers = PendingGathers(self)
         self.pending_reductions = PendingReductions(self)
         self.running_backward = RunningBackward(self)
         self.open_forwards = 0  # forwards of this context's modules running now (nested modules count once each)
@@ -94,10 +94,13 @@ class RingContext:
         self._due: dict[object, int] = {}
         LIVE_CONTEXTS.add(self)
 
-    def begin_forward(self) -> None:
-        """An outermost forward starts: drop what a pass that raised left behind, count the pass."""
+    def begin_forward(self, outermost) -> None:
+        """An outermost forward starts, with the pre-forward of ``outermost`` (an ``RSDPState``): drop
+        what a pass that raised left behind, count the pass, and follow the record of the last forward
+        that began with the same module."""
         self.reset()
         self.forward_pass += 1
+        self.schedules[False].begin_forward(outermost)
 
     def end_forward(self, raised: bool = False) -> None:
         """The outermost forward ended (or ``raised``: half a pass is no schedule to follow)."""
@@ -105,7 +108,7 @@ class RingContext:
             self.schedules[False].abandon()
         else:
             self._end_schedule(False)
-        self.forward_order.end_pass()
+        self.forward_prefetch.end_pass()
         self.pending_gathers.end_pass()
         self.buffers.release()
 
@@ -116,7 +119,7 @@ class RingContext:
         self.running_backward.abandon()
         self.pending_reductions.abandon()
         self.deferred_hops.abandon()
-        self.backward_order.abandon()
+        self.backward_prefetch.abandon()
         self.schedules[True].abandon()
         for states in self._awaiting_post_backward.values():
             for state in states:
@@ -150,7 +153,7 @@ class RingContext:
         """The pass of the kind ended: record its schedule where it changed, and keep the first
         messages of only the rings the records expect."""
         if self.schedules[backward].end_pass():
-            (self.backward_order if backward else self.forward_order).keep_expected()
+            (self.backward_prefetch if backward else self.forward_prefetch).keep_expected()
 
     def queue_end_of_backward(self) -> None:
         """Finish the backward now running at its end (one callback per backward and context)."""
@@ -166,7 +169,7 @@ class RingContext:
         self._end_if_due(self.deferred_hops, task)
         self.pending_reductions.end_of_backward(task)
         self._end_if_due(self.running_backward, task)
-        self._end_if_due(self.backward_order, task)
+        self._end_if_due(self.backward_prefetch, task)
         if self._due.get(self.schedules[True]) == task:
             del self._due[self.schedules[True]]
             self._end_schedule(True)

@@ -67,7 +67,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
             ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], message)  # the flag: not prefetchable
             with layer.profiled(Phase.FORWARD):
                 final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
-                                       carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+                                       carry_next=ring.context.forward_prefetch.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
             _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
             assert_async(
                 (flag | out_of_range) == 0,

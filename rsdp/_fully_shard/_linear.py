@@ -168,7 +168,7 @@ class _GroupForward:
         start = first_message(layer, self.message, [self.params[index] for index in self.order])
         with layer.profiled(Phase.FORWARD):
             ring.circulate(self.message.nbytes, layer.tags[Phase.FORWARD], start, self.during,
-                           carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+                           carry_next=ring.context.forward_prefetch.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
             if stacked is not None:
                 for member, out in enumerate(outs2d):
                     stacked.copy_member(out, products, member)
@@ -321,7 +321,7 @@ class RingInputSplitFunction(torch.autograd.Function):
             start = first_message(layer, message, [weight])
             with layer.profiled(Phase.FORWARD):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
-                               carry_next=ring.context.forward_order.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+                               carry_next=ring.context.forward_prefetch.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
             return (out,)
 
         (out,) = kept_or_run(layer, rotate)

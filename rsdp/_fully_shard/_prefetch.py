@@ -23,8 +23,8 @@ the carrying ring's own message, which that ring has copied out before the next 
 partials there.
 
 Which ring comes next is read from the recorded schedule of the pass kind (``_schedule.py``: the
-rings of the last pass of the same kind that began with the same ring, forward rings recomputed in
-backward by activation checkpointing included, which take no prefetch and make none; each model's
+rings of the last pass of the same kind with the same key — a forward's outermost rsdp module, a
+backward's first ring —, forward rings recomputed in backward by activation checkpointing included, which take no prefetch and make none; each model's
 ``RingContext`` has its own), while the pass running follows it; and a ring is prefetched as its
 previous call made its first message: the same layout, packed from the same tensors. A prefetched
 ring that is not called next (control flow changed, or a different layout) runs as usual, its own
@@ -86,8 +86,8 @@ class _NextFirstMessage:
     """The next ring's first message as a ``Passenger`` of this ring's last exchange. ``room``: the
     most bytes the ring buffers may hold for the carrying ring's message and its passengers."""
 
-    def __init__(self, order: "RingOrder", tag: int, first: _FirstMessage, room: float):
-        self.order, self.tag, self.first, self.room = order, tag, first, room
+    def __init__(self, prefetch: "RingPrefetch", tag: int, first: _FirstMessage, room: float):
+        self.prefetch, self.tag, self.first, self.room = prefetch, tag, first, room
         self.lead = first.lead
         self.nbytes = first.message.nbytes - self.lead
 
@@ -100,10 +100,10 @@ class _NextFirstMessage:
             region.copy_(as_is)
 
     def alight(self, sent: torch.Tensor, received: torch.Tensor, received_in: int) -> None:
-        self.order.arrived(self.tag, self.first.signature(), Prefetched(sent, received, received_in))
+        self.prefetch.arrived(self.tag, self.first.signature(), Prefetched(sent, received, received_in))
 
 
-class RingOrder:
+class RingPrefetch:
     """The prefetch of one pass kind (forward or backward): how each ring made its first message at its
     last call, and the first exchange done ahead for the ring the pass's schedule (``_schedule.py``)
     says comes next."""
@@ -130,7 +130,7 @@ class RingOrder:
     def begin(
         self, ring: Ring, tag: int, message: Message, tensors: list[torch.Tensor] | None, first: int = 0
     ) -> Prefetched | None:
-        """A ring of this order's kind begins, with ``message``; ``tensors`` are its segments ``first:``,
+        """A ring of this prefetch's kind begins, with ``message``; ``tensors`` are its segments ``first:``,
         which its first exchange sends, or None when that cannot be prefetched. Returns its first
         exchange if the ring before did it, or None (then it makes its own)."""
         if self.backward:
@@ -151,7 +151,7 @@ class RingOrder:
     def next_first(self, ring: Ring) -> _NextFirstMessage | None:
         """The next ring's first message, for ``ring``'s last exchange to carry (``Ring.circulate``'s
         ``carry_next``), if the schedule says which ring that is and it shares ``ring``'s group and
-        device. Called as a ring of this order's kind starts."""
+        device. Called as a ring of this prefetch's kind starts."""
         if in_backward() != self.backward or in_selective_checkpoint():
             return None
         if self.backward and ring.size < 4:  # the deferred hop the next ring would carry has no place
@@ -185,7 +185,7 @@ class RingOrder:
         self._take()
 
     def end_of_backward(self) -> None:
-        """The backward whose rings this order prefetched for ended."""
+        """The backward whose rings this prefetch served ended."""
         self.end_pass()
 
 
@@ -193,9 +193,9 @@ class RingOrder:
 def ring_begins(
     ring: Ring, phase: Phase, tag: int, message: Message, tensors: list[torch.Tensor] | None = None, first: int = 0
 ) -> Prefetched | None:
-    """A ring of ``phase`` begins (see ``RingOrder.begin``): it is one of the pass running, and a
+    """A ring of ``phase`` begins (see ``RingPrefetch.begin``): it is one of the pass running, and a
     forward ring recomputed in backward (activation checkpointing) is one of the backward's, which
     takes no prefetch (it would overwrite one made for the ring after it)."""
     if not in_backward():
-        return ring.context.forward_order.begin(ring, tag, message, tensors, first)
-    return ring.context.backward_order.begin(ring, tag, message, tensors if phase is Phase.BACKWARD else None, first)
+        return ring.context.forward_prefetch.begin(ring, tag, message, tensors, first)
+    return ring.context.backward_prefetch.begin(ring, tag, message, tensors if phase is Phase.BACKWARD else None, first)

@@ -253,7 +253,7 @@ def _rotate_weights(layer: RingLayer, message: Message, weights: RingWeights) ->
         lambda buffer: weights.pack(message.views(buffer, ring.rank)),
         lambda step, buffer: weights.use(ring.weight_shard_at(step), message.views(buffer, ring.weight_shard_at(step))),
         rider=ring.context.pending_reductions.ring_rider(ring),
-        carry_next=ring.context.backward_order.next_first,
+        carry_next=ring.context.backward_prefetch.next_first,
     )
     ring.context.buffers.trim()
 
@@ -294,7 +294,7 @@ def _reduce_on_ring(
 
     on_arrival = contribution.arrival(ring, message, weight_segments, earlier)
     final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival,
-                           rider=ring.context.pending_reductions.ring_rider(ring), carry_next=ring.context.backward_order.next_first)
+                           rider=ring.context.pending_reductions.ring_rider(ring), carry_next=ring.context.backward_prefetch.next_first)
     reduced = finished_gradients(state, message, weight_segments, final)
     ring.context.buffers.trim()
     return reduced

@@ -8,25 +8,36 @@ sequence of **entries**, each a plain tuple:
 - a ring begins: ``(RING, tag, message segments, first segment its first exchange sends, message bytes)``;
 - a ring buffer is asked for: ``(buffer index, bytes)``;
 - (backward) a module queues its gathered parameters' gradients for reduction:
-  ``(REDUCTION, weak reference to the module's GatheredParams)``.
+  ``(REDUCTION, weak reference to the module's GatheredParams)``;
+- (forward) a module whose gathered parameters its forward needs starts its forward:
+  ``(GATHER, weak reference to its GatheredParams)``;
+- (forward) the first ring of the pass that can carry the gathers left to a ring has begun (its ring
+  entry is the one before): ``(CARRIER,)``.
 
-The first pass of a kind records them (a ``Schedule``); the next pass of the kind that begins with
-the same ring follows it, comparing what each step asks with the recorded entry at its position (one
+The first pass of a kind records them (a ``Schedule``); the next pass of the kind with the same key
+follows it, comparing what each step asks with the recorded entry at its position (one
 tuple equality), and reads the rest of the pass from the record: while every entry so far matched
 (``on_track``), the most each buffer will be asked for from here on (``RingBuffers`` gives a buffer
 that much at once, and frees in backward what the rest no longer needs); while every ring so far
 matched (``rings_on_track``), the ring that comes next (``_prefetch.py`` sends its first message
 ahead, and a backward ring carries it only within the pass's largest message). The two are followed
 apart because the second changes the first: a ring that starts carrying the next one's first message
-asks for larger buffers, and that must not stop the prefetches after it. A step that differs leaves
+asks for larger buffers, and that must not stop the prefetches after it. A forward record also says,
+from its start, which modules' forwards began before its carrier ring (``needed_early``): the
+outermost forward gathers those at once and leaves the others to the pass's own carrier
+(``_collectives.py``). A step that differs leaves
 the track: the rest of the pass predicts nothing from it (buffers are made at the size asked; after a
 different ring nothing is prefetched), and the pass is recorded as the schedule the next pass of the
 kind follows. In steady state (every step of a training loop) a pass follows its record
 to the end and nothing is recorded again: a pass costs a position and one comparison per entry, and
 makes no list, tuple or dict of its own, which is the seam for capturing a whole ring step later.
 
-Each first ring has its own record (a model whose passes begin with different rings, two models
-sharing a context whose passes alternate): a few are kept, the least recently followed forgotten.
+Records are keyed so that the pass finds its record when it begins: a forward by its outermost rsdp
+module (a forward pass begins with that module's pre-forward, before any ring, where the gathers are
+decided), a backward by its first ring (a backward has no such module: it begins with whatever ring
+or buffer request comes first). So two models sharing a context whose passes alternate, and a
+model's forward and a forward of one of its blocks called alone, keep a record each; a few records
+are kept, the least recently followed forgotten.
 
 Pitfalls:
 - Every rank must decide alike (the message sizes and the exchanges depend on the decisions): the
@@ -46,6 +57,9 @@ import weakref
 
 RING = "ring"  # the first field of a ring entry (a buffer entry's is the buffer's index)
 REDUCTION = "reduction"  # the first field of a gathered module's reduction entry
+GATHER = "gather"  # the first field of a gathered module's forward start
+CARRIER = "carrier"  # the entry after the forward's first ring able to carry the gathers left to a ring
+_MARKS = (RING, REDUCTION, GATHER, CARRIER)  # every entry's first field but a buffer's index
 BUFFERS = 3  # the two message buffers and the scratch
 _NOTHING = (0,) * BUFFERS
 
@@ -59,15 +73,17 @@ class Schedule:
     the most each buffer is asked for from entry ``p`` on; ``rings``, the ring entries alone, in order
     (``rings[k]`` is the ring after the first ``k``); ``largest``, the largest message of the pass; and
     ``ring_tags``, the tags of its rings (none when ``prefetch`` is off: the rings change after the
-    recorded pass, and it predicts no next ring); ``reductions``, the reduction entries alone."""
+    recorded pass, and it predicts no next ring); ``reductions``, the reduction entries alone;
+    ``needed_early``, the modules (weak references to their ``GatheredParams``) whose forward began
+    before the pass's carrier ring, or None when no ring of the pass could carry gathers."""
 
-    __slots__ = ("entries", "rest", "rings", "largest", "ring_tags", "reductions")
+    __slots__ = ("entries", "rest", "rings", "largest", "ring_tags", "reductions", "needed_early")
 
     def __init__(self, entries: tuple, prefetch: bool = True):
         self.entries = entries
         most, rest = list(_NOTHING), [_NOTHING]
         for entry in reversed(entries):
-            if entry[0] != RING and entry[0] != REDUCTION:
+            if entry[0] not in _MARKS:
                 index, nbytes = entry
                 most[index] = max(most[index], nbytes)
             rest.append(tuple(most))
@@ -77,6 +93,10 @@ class Schedule:
         self.rings = rings if prefetch else ()
         self.ring_tags = frozenset(entry[1] for entry in self.rings)
         self.reductions = tuple(entry for entry in entries if entry[0] == REDUCTION)
+        carrier = next((position for position, entry in enumerate(entries) if entry[0] == CARRIER), None)
+        self.needed_early = (
+            None if carrier is None else frozenset(entry[1] for entry in entries[:carrier] if entry[0] == GATHER)
+        )
 
 
 _EMPTY = Schedule(())
@@ -102,14 +122,22 @@ class PassSchedule:
         # and may ride a ring, once it holds every one the record's does.
         self.reduction_position = 0
         self.reductions_on_track = True
+        self._carrier_begun = False  # (forward) the pass's first ring able to carry gathers has begun
         self._begun = False
-        self._first_tag = None  # the first ring's tag (None when a buffer came first): the record's key
+        # The record's key: a forward's outermost rsdp state (a weak reference), a backward's first
+        # ring tag (None when a buffer came first).
+        self._key = None
         self._recording: list | None = None  # the pass's entries, once it left the track
         self._forget = False
 
-    def _begin(self, first_tag) -> None:
-        self._begun, self._first_tag = True, first_tag
-        self.following = self._records.get(first_tag, _EMPTY)
+    def _begin(self, key) -> None:
+        self._begun, self._key = True, key
+        self.following = self._records.get(key, _EMPTY)
+
+    def begin_forward(self, outermost) -> None:
+        """A forward pass begins with the pre-forward of ``outermost`` (an ``RSDPState``): it follows
+        the record of the last forward that began with it (``following``)."""
+        self._begin(weakref.ref(outermost))
 
     def _follows(self, entry: tuple) -> bool:
         """Whether ``entry`` is the record's at the pass's position (then the position moves on)."""
@@ -129,7 +157,7 @@ class PassSchedule:
 
     def ring(self, tag: int, segments: tuple, first: int, nbytes: int) -> None:
         """A ring of the pass begins with a message of ``segments`` (``nbytes`` long), whose first
-        exchange sends segments ``first:``; the first ring of a pass picks the record it follows."""
+        exchange sends segments ``first:``; the first ring of a backward picks the record it follows."""
         if not self._begun:
             self._begin(tag)
         if self.backward:  # the backward's rings end it (its buffer requests follow them)
@@ -169,6 +197,23 @@ class PassSchedule:
         if not self._follows(entry):
             self._leave(entry)
 
+    def gather(self, module) -> None:
+        """(forward) The forward of the module whose gathered parameters are ``module`` (a
+        ``GatheredParams``) starts."""
+        entry = (GATHER, weakref.ref(module))  # a dead module's never equals a live one's
+        if not self._follows(entry):
+            self._leave(entry)
+
+    def carrier(self) -> bool:
+        """(forward) The ring just begun could carry the gathers left to a ring. Returns whether it is
+        the pass's first such ring, its carrier (recorded as an entry after the ring's)."""
+        if self._carrier_begun:
+            return False
+        self._carrier_begun = True
+        if not self._follows((CARRIER,)):
+            self._leave((CARRIER,))
+        return True
+
     def all_reductions_queued(self) -> bool:
         """Whether the reductions queued so far are every one the record's pass queued, in its order
         (so none will be queued after)."""
@@ -186,7 +231,7 @@ class PassSchedule:
 
     @property
     def largest(self) -> int:
-        """The largest message of the record followed (the previous pass that began with the same ring)."""
+        """The largest message of the record followed (the last backward that began with the same ring)."""
         return self.following.largest
 
     def forget_this_pass(self) -> None:
@@ -202,7 +247,7 @@ class PassSchedule:
         Returns whether the records changed."""
         if not self._begun:
             return False
-        key, followed_to_end = self._first_tag, self.on_track and self.position == len(self.following.entries)
+        key, followed_to_end = self._key, self.on_track and self.position == len(self.following.entries)
         # A record whose rings were forgotten is recorded again, with them, by the pass that followed it.
         changed = self._forget or not followed_to_end or not self.rings_on_track
         if changed:
@@ -217,7 +262,8 @@ class PassSchedule:
 
     def abandon(self) -> None:
         """Forget the pass running without recording it (it raised: its end never came)."""
-        self._begun, self._first_tag, self.following = False, None, _EMPTY
+        self._begun, self._key, self.following = False, None, _EMPTY
         self.position, self.on_track, self._recording, self._forget = 0, True, None, False
         self.ring_position, self.rings_on_track = 0, True
         self.reduction_position, self.reductions_on_track = 0, True
+        self._carrier_begun = False

@@ -162,7 +162,7 @@ class RSDPState(FSDPState):
         context.open_forwards += 1
         self.forward_depth += 1
         if outermost:
-            context.begin_forward()
+            context.begin_forward(self)
             self.gather_nested(module)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             cast = functools.partial(_cast_floating, self.mp_policy.param_dtype)
@@ -186,8 +186,8 @@ class RSDPState(FSDPState):
     def gather_nested(self, module: nn.Module) -> None:
         """At the start of an outermost forward: gather the parameters of every rsdp module under
         ``module`` (itself included) that keeps them until its backward, in one collective per
-        ``gather_key`` (usually one), in module order, which every rank shares; those the previous
-        forward first needed after a ring had started are left to that ring (``PendingGathers``).
+        ``gather_key`` (usually one), in module order, which every rank shares; those whose forward
+        began after the carrier ring in the recorded forward are left to that ring (``PendingGathers``).
         Their own forwards then find them current; a module resharded after forward gathers its own,
         as before."""
         if self._nested is None:

@@ -429,7 +429,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
             packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
             with layer.profiled(Phase.FORWARD):
                 ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, packed), during,
-                               carry_next=ring.context.forward_order.next_first)
+                               carry_next=ring.context.forward_prefetch.next_first)
             if call.cache is not None:  # every shard has run: the cache takes their keys and values once
                 call.cache.commit()
             return total, call.output_spec, call.output_position
@@ -573,7 +573,7 @@ class _SubBlockBackward:
                 return
             final = ring.circulate(
                 message.nbytes, tag, pack if prefetched is None else prefetched, self._own_contribution,
-                self._partials_arrived, region=self._region, carry_next=ring.context.backward_order.next_first,
+                self._partials_arrived, region=self._region, carry_next=ring.context.backward_prefetch.next_first,
             )
             # W-1 hops took every partial past every rank but its owner, one hop down. That hop rides
             # the next ring's first exchange, or goes alone at the end of the backward.
@@ -631,4 +631,4 @@ class _SubBlockBackward:
 
         with self.layer.profiled(Phase.BACKWARD):
             ring.circulate(weights_only.nbytes, tag, functools.partial(self._pack, weights_only), during,
-                           carry_next=ring.context.backward_order.next_first)
+                           carry_next=ring.context.backward_prefetch.next_first)
