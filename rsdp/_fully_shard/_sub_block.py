@@ -386,59 +386,69 @@ class _ShardGraphs:
         return gradients_of(partial, wanted, dy.to(partial.dtype))
 
 
-class _RingSubBlockFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, call: _Call, *tensors_and_params):
-        block = call.block
-        layer = block.ring
-        state, ring = layer.state, layer.state.ring
+class _SubBlockForward:
+    """One forward of a sub-block call (``_RingSubBlockFunction``): its message (the sub-block's weight
+    segments) and, at each ring step, the sub-block run on the shard held (``during``), its partial
+    output added to the total; with ``graphs``, each step's graph kept for the backward."""
+
+    def __init__(self, call: _Call, tensors_and_params: tuple, needs: tuple[bool, ...]):
+        self.call = call
+        self.layer = call.block.ring
+        state, ring = self.layer.state, self.layer.state.ring
+        self.ring = ring
         tensors = tensors_and_params[: len(call.tensor_at)]
-        params = tensors_and_params[len(call.tensor_at) :]
+        self.params = params = tensors_and_params[len(call.tensor_at) :]
         present = [p for p in params if p is not None]
         # Inputs in the policy's compute dtype (as FSDP2 casts them); the weights in the dtype the
         # sub-block's matmuls use, which autocast, where it is on, may lower further.
-        input_dtype = state.compute_dtype(present[0].dtype)
-        dtype = state.matmul_dtype(present[0].dtype)
-        message = ring.context.buffers.message_of(block.segments(dtype, ring.size))
-        cast = [t.to(input_dtype) if t.is_floating_point() else t for t in tensors]
-        row_layout = message.segments[-1].layout  # the cached message's: its bounds are computed once
-        needs = ctx.needs_input_grad[1:]
-        graphs = None
+        self.input_dtype = state.compute_dtype(present[0].dtype)
+        self.dtype = state.matmul_dtype(present[0].dtype)
+        self.message = ring.context.buffers.message_of(call.block.segments(self.dtype, ring.size))
+        self.cast = [t.to(self.input_dtype) if t.is_floating_point() else t for t in tensors]
+        self.row_layout = self.message.segments[-1].layout  # the cached message's: its bounds are computed once
+        self.graphs = None
         if call.keeps_graphs and any(needs):
-            inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(cast, needs)]
-            graphs = _ShardGraphs(call, inputs, [need for need, p in zip(needs[len(tensors) :], params) if p is not None])
+            inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(self.cast, needs)]
+            self.graphs = _ShardGraphs(call, inputs, [need for need, p in zip(needs[len(tensors) :], params) if p is not None])
 
-        def rotate() -> tuple[torch.Tensor]:
-            total = None
-            arguments = call.arguments(cast) if graphs is None else None
+    def rotate(self) -> tuple:
+        """The sum of the partial outputs, from one ring, and the output's structure."""
+        call, layer, params = self.call, self.layer, self.params
+        self.total = None
+        self.arguments = call.arguments(self.cast) if self.graphs is None else None
+        packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
+        with layer.profiled(Phase.FORWARD):
+            self.ring.circulate(self.message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, self.message, packed),
+                                self.during, carry_next=self.ring.context.forward_prefetch.next_first)
+        if call.cache is not None:  # every shard has run: the cache takes their keys and values once
+            call.cache.commit()
+        return self.total, call.output_spec, call.output_position
 
-            def during(step: int, buffer: torch.Tensor) -> None:
-                nonlocal total
-                shard = ring.weight_shard_at(step)
-                if row_layout.rows_of(shard) == 0:
-                    return
-                operands = message.views(buffer, shard, transposed=block.transposed)
-                if graphs is None:
-                    partial = call.run(arguments, shard, _shard_params(block, operands))
-                else:
-                    partial = graphs.forward(shard, operands)
-                total = partial.clone() if total is None else total.add_(partial)
-                if graphs is not None:
-                    graphs.release_output(shard)
+    def during(self, step: int, buffer: torch.Tensor) -> None:
+        """The sub-block on the shard held at ``step`` (in ``buffer``), its partial output added."""
+        shard = self.ring.weight_shard_at(step)
+        if self.row_layout.rows_of(shard) == 0:
+            return
+        block, graphs = self.call.block, self.graphs
+        operands = self.message.views(buffer, shard, transposed=block.transposed)
+        if graphs is None:
+            partial = self.call.run(self.arguments, shard, _shard_params(block, operands))
+        else:
+            partial = graphs.forward(shard, operands)
+        self.total = partial.clone() if self.total is None else self.total.add_(partial)
+        if graphs is not None:
+            graphs.release_output(shard)
 
-            packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
-            with layer.profiled(Phase.FORWARD):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, message, packed), during,
-                               carry_next=ring.context.forward_prefetch.next_first)
-            if call.cache is not None:  # every shard has run: the cache takes their keys and values once
-                call.cache.commit()
-            return total, call.output_spec, call.output_position
 
+class _RingSubBlockFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors_and_params):
+        forward = _SubBlockForward(call, tensors_and_params, ctx.needs_input_grad[1:])
         # A recomputation that takes the kept output learns the output's structure from the forward.
-        total, call.output_spec, call.output_position = kept_or_run(layer, rotate)
-        ctx.call, ctx.dtype, ctx.input_dtype, ctx.graphs = call, dtype, input_dtype, graphs
-        ctx.autocast = autocast_dtype(ring.device.type)  # the recomputations in backward run under it too
-        ctx.save_for_backward(*tensors, *params)
+        total, call.output_spec, call.output_position = kept_or_run(call.block.ring, forward.rotate)
+        ctx.call, ctx.dtype, ctx.input_dtype, ctx.graphs = call, forward.dtype, forward.input_dtype, forward.graphs
+        ctx.autocast = autocast_dtype(forward.ring.device.type)  # the recomputations in backward run under it too
+        ctx.save_for_backward(*tensors_and_params)
         return total
 
     @staticmethod
