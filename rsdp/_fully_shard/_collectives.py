@@ -10,10 +10,11 @@ current), and each module's post-backward queues its contributions for one reduc
 backward ends (``PendingReductions``, in the model's ``RingContext``): a vector's collective costs
 its latency, not its bytes.
 
-From the second step on even that latency mostly goes: the vectors of the modules first needed after
-the pass's first ring has run travel on that ring's messages (``PendingGathers``), and the gradients
-queued before the backward's last ring on that ring's (``_ring.Rider``), as the recorded schedule of
-the pass kind predicts (``_schedule.py``). A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
+From the second step on even that latency mostly goes, as the recorded schedule of the pass kind
+says (``_schedule.py``): the vectors of the modules whose forward starts after the pass's *carrier*
+(its first Linear, Embedding or input-split ring that was not prefetched) travel on that ring's
+messages (``PendingGathers``), and the gradients, once every module has queued its own, on the
+messages of the backward ring that begins next (``_ring.Rider``). A misprediction costs the collective, never a wrong result (docs/benchmarks.md has
 what it saves).
 
 While installed they are **leaf** ``nn.Parameter``s, persistent tensors whose storage is allocated for a

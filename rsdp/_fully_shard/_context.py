@@ -13,7 +13,8 @@ would let them. A state finds its context through its ring (``state.ring.context
 ring function has at hand.
 
 A context owns: the recorded schedule of each pass kind (``_schedule.py``: its rings, their
-messages and the buffers they ask for, from which buffer sizes and prefetch targets are read); the
+messages and the buffers they ask for, from which buffer sizes, prefetch targets and what rides a
+ring, the gathers and the reductions, are read); the
 ring buffers and the messages laid out in them; the prefetch of each pass kind; the parameters left to ride a ring (pending gathers and reductions); the hop a
 planned sub-block deferred; the works of the exchange waited for last; the gradients the backward
 running holds; how many of its forwards are open and how many passes have begun. Two models in one

@@ -1,4 +1,4 @@
-"""The ring: which shard a rank holds at each step, who it talks to, and the one schedule every ring runs.
+"""The ring: which shard a rank holds at each step, who it talks to, and the one step loop every ring runs.
 
 Every message travels "down" (rank r receives from r+1 and sends to r-1), so at step k rank r holds
 weight shard (r + k) mod W. In backward the gradient partials ride in the same message as the weights:
@@ -9,7 +9,7 @@ and pass, the fewest a ring can do. A planned sub-block's gradient needs its wei
 starts one rank further from its owner and ends one hop short of it after the W-1 exchanges; that
 hop is deferred and travels behind the next ring's first message (``DeferredHop``, ``_sub_block.py``).
 
-``Ring.circulate`` is the only schedule. At each step it starts sending the message it holds and
+``Ring.circulate`` is the one step loop. At each step it starts sending the message it holds and
 receiving the next one, runs ``during`` (the GEMMs on the weights held, the next gradient contribution)
 while they travel, waits, and gives the arrived message to ``on_arrival`` (add the contribution
 computed meanwhile) before it is forwarded.
@@ -17,8 +17,9 @@ computed meanwhile) before it is forwarded.
 A ring's W-1 steps pass every rank's message by every other rank, which is what an all-gather does,
 and carry one running sum per rank to its owner, which is what a reduce-scatter does. So a
 collective of small data can ride a ring's messages (``Rider``) instead of synchronising every rank
-once more: the norms' all-gather rides the first forward ring and their gradients' reduce-scatter
-the last backward ring (``_collectives.py``). Likewise an exchange can carry ``Passenger``s to the
+once more: the norms' all-gather rides the forward's *carrier* (its first ring able to carry it)
+and their gradients' reduce-scatter the first backward ring that begins once every module has queued
+its gradients, as the pass's record says (``_collectives.py``). Likewise an exchange can carry ``Passenger``s to the
 same neighbour behind its message: the next ring's first message (a forward ring's, or a planned
 sub-block's backward weights) rides a ring's last exchange (``_prefetch.py``), and the last hop of a
 planned sub-block's partials an early exchange of the next ring (``_Boarding``).

@@ -1,9 +1,11 @@
 """Per-module rsdp state: settings, the ring, and the forward and backward hooks.
 
-Rotation needs no hooks: the Linear and Embedding modules run their ring inside their own forward and
-backward. The hooks (1) cast forward inputs under a mixed-precision policy, (2) gather the
+The rings run inside the ring layers' own forward and backward (a stock Linear's or Embedding's, a
+planned sub-block's), and any other matrix rotates op by op while it is installed as a
+``RingOperand``. The hooks (1) cast forward inputs under a mixed-precision policy, (2) gather the
 non-rotating parameters (``_collectives.py``; the outermost module's pre-forward gathers those of every
-module under it at once) and install them for the module's forward and again for its backward, (3)
+module under it at once) and install them, and the ring weights as operands (``_operand.py``), for the
+module's forward and again for its backward, (3)
 queue their gradients for reduction after the module's backward and (4) cast its output. The
 post-forward hook also ends the forward for ``SharedInputFusion`` (``_fusion.py``).
 
