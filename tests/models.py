@@ -275,3 +275,93 @@ def planned_llama(model_class=None, mesh=None, vocab=13):
         rsdp_shard(layer, mesh=mesh, ring_plan=HF_PLAN)
     rsdp_shard(model, mesh=mesh)
     return model, reference
+
+
+class CustomLinear(nn.Linear):
+    """A Linear subclass with its own forward (float8 and LoRA layers look like this)."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) * 1.0
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's Conv1D."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class TitanEmbedding(nn.Embedding):
+    """torchtitan's Embedding: ``F.embedding`` on the local tensor of a DTensor weight."""
+
+    def forward(self, tokens):
+        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+        return F.embedding(tokens, weight, self.padding_idx)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.c_attn = Conv1D(dim, dim)
+        self.proj = CustomLinear(dim, dim)
+        self.c_fc = Conv1D(hidden, dim)
+        self.down = nn.Parameter(torch.randn(dim, hidden) * 0.2)  # used as x @ down.t()
+
+    def forward(self, x):
+        x = x + self.proj(torch.tanh(self.c_attn(self.ln_1(x))))
+        return x + F.gelu(self.c_fc(self.ln_2(x))) @ self.down.t()
+
+
+class GPTLike(nn.Module):
+    def __init__(self, vocab: int = 23, dim: int = 10, hidden: int = 14, layers: int = 2):
+        super().__init__()
+        self.wte = TitanEmbedding(vocab, dim)
+        self.blocks = nn.ModuleList(GPTBlock(dim, hidden) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+
+    def forward(self, tokens):
+        x = self.wte(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)  # the head, tied, in the root's own forward
+
+
+def loss_of(logits, tokens):
+    return F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="sum")
+
+
+def own_rows(tensor, sizes, rank):
+    start = sum(sizes[:rank])
+    return tensor[start : start + sizes[rank]]
+
+
+def check_against_reference(model, reference, inputs, upstream, sizes=None):
+    """Outputs, input and parameter gradients against ``reference`` on the whole batch; each rank takes
+    its equal share of the rows, or ``sizes[rank]`` rows when ``sizes`` is given."""
+    rank, world = rank_and_world()
+
+    def own(tensor):
+        return local_rows(tensor, rank, world) if sizes is None else own_rows(tensor, sizes, rank)
+
+    local_inputs = own(inputs).clone()
+    if local_inputs.is_floating_point():
+        local_inputs.requires_grad_(True)
+    out = model(local_inputs)
+    (out * own(upstream)).sum().backward()
+
+    reference_inputs = inputs.clone().requires_grad_(inputs.is_floating_point())
+    reference_out = reference(reference_inputs)
+    (reference_out * upstream).sum().backward()
+
+    assert_close(out, own(reference_out), what="output")
+    if local_inputs.is_floating_point():
+        assert_close(local_inputs.grad, own(reference_inputs.grad), what="input grad")
+    assert_param_grads_match(model, reference, 1 / world)

@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import HF_PLAN, LlamaLM, assert_close, full, local_rows, rank_and_world
+from models import HF_PLAN, GPTLike, LlamaLM, assert_close, full, local_rows, loss_of, rank_and_world
 from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
-from test_operand import GPTLike, loss_of
 
 VOCAB = 29
 

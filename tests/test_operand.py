@@ -20,10 +20,15 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import (
+    Conv1D,
+    CustomLinear,
+    GPTLike,
+    TitanEmbedding,
     assert_close,
     assert_param_grads_match,
     assert_params_match,
     local_rows,
+    loss_of,
     rank_and_world,
     training_step_transient,
     twin,
@@ -31,63 +36,6 @@ from models import (
 from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
 from rsdp.memory import CommCounter
-
-
-class CustomLinear(nn.Linear):
-    """A Linear subclass with its own forward (float8 and LoRA layers look like this)."""
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias) * 1.0
-
-
-class Conv1D(nn.Module):
-    """Hugging Face GPT-2's Conv1D."""
-
-    def __init__(self, nf: int, nx: int):
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        size_out = x.size()[:-1] + (self.nf,)
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
-
-
-class TitanEmbedding(nn.Embedding):
-    """torchtitan's Embedding: ``F.embedding`` on the local tensor of a DTensor weight."""
-
-    def forward(self, tokens):
-        weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
-        return F.embedding(tokens, weight, self.padding_idx)
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.c_attn = Conv1D(dim, dim)
-        self.proj = CustomLinear(dim, dim)
-        self.c_fc = Conv1D(hidden, dim)
-        self.down = nn.Parameter(torch.randn(dim, hidden) * 0.2)  # used as x @ down.t()
-
-    def forward(self, x):
-        x = x + self.proj(torch.tanh(self.c_attn(self.ln_1(x))))
-        return x + F.gelu(self.c_fc(self.ln_2(x))) @ self.down.t()
-
-
-class GPTLike(nn.Module):
-    def __init__(self, vocab: int = 23, dim: int = 10, hidden: int = 14, layers: int = 2):
-        super().__init__()
-        self.wte = TitanEmbedding(vocab, dim)
-        self.blocks = nn.ModuleList(GPTBlock(dim, hidden) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-
-    def forward(self, tokens):
-        x = self.wte(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return F.linear(self.ln_f(x), self.wte.weight)  # the head, tied, in the root's own forward
 
 
 def shard_gpt(model, strategy="rsdp"):
@@ -99,10 +47,6 @@ def shard_gpt(model, strategy="rsdp"):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
-
-
-def loss_of(logits, tokens):
-    return F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="sum")
 
 
 def trajectory_case(vocab, dim, hidden, rows, steps=2):

@@ -15,7 +15,7 @@ import torch.nn as nn
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from models import MLP, assert_close, assert_param_grads_match, local_rows, rank_and_world, twin
+from models import MLP, assert_close, assert_param_grads_match, check_against_reference, local_rows, own_rows, rank_and_world, twin
 from rsdp import rsdp_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -23,35 +23,6 @@ from host_overhead import OpCounter  # noqa: E402
 
 worlds = st.sampled_from([1, 2, 3, 4])
 sizes = st.integers(1, 9)
-
-
-def own_rows(tensor, sizes, rank):
-    start = sum(sizes[:rank])
-    return tensor[start : start + sizes[rank]]
-
-
-def check_against_reference(model, reference, inputs, upstream, sizes=None):
-    """Outputs, input and parameter gradients against ``reference`` on the whole batch; each rank takes
-    its equal share of the rows, or ``sizes[rank]`` rows when ``sizes`` is given."""
-    rank, world = rank_and_world()
-
-    def own(tensor):
-        return local_rows(tensor, rank, world) if sizes is None else own_rows(tensor, sizes, rank)
-
-    local_inputs = own(inputs).clone()
-    if local_inputs.is_floating_point():
-        local_inputs.requires_grad_(True)
-    out = model(local_inputs)
-    (out * own(upstream)).sum().backward()
-
-    reference_inputs = inputs.clone().requires_grad_(inputs.is_floating_point())
-    reference_out = reference(reference_inputs)
-    (reference_out * upstream).sum().backward()
-
-    assert_close(out, own(reference_out), what="output")
-    if local_inputs.is_floating_point():
-        assert_close(local_inputs.grad, own(reference_inputs.grad), what="input grad")
-    assert_param_grads_match(model, reference, 1 / world)
 
 
 def shard_and_check(model, inputs, upstream):

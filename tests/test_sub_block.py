@@ -19,6 +19,7 @@ from models import (
     ScaledMLP,
     TITAN_PLAN,
     assert_param_grads_match,
+    check_against_reference,
     local_rows,
     planned_llama,
     rank_and_world,
@@ -28,7 +29,7 @@ from models import (
 from rsdp import rsdp_shard
 from rsdp._compat import in_backward
 from rsdp.memory import CommCounter, MemoryTracker
-from test_ring_ops import check_against_reference
+
 
 def block_case(seed, kv_heads, head_dim, hidden_per_rank, rows):
     torch.manual_seed(seed)
