@@ -96,16 +96,23 @@ def two_models_case(pattern, planned, frozen, steps=3):
                     reference_other = other_reference(theirs)
                 total = total + _pair_loss(reference_logits, reference_other, theirs)
         (total / world).backward()
-        with torch.no_grad():
-            assert_close(logits, policy_reference(mine), what=f"policy logits at step {step}")
-            assert_close(other_logits, other_reference(mine), what=f"other logits at step {step}")
-        for model, reference in trained:
-            assert_param_grads_match(model, reference, 1.0)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        outputs = [("policy logits", logits, policy_reference, mine), ("other logits", other_logits, other_reference, mine)]
+        _compare_and_step(step, outputs, trained, optimizers)
     for model, reference in trained:
         assert_params_match(model, reference)
+
+
+def _compare_and_step(step, outputs, trained, optimizers):
+    """``outputs``: (what, output, reference model, this rank's input) per model, each output against its
+    reference's; then every trained model's gradients, and one step of every optimizer."""
+    with torch.no_grad():
+        for what, output, reference, mine in outputs:
+            assert_close(output, reference(mine), what=f"{what} at step {step}")
+    for model, reference in trained:
+        assert_param_grads_match(model, reference, 1.0)
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 CASES = [
@@ -239,14 +246,8 @@ def rootless_case(pattern, planned):
             other_y.pow(2).mean().backward()
             expected = policy_reference(x).pow(2).mean() + other_reference(x).pow(2).mean()
         expected.backward()
-        with torch.no_grad():
-            assert_close(y, policy_reference(mine), what=f"policy output at step {step}")
-            assert_close(other_y, other_reference(mine), what=f"other output at step {step}")
-        for model, reference in trained:
-            assert_param_grads_match(model, reference, 1.0)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        outputs = [("policy output", y, policy_reference, mine), ("other output", other_y, other_reference, mine)]
+        _compare_and_step(step, outputs, trained, optimizers)
     for model, reference in trained:
         assert_params_match(model, reference)
 
