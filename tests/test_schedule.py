@@ -8,8 +8,6 @@ single-process fp64 reference at every step.
 import torch
 
 from models import assert_close, assert_param_grads_match, lm_loss, local_rows, rank_and_world, rsdp_lm
-from host_overhead import LLAMA_PLAN, LlamaBlock  # noqa: E402  benchmarks/ is on the path once models is imported
-from rsdp import rsdp_shard
 from rsdp.memory import CommCounter
 
 VOCAB = 23
@@ -96,27 +94,3 @@ def test_a_pass_that_raised_records_nothing(ranks):
             steady = counts[3]
             assert steady[0] > 0 and counts[2] == steady, (where, counts)
             assert counts[4:] == [steady, steady], (where, counts)
-
-
-def rootless_sends_case(blocks):
-    """Sends of a step of a stack of ``blocks`` planned Llama blocks sharded one by one under a plain
-    root (each block's forward a pass of its own on the rootless context), at the fourth step."""
-    _, world = rank_and_world()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(LlamaBlock(8, 2 * world, 2 * world) for _ in range(blocks)))
-    for block in model:
-        rsdp_shard(block, ring_plan=LLAMA_PLAN)
-    x = torch.randn(2, 3, 8)
-    sends = []
-    for _ in range(4):
-        with CommCounter() as counter:
-            model(x).sum().backward()
-        sends.append(counter.calls["c10d::send"])
-    return sends[-1]
-
-
-def test_a_model_of_many_rootless_blocks_keeps_every_blocks_record(ranks):
-    """Each rootless block's forward is a pass with a record of its own: a model of more blocks than a
-    few keeps them all, so each block adds the sends in steady state that a block adds to a small model."""
-    one, two, ten = (ranks.run(4, rootless_sends_case, blocks)[0] for blocks in (1, 2, 10))
-    assert ten - one == 9 * (two - one), (one, two, ten)

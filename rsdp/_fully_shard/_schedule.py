@@ -36,9 +36,8 @@ Records are keyed so that the pass finds its record when it begins: a forward by
 module (a forward pass begins with that module's pre-forward, before any ring, where the gathers are
 decided), a backward by its first ring (a backward has no such module: it begins with whatever ring
 or buffer request comes first). So two models sharing a context whose passes alternate, and a
-model's forward and a forward of one of its blocks called alone, keep a record each; many records
-are kept (blocks sharded under a plain root have one forward record each), the least recently followed
-forgotten.
+model's forward and a forward of one of its blocks called alone, keep a record each; a few records
+are kept, the least recently followed forgotten.
 
 Pitfalls:
 - Every rank must decide alike (the message sizes and the exchanges depend on the decisions): the
@@ -64,10 +63,9 @@ _MARKS = (RING, REDUCTION, GATHER, CARRIER)  # every entry's first field but a b
 BUFFERS = 3  # the two message buffers and the scratch
 _NOTHING = (0,) * BUFFERS
 
-# Records kept per pass kind: one not followed is forgotten after as many others. A model whose blocks
-# are sharded under a plain root (the rootless context) has one forward record per block, each block's
-# forward being a pass of its own, so this is more blocks than a model has.
-_KEPT_RECORDS = 256
+# Records kept per pass kind, one per ring that begins a pass: one not followed is forgotten after as
+# many others.
+_KEPT_RECORDS = 8
 
 
 class Schedule:
