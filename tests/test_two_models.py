@@ -212,10 +212,10 @@ def test_each_model_keeps_its_lone_exchanges_when_one_runs_inside_the_other(rank
         assert ranks.run(4, teacher_exchanges_case, pattern) == alone, pattern
 
 
-def rootless_case(pattern, planned):
-    """Two models whose blocks are sharded one by one under a plain root (no rsdp root, so both on the
-    process's rootless context): DPO's reference forward between the policy's forward and backward, or
-    the two trained in turn; each step exact against the fp64 reference."""
+def plain_root_case(pattern, planned):
+    """Two models whose blocks are sharded one by one under a plain root (no rsdp root: a context per
+    block): DPO's reference forward between the policy's forward and backward, or the two trained in
+    turn; each step exact against the fp64 reference."""
     rank, world = rank_and_world()
     models = []
     for seed in (0, 1):
@@ -253,5 +253,5 @@ def rootless_case(pattern, planned):
 
 
 @pytest.mark.parametrize("pattern, world, planned", [("dpo", 2, True), ("alternate", 3, False), ("dpo", 4, False)])
-def test_two_rootless_models_share_the_rootless_context_and_stay_exact(ranks, pattern, world, planned):
-    ranks.run(world, rootless_case, pattern, planned)
+def test_two_models_of_blocks_under_plain_roots_stay_exact(ranks, pattern, world, planned):
+    ranks.run(world, plain_root_case, pattern, planned)

@@ -1,16 +1,16 @@
 """``RingContext``: everything one model's rsdp modules share while a pass runs (FSDP2's root-owned
 comm and state contexts).
 
-One context serves every rsdp module of one model. A module is sharded onto the process's rootless
-context (``rootless_context``); ``rsdp_shard`` on a module with rsdp modules under it (a root, its
-blocks sharded before it) gives it and them a new context of their own (``share_ring_context``), so a
-model sharded bottom-up has its root's. ``parallelize`` under a root that is not rsdp (FSDP2 or
-replicate) gives its rsdp units one context too, as that root would. Modules that no rsdp root
-gathers (blocks under a plain ``nn.Module`` sharded one by one, a model sharded by one call with no
-units under it) stay on the rootless context, which they share: one backward's rings then still
-carry each other's data (a deferred hop, the reductions, the next ring's first message), as a root
-would let them. A state finds its context through its ring (``state.ring.context``), which every
-ring function has at hand.
+One context serves every rsdp module of one model. Each ``rsdp_shard`` call gives its module a
+context of its own; ``rsdp_shard`` on a module with rsdp modules under it (a root, its blocks sharded
+before it) gives it and them one new context (``share_ring_context``), so a model sharded bottom-up
+has its root's. ``parallelize`` under a root that is not rsdp (FSDP2 or replicate) gives its rsdp
+units one context too, as that root would. Blocks sharded one by one under a plain ``nn.Module``
+keep one context each, as FSDP2's modules with no FSDP root are each a root of their own: their
+rings carry nothing of another block's (each block's vectors' gradients are reduce-scattered at the
+end of the backward, and a planned block's deferred hop goes alone when no ring of its own takes
+it), so the root should be sharded too. A state finds its context through its ring
+(``state.ring.context``), which every ring function has at hand.
 
 A context owns: the recorded schedule of each pass kind (``_schedule.py``: its rings, their
 messages and the buffers they ask for, from which buffer sizes, prefetch targets and what rides a
@@ -18,8 +18,8 @@ ring, the gathers and the reductions, are read); the
 ring buffers and the messages laid out in them; the prefetch of each pass kind; the parameters left to ride a ring (pending gathers and reductions); the hop a
 planned sub-block deferred; the works of the exchange waited for last; the gradients the backward
 running holds; how many of its forwards are open and how many passes have begun. Two models in one
-process each have their own (when sharded bottom-up, or by ``parallelize``): sharding, running or
-failing one never touches another's buffers, predictions or queues.
+process each have their own: sharding, running or failing one never touches another's buffers,
+records or queues.
 
 A pass: the first forward of the context that starts outside a backward is the outermost; it
 ``begin_forward``s (dropping what a pass that raised left behind: ``reset``; the forward's record,
@@ -64,7 +64,8 @@ from ._ring import DeferredHops, WaitedWorks
 from ._schedule import PassSchedule
 
 # Every context alive, for ``release_ring_buffers()`` without a module; weak, so a model's context
-# goes with it. With ``rootless_context``'s one context, the engine's only module-level state.
+# goes with it. The engine's only mutable module-level state besides caches of immutable values and
+# the ring layers' tag counter: a registry that no pass reads.
 LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -176,13 +177,6 @@ class RingContext:
             self._end_schedule(True)
         self._end_if_due(self.buffers, task)
         self._end_queued.discard(task)
-
-
-@functools.cache
-def rootless_context() -> RingContext:
-    """The context of the rsdp modules of this process that no rsdp root (nor ``parallelize``) has
-    given one of their own (see the module docstring)."""
-    return RingContext()
 
 
 def share_ring_context(states: list) -> None:

@@ -43,7 +43,7 @@ from .._compat import (
     outside_inference_mode,
 )
 from ._collectives import GatheredParams, gather_together
-from ._context import LIVE_CONTEXTS, rootless_context
+from ._context import LIVE_CONTEXTS, RingContext
 from ._fusion import SharedInputFusion
 from ._grad import RingGradients
 from ._operand import RingOperand
@@ -79,8 +79,8 @@ class RSDPState(FSDPState):
             if mesh.device_type == "cuda"
             else torch.device(mesh.device_type)
         )
-        # The rootless context until a root's rsdp_shard (or parallelize) gives it the model's.
-        self.ring = Ring(mesh.get_group(mesh.ndim - 1), self.device, rootless_context())
+        # A context of its own until a root's rsdp_shard (or parallelize) gives it the model's.
+        self.ring = Ring(mesh.get_group(mesh.ndim - 1), self.device, RingContext())
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.ring_modules: list[nn.Module] = []
         self.fusion = SharedInputFusion(self)
