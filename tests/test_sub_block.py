@@ -119,6 +119,7 @@ def separate_groups_case(same_group):
     second = first if same_group else DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
     rsdp_shard(model[0], mesh=first, ring_plan=TITAN_PLAN)
     rsdp_shard(model[1], mesh=second, ring_plan=TITAN_PLAN)
+    rsdp_shard(model, mesh=first)  # the root (no parameters of its own): both blocks on its context
     inputs = torch.randn(world * 2, 4, 5, dtype=torch.float64)
     check_against_reference(model, reference, inputs, torch.randn_like(inputs))
     out = model(local_rows(inputs, *rank_and_world()))
