@@ -14,6 +14,7 @@ Used in place, not here, as torch's own public code uses them: ``nn.Module``'s `
 """
 
 import contextlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -260,6 +261,20 @@ def insert_module_state(module: torch.nn.Module, state) -> None:
     _insert_module_state(module, state)
 
 
+_MODULE_CALL = getattr(torch.nn.Module._call_impl, "__code__", None)
+
+
+def calling_modules() -> list[torch.nn.Module]:
+    """The modules whose call is on this thread's stack, innermost first (private: the frames of
+    ``nn.Module._call_impl``, the method every module call goes through); empty where that changed."""
+    modules, frame = [], sys._getframe(1)
+    while frame is not None and _MODULE_CALL is not None:  # guard: no such method on another torch
+        if frame.f_code is _MODULE_CALL and isinstance(frame.f_locals.get("self"), torch.nn.Module):
+            modules.append(frame.f_locals["self"])
+        frame = frame.f_back
+    return modules
+
+
 def share_fsdp_contexts(states: list) -> bool:
     """Make FSDP2 (and torch ``replicate``) states that no FSDP root reaches share one state context and
     one communication context, as the states below one FSDP root do; returns whether it could.
@@ -316,6 +331,7 @@ __all__ = [
     "assert_async",
     "at_end_of_backward",
     "autocast_dtype",
+    "calling_modules",
     "current_graph_task_id",
     "flatten_mesh",
     "flash_attention_op",

@@ -198,6 +198,28 @@ def root_sharded_before_blocks_case():
     _raises(ValueError, "already sharded on this mesh by an rsdp_shard .*bottom-up", lambda: rsdp_shard(model.layers[0]))
 
 
+def root_not_sharded_case():
+    """Blocks sharded, the root (embedding, norm, tied head) left plain: the first forward that records
+    gradients raises on every rank, before any communication; inference runs; frozen, or with the root
+    sharded too, it trains."""
+    model = TinyLM(layers=2)
+    for layer in model.layers:
+        rsdp_shard(layer)
+    tokens = torch.randint(1, 37, (2, 5))
+    with torch.no_grad():
+        model(tokens)
+    _raises(RuntimeError, r"the TinyLM that calls it holds trainable parameters that nothing shards \(embed.weight, "
+            r"norm.weight, norm.bias\).*rsdp_shard on the root", lambda: model(tokens))
+    model.embed.requires_grad_(False)
+    model.norm.requires_grad_(False)
+    model(tokens).sum().backward()
+    model = TinyLM(layers=2)
+    for layer in model.layers:
+        rsdp_shard(layer)
+    rsdp_shard(model)
+    model(tokens).sum().backward()
+
+
 class UsesShared(nn.Module):
     def __init__(self, shared):
         super().__init__()
@@ -317,6 +339,7 @@ def plan_without_language_model_loss_case():
         (1, input_on_wrong_device_case),
         (2, double_backward_case),
         (2, root_sharded_before_blocks_case),
+        (2, root_not_sharded_case),
         (2, submodule_shared_by_two_units_case),
         (2, deepcopy_case),
         (1, bad_strategy_case),

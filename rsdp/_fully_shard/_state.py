@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from .._compat import (
     DTensor,
@@ -37,6 +38,7 @@ from .._compat import (
     MixedPrecisionPolicy,
     apply_to_tensors,
     autocast_dtype,
+    calling_modules,
     current_graph_task_id,
     get_module_state,
     in_backward,
@@ -73,6 +75,7 @@ class RSDPState(FSDPState):
         self._modules = (module,)
         self.mesh = mesh
         self._data_parallel_ranks = mesh.size()  # read by every gradient; DeviceMesh.size() is Python calls
+        self._callers_checked = False  # whether its callers were checked (_check_callers_are_sharded)
         self.mp_policy = mp_policy
         self.device = (
             torch.device(mesh.device_type, torch.cuda.current_device())
@@ -159,6 +162,9 @@ class RSDPState(FSDPState):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         context = self.ring.context
         outermost = context.open_forwards == 0 and not in_backward()
+        if outermost and not self._callers_checked and torch.is_grad_enabled():  # training only: no drift without it
+            _check_callers_are_sharded(module, self._data_parallel_ranks)
+            self._callers_checked = True
         # Opened before anything that can raise: a forward that raises is closed (``end_forward``),
         # and one closed without being opened would leave every later forward "nested".
         context.open_forwards += 1
@@ -406,6 +412,48 @@ def _needing_grad(value) -> list[torch.Tensor]:
 def rsdp_states_under(module: nn.Module) -> list:
     """The rsdp states of the modules in ``module``'s subtree."""
     return [state for state in (get_module_state(m) for m in module.modules()) if isinstance(state, RSDPState)]
+
+
+def _check_callers_are_sharded(module: nn.Module, ranks: int) -> None:
+    """Raise, before any communication, if the model calling ``module`` (an rsdp module whose forward is
+    the outermost) holds trainable parameters that nothing shards or replicates: each rank would train
+    its own copy of them on its own batch, and the copies would drift apart with no error. The model is
+    the outermost module calling it below any that ``fully_shard``, ``replicate``, ``rsdp_shard`` or DDP
+    manages; its modules that one of those manages are skipped."""
+    if ranks == 1:
+        return
+    model = None
+    for caller in calling_modules():
+        if caller is module:
+            continue
+        if _managed(caller):
+            break
+        model = caller
+    if model is None:
+        return
+    plain, seen, skip = [], set(), set()
+    for name, submodule in model.named_modules():
+        if any(name.startswith(prefix) for prefix in skip):
+            continue
+        if submodule is not model and _managed(submodule):
+            skip.add(name + ".")
+            continue
+        for n, param in submodule.named_parameters(recurse=False):
+            if param.requires_grad and not isinstance(param, DTensor) and id(param) not in seen:  # tied: once
+                seen.add(id(param))
+                plain.append(f"{name}.{n}" if name else n)
+    if plain:
+        shown = ", ".join(plain[:4]) + (f" and {len(plain) - 4} more" if len(plain) > 4 else "")
+        raise RuntimeError(
+            f"rsdp: {type(module).__qualname__} is rsdp_shard-ed, but the {type(model).__qualname__} that calls it holds "
+            f"trainable parameters that nothing shards ({shown}): every rank would train its own copy of them on its "
+            "own batch. Call rsdp_shard on the root after its blocks (or fully_shard / replicate it), or freeze them "
+            "(requires_grad_(False))."
+        )
+
+
+def _managed(module: nn.Module) -> bool:
+    return get_module_state(module) is not None or isinstance(module, DistributedDataParallel)
 
 
 def release_ring_buffers(module: nn.Module | None = None) -> int:
