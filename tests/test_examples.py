@@ -1,4 +1,5 @@
-"""The examples run end to end, as a user starts them (their own ranks, fork on CPU)."""
+"""The examples run end to end, as a user starts them: the LoRA one starts its own ranks (fork on CPU; the
+script forked from a process that imported its libraries once, ``forked_scripts``), the Trainer one under torchrun."""
 
 import subprocess
 import sys
@@ -9,15 +10,11 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def test_lora_fine_tuning_example_matches_fsdp2_and_reloads_its_adapters(tmp_path):
-    """The script itself raises if rsdp's losses drift from FSDP2's or reloaded adapters differ."""
+def test_lora_fine_tuning_example_matches_fsdp2_and_reloads_its_adapters(tmp_path, scripts):
+    """The script itself raises if rsdp's losses drift from FSDP2's or reloaded adapters differ. It starts
+    its own ranks (``python finetune_llama_lora.py --nproc 2``), forked here (``forked_scripts``)."""
     pytest.importorskip("peft")
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "finetune_llama_lora.py"), "--nproc", "2", "--steps", "3", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = scripts.run([EXAMPLES / "finetune_llama_lora.py", "--nproc", "2", "--steps", "3", "--out", tmp_path], timeout_s=300)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 3
