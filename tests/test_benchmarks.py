@@ -1,4 +1,5 @@
-"""The benchmark scripts of benchmarks/rtp, run end to end as a user would, on a tiny config (2 CPU ranks)."""
+"""The benchmark scripts of benchmarks/rtp, run end to end as a user would, on a tiny config (2 CPU ranks): each
+as ``python script ...`` forked from a process that imported torch and rsdp once (``forked_scripts``)."""
 
 import json
 import math
@@ -26,10 +27,9 @@ TINY = [
 TIMEOUT_S = 180
 
 
-def run(script: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *flags], capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+def run(scripts, script: str, *flags: str) -> subprocess.CompletedProcess:
+    """``python script *flags`` (forked, with torch and rsdp imported: see ``forked_scripts``)."""
+    return scripts.run([BENCHMARKS / script, *flags], timeout_s=TIMEOUT_S)
 
 
 def assert_succeeded(done: subprocess.CompletedProcess) -> None:
@@ -53,18 +53,18 @@ def assert_sane(result: dict, strategy: str) -> None:
 
 # fsdp and rtp run through compare.py below, which runs their scripts.
 @pytest.mark.parametrize("strategy", ["dp", "tp"])
-def test_benchmark_reports_sane_figures(strategy, tmp_path):
+def test_benchmark_reports_sane_figures(scripts, strategy, tmp_path):
     out = tmp_path / "results.json"
-    done = run(f"{strategy}_benchmark.py", "--use_synthetic_data", *TINY, f"--json={out}")
+    done = run(scripts, f"{strategy}_benchmark.py", "--use_synthetic_data", *TINY, f"--json={out}")
     assert_succeeded(done)
     assert "batch 2/2" in done.stdout and "tokens/s" in done.stdout
     assert "phases         forward " in done.stdout
     assert_sane(json.loads(out.read_text()), strategy)
 
 
-def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(tmp_path):
+def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(scripts, tmp_path):
     chart, out = tmp_path / "compare.png", tmp_path / "compare.json"
-    done = run("compare.py", *TINY, "--strategies", "fsdp", "rtp", "--repeats=2", f"--chart={chart}", f"--json={out}")
+    done = run(scripts, "compare.py", *TINY, "--strategies", "fsdp", "rtp", "--repeats=2", f"--chart={chart}", f"--json={out}")
     assert_succeeded(done)
     assert "step time × fsdp per round, rtp: " in done.stdout and "/proc/loadavg" in done.stdout
     assert "host CPU × fsdp per round, rtp: " in done.stdout
@@ -97,11 +97,8 @@ def test_tp_rejects_heads_that_do_not_divide_over_ranks(monkeypatch, capsys):
     assert "--nhead 2 is not divisible by the 4 ranks" in capsys.readouterr().err
 
 
-def test_collective_latency_tabulates_every_op():
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS.parent / "collective_latency.py"), "--nproc=2", "--ops=3", "--repeats=2"],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
+def test_collective_latency_tabulates_every_op(scripts):
+    done = scripts.run([BENCHMARKS.parent / "collective_latency.py", "--nproc=2", "--ops=3", "--repeats=2"], timeout_s=TIMEOUT_S)
     assert_succeeded(done)
     rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line}
     ops = {"ring exchange", "ring exchange, works dropped at once", "all-gather", "reduce-scatter", "all-reduce"}
@@ -111,14 +108,11 @@ def test_collective_latency_tabulates_every_op():
         assert float(median) > 0 and len(rounds.split(",")) == 2 and float(system) >= 0, rows[name]
 
 
-def test_scale_runs_every_strategy_on_cpu_and_reports_positive_figures(tmp_path):
+def test_scale_runs_every_strategy_on_cpu_and_reports_positive_figures(scripts, tmp_path):
     """benchmarks/scale.py is the GPU benchmark's code: here on CPU, at toy shapes, on the fake process group."""
     out = tmp_path / "scale.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS.parent / "scale.py"), "--preset=tiny", "--device=cpu", "--world", "2",
-         "--seq", "16", "--steps=1", "--gemm-reps=1", f"--json={out}"],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
+    done = scripts.run([BENCHMARKS.parent / "scale.py", "--preset=tiny", "--device=cpu", "--world", "2", "--seq", "16",
+                        "--steps=1", "--gemm-reps=1", f"--json={out}"], timeout_s=TIMEOUT_S)
     assert_succeeded(done)
     assert "PREDICTION (not measured)" in done.stdout and "split GEMMs" in done.stdout
     result = json.loads(out.read_text())
@@ -178,16 +172,13 @@ def test_scale_model_is_torchtitans_llama3():
     assert ours == theirs
 
 
-def test_host_overhead_counts_each_strategys_host_work(tmp_path):
+def test_host_overhead_counts_each_strategys_host_work(scripts, tmp_path):
     """benchmarks/host_overhead.py on a tiny config: a time for every strategy and reference, and counts
     that say what each issues (a ring sends, FSDP2 runs collectives, a sharded step does more than the
     model itself)."""
     out = tmp_path / "host.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS.parent / "host_overhead.py"), "--world=2", "--blocks=1", "--dim=16", "--heads=2",
-         "--hidden=8", "--tokens=4", "--steps=1", "--repeats=3", f"--json={out}"],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
+    done = scripts.run([BENCHMARKS.parent / "host_overhead.py", "--world=2", "--blocks=1", "--dim=16", "--heads=2",
+                        "--hidden=8", "--tokens=4", "--steps=1", "--repeats=3", f"--json={out}"], timeout_s=TIMEOUT_S)
     assert_succeeded(done)
     result = json.loads(out.read_text())
     strategies = ["fsdp", "rsdp", "rsdp+plan", "unsharded", "unsharded, split"]

@@ -3,7 +3,6 @@ fits (and tries the next), and a 2-rank run on a tiny budget reports peaks withi
 it, rsdp at least as large as FSDP2, and the planner's plans within the budget they were made for."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -78,12 +77,9 @@ def _probe_on_rank(strategy: str, index: int) -> capacity.Probe:
     return capacity.probe(strategy, index, worker)
 
 
-def test_two_rank_search_fits_the_budget_and_is_maximal(tmp_path, ranks):
+def test_two_rank_search_fits_the_budget_and_is_maximal(tmp_path, ranks, scripts):
     out = tmp_path / "capacity.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "capacity.py"), *TINY, "--strategies", *STRATEGIES, f"--json={out}"],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
+    done = scripts.run([BENCHMARKS / "capacity.py", *TINY, "--strategies", *STRATEGIES, f"--json={out}"], timeout_s=TIMEOUT_S)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     assert "| strategy | max params |" in done.stdout and "/proc/loadavg" in done.stdout
     report = json.loads(out.read_text())

@@ -1,7 +1,7 @@
-"""The examples run end to end, as a user starts them (their own ranks, fork on CPU)."""
+"""The examples run end to end, as a user starts them: the LoRA one starts its own ranks (fork on CPU), the
+Trainer one is started on ranks as torchrun starts them; both forked from a process that imported their
+libraries once (``forked_scripts``)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,15 +9,11 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def test_lora_fine_tuning_example_matches_fsdp2_and_reloads_its_adapters(tmp_path):
-    """The script itself raises if rsdp's losses drift from FSDP2's or reloaded adapters differ."""
+def test_lora_fine_tuning_example_matches_fsdp2_and_reloads_its_adapters(tmp_path, scripts):
+    """The script itself raises if rsdp's losses drift from FSDP2's or reloaded adapters differ. It starts
+    its own ranks (``python finetune_llama_lora.py --nproc 2``), forked here (``forked_scripts``)."""
     pytest.importorskip("peft")
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "finetune_llama_lora.py"), "--nproc", "2", "--steps", "3", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = scripts.run([EXAMPLES / "finetune_llama_lora.py", "--nproc", "2", "--steps", "3", "--out", tmp_path], timeout_s=300)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 3
@@ -28,14 +24,14 @@ def test_lora_fine_tuning_example_matches_fsdp2_and_reloads_its_adapters(tmp_pat
     assert "reloaded" in result.stdout
 
 
-def test_hf_trainer_example_matches_fsdp2_and_reloads_its_model(tmp_path):
-    """Launched as its docstring says (torchrun), with SFTTrainer's defaults (its fused loss, gradient
-    checkpointing; the Trainer's path is tests/test_hf_trainer.py's); the script raises if rsdp's losses
-    or weights drift from FSDP2's, or if the saved model, reloaded in one process, computes other logits."""
+def test_hf_trainer_example_matches_fsdp2_and_reloads_its_model(tmp_path, scripts):
+    """Launched as its docstring says (torchrun: ranks given torchrun's environment, forked here,
+    ``forked_scripts``), with SFTTrainer's defaults (its fused loss, gradient checkpointing; the
+    Trainer's path is tests/test_hf_trainer.py's); the script raises if rsdp's losses or weights drift
+    from FSDP2's, or if the saved model, reloaded in one process, computes other logits."""
     pytest.importorskip("trl")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(EXAMPLES / "finetune_hf_trainer.py"),
-               "--trainer", "sft", "--strategy", "fsdp", "rsdp", "--max-steps", "2", "--out", str(tmp_path)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = scripts.run_ranks(2, [EXAMPLES / "finetune_hf_trainer.py", "--trainer", "sft", "--strategy", "fsdp", "rsdp",
+                                   "--max-steps", "2", "--out", tmp_path], timeout_s=300)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 2, result.stdout

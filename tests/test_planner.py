@@ -245,8 +245,10 @@ def test_units_keep_tied_modules_with_the_root():
 
 
 def lm():
+    """Two blocks: every plan's units can still differ (the profile's cost grows with the blocks: each is
+    one measured step per root and unit strategy, twice here, on 4 ranks)."""
     torch.manual_seed(0)
-    return TinyLM(vocab=512, dim=64, heads=4, hidden=256, layers=4)
+    return TinyLM(vocab=512, dim=64, heads=4, hidden=256, layers=2)
 
 
 def budgets_case(budgets_mib):
@@ -267,7 +269,9 @@ def budgets_case(budgets_mib):
 
 
 def test_planned_peaks_fit_budgets_and_an_infeasible_one_names_the_smallest_on_4_ranks(ranks):
-    for budget, predicted, measured, table in ranks.run(4, budgets_case, [8.0, 4.0, 3.6])[0]:
+    # Roomy (all replicate fits: 3.83 MiB), between (FSDP everywhere: 2.31), and 3% above the smallest
+    # plan's 2.19 MiB (rsdp's root and norm, FSDP's blocks).
+    for budget, predicted, measured, table in ranks.run(4, budgets_case, [8.0, 2.5, 2.25])[0]:
         print(f"budget {budget} MiB: predicted {predicted / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB\n{table}")
         assert measured <= budget * MiB, table
         assert abs(measured - predicted) <= 0.1 * predicted, table

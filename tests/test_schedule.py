@@ -59,9 +59,9 @@ class _Raised(Exception):
     pass
 
 
-def raising_pass_case(where):
-    """Steady steps, then a step whose forward (or backward) raises after some rings ran, then normal
-    steps: each normal one exact, with its steady exchanges at once."""
+def raising_passes_case():
+    """Steady steps, then a step whose backward raises after some rings ran, normal steps, a step whose
+    forward raises there, normal steps: each normal one exact, with its steady exchanges at once."""
     rank, world = rank_and_world()
     model, reference = rsdp_lm(0, vocab=VOCAB, dim=8, heads=2, hidden=12, layers=2)
     tokens = torch.randint(0, VOCAB, (world, 5), generator=torch.Generator().manual_seed(0))
@@ -71,26 +71,24 @@ def raising_pass_case(where):
         raise _Raised
 
     norm = model.layers[1].mlp_norm  # between the block's attention rings and its MLP's
-    if where == "forward":
-        handle = norm.register_forward_pre_hook(fail)
-    else:
-        handle = norm.register_full_backward_pre_hook(fail)
     mine = local_rows(tokens, rank, world)
-    try:
-        lm_loss(model(mine), mine).backward()
-    except _Raised:
-        pass
-    else:
-        raise AssertionError("the hook did not raise")
-    handle.remove()
-    model.zero_grad()
-    counts += [_step(model, reference, tokens, rank, world) for _ in range(2)]
+    for hook in (norm.register_full_backward_pre_hook, norm.register_forward_pre_hook):
+        handle = hook(fail)
+        try:
+            lm_loss(model(mine), mine).backward()
+        except _Raised:
+            pass
+        else:
+            raise AssertionError("the hook did not raise")
+        handle.remove()
+        model.zero_grad()
+        counts += [_step(model, reference, tokens, rank, world) for _ in range(2)]
     return counts
 
 
 def test_a_pass_that_raised_records_nothing(ranks):
-    for where in ("backward", "forward"):
-        for counts in ranks.run(4, raising_pass_case, where):
-            steady = counts[3]
-            assert steady[0] > 0 and counts[2] == steady, (where, counts)
-            assert counts[4:] == [steady, steady], (where, counts)
+    """A backward that raised, then a forward that raised, each followed by two normal steps."""
+    for counts in ranks.run(4, raising_passes_case):
+        steady = counts[3]
+        assert steady[0] > 0 and counts[2] == steady, counts
+        assert counts[4:] == [steady] * 4, counts

@@ -100,8 +100,11 @@ def _launch(workdir, log, argv: list[str]) -> None:
     launcher.main(argv)
 
 
-def from_seed(workdir) -> list[str]:
-    return ["--checkpoint.enable", f"--checkpoint.initial_load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"]
+def from_seed(workdir, saving: bool = False) -> list[str]:
+    """Start from the seed checkpoint; without ``saving``, write no checkpoint (a save at the last step
+    otherwise, ~1 s a launch, that no test reads)."""
+    flags = ["--checkpoint.enable", f"--checkpoint.initial_load_path={workdir / 'seed' / 'checkpoint' / 'step-0'}"]
+    return flags if saving else [*flags, "--checkpoint.load_only"]
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +172,11 @@ def test_rsdp_trains_like_torchtitan_fsdp_and_resumes_under_replicate(workdir, t
     """rsdp trains every step as torchtitan's FSDP does; torchtitan's checkpoint manager saves its
     Shard(0) parameters and optimizer state at step 2, and the replicate run in the same folder loads
     them as Replicate and trains step 3 alike."""
-    saved = train(workdir, "resume", *from_seed(workdir), "--parallelism.dp_strategy=rsdp", "--checkpoint.interval=2")
+    saved = train(workdir, "resume", *from_seed(workdir, saving=True), "--parallelism.dp_strategy=rsdp", "--checkpoint.interval=2")
     assert sorted(saved) == list(range(1, STEPS + 1))
     assert_losses_match(saved, torchtitan_fsdp)
-    resumed = train(workdir, "resume", "--checkpoint.enable", "--checkpoint.load_step=2", "--parallelism.dp_strategy=replicate")
+    resumed = train(workdir, "resume", "--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.load_step=2",
+                    "--parallelism.dp_strategy=replicate")
     assert sorted(resumed) == [STEPS]
     assert_losses_match(resumed, torchtitan_fsdp)
 
