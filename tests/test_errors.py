@@ -201,18 +201,26 @@ def root_sharded_before_blocks_case():
 def root_not_sharded_case():
     """Blocks sharded, the root (embedding, norm, tied head) left plain: the first forward that records
     gradients raises on every rank, before any communication; inference runs; frozen, or with the root
-    sharded too, it trains."""
-    model = TinyLM(layers=2)
+    sharded too, it trains. Every rank has the same tokens, so the fp64 reference's gradients are the
+    sharded model's."""
+    torch.manual_seed(0)
+    model = TinyLM(layers=2).double()
+    reference = twin(model)
     for layer in model.layers:
         rsdp_shard(layer)
-    tokens = torch.randint(1, 37, (2, 5))
+    tokens = torch.randint(1, 37, (2, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(tokens)
+        assert_close(model(tokens), reference(tokens), what="inference output")
     _raises(RuntimeError, r"the TinyLM that calls it holds trainable parameters that nothing shards \(embed.weight, "
             r"norm.weight, norm.bias\).*rsdp_shard on the root", lambda: model(tokens))
-    model.embed.requires_grad_(False)
-    model.norm.requires_grad_(False)
-    model(tokens).sum().backward()
+    for frozen in (model, reference):  # the refused step left nothing open: the next one is exact
+        frozen.embed.requires_grad_(False)
+        frozen.norm.requires_grad_(False)
+    out, reference_out = model(tokens), reference(tokens)
+    assert_close(out, reference_out, what="output after the refused step")
+    out.sum().backward()
+    reference_out.sum().backward()
+    assert_param_grads_match(model, reference, 1.0)
     model = TinyLM(layers=2)
     for layer in model.layers:
         rsdp_shard(layer)
