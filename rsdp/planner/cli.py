@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from . import CostModel, plan
-from . import _calibrate, _hardware, _models
-from ._cost_model import count
+from . import _calibrate, _hardware, _models, _training
+from ._cost_model import OPTIMIZERS, count
 from ._plan import _resize_batch, plan_from_counts, predict_uniform
 from ._profile import find_units
 from ..policy import Strategy
@@ -70,6 +70,19 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loss-chunks", type=int, default=1,
                    help="torchtitan's chunked loss in this many sequence chunks (torchtitan 0.3's llama3 configs: 8); "
                         "1: cross-entropy over the whole logits")
+    trains = p.add_argument_group("what the run trains (cost model)")
+    trains.add_argument("--training-dtype", choices=tuple(_training.TRAINING_DTYPES), default="fp32",
+                        help="the dtype the run keeps parameters, gradients and optimizer state in, whatever a config's "
+                             "torch_dtype says: fp32 (mixed precision keeps fp32 parameters), bf16 (pure-bf16 training)")
+    trains.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                        help="its state and its step's temporaries (adamw: torch's default, foreach on GPUs and for-loop "
+                             "on CPUs: both counted; sgd: torch's defaults, no momentum)")
+    trains.add_argument("--lora-rank", type=int, default=0, help="train peft LoRA adapters of this rank, the rest frozen")
+    trains.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                        help="the Linears LoRA adapts, by the last segment of their names (default: every Linear of the blocks)")
+    trains.add_argument("--frozen", nargs="+", default=[], metavar="PATTERN",
+                        help="parameters that do not train (no gradient, no optimizer state), by name glob: "
+                             "'model.embed_tokens.*', '**.mlp.**'")
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(_hardware.PRESETS)}) or a profile JSON")
     p.add_argument("--flops", type=float, default=None, help="achieved FLOP/s per device (overrides --hardware)")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s per device (overrides --hardware)")
@@ -103,7 +116,7 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     return hardware.cost_model(
         args.world_size, param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None,
         flops_per_s=args.flops, bandwidth_bytes_per_s=args.bandwidth, latency_s=args.latency,
-    )
+    ).with_optimizer(args.optimizer)
 
 
 def _prediction(peak: float, seconds: float, batch_size: int, seq_len: int) -> dict:
@@ -121,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         benchmark_shape = dict(vocab_size=args.vocab_size, ninp=args.ninp, nhid=args.nhid, nhead=args.nhead,
                                num_decoder_layers=args.num_decoder_layers, seq_len=args.seq_len)
         model, loss_fn, vocab = _models.build(args.model, benchmark_shape, args.loss_chunks)
+        model = _training.as_trained(model, training_dtype=args.training_dtype, lora_rank=args.lora_rank,
+                                     lora_targets=args.lora_targets, frozen=args.frozen)
         _models.apply_activation_checkpointing(model, args.activation_checkpoint)
         started = time.perf_counter()
         units = find_units(model)
@@ -146,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "model": args.model, "world_size": args.world_size, "seq_len": args.seq_len,
         "activation_checkpoint": args.activation_checkpoint, "mixed_precision": args.mixed_precision,
+        "training_dtype": args.training_dtype, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
+        "lora_targets": args.lora_targets, "frozen": args.frozen,
         "loss_chunks": args.loss_chunks,
         "budget_bytes": args.budget, "cost_model": {k: str(v) for k, v in vars(cost_model).items()},
         "peak_bytes_are": "reserved" if cost_model.reserved_per_allocated != 1 else "allocated",
@@ -158,8 +175,11 @@ def main(argv: list[str] | None = None) -> None:
         "planning_seconds": elapsed,
     }
     GiB = 2**30
+    trained = f"LoRA rank {args.lora_rank}" if args.lora_rank else "every parameter"
+    trained += f", {' '.join(args.frozen)} frozen" if args.frozen else ""
     print(f"plan for {args.world_size} devices (cost model), {args.model}, seq {args.seq_len}, "
-          f"activation checkpointing {args.activation_checkpoint}, {args.mixed_precision}:\n{chosen}\n")
+          f"activation checkpointing {args.activation_checkpoint}, {args.mixed_precision}, {args.training_dtype} parameters, "
+          f"{args.optimizer}, training {trained}:\n{chosen}\n")
     print("| everywhere | batch | peak per device | step | tokens/s per device |\n| --- | --- | --- | --- | --- |")
     for name, entry in uniform.items():
         print(f"| {name} | {entry['local_batch_size']} | {entry['peak_bytes'] / GiB:.2f} GiB | {entry['step_s'] * 1e3:.1f} ms | "
@@ -192,6 +212,9 @@ def _measured(args: argparse.Namespace) -> None:
         sys.exit("rsdp plan --measure: start it with torchrun, e.g. torchrun --nproc_per_node 4 -m rsdp plan --measure ...")
     if args.model != "benchmark":
         sys.exit("rsdp plan --measure profiles the benchmark model only; drop --model or --measure.")
+    if (args.training_dtype, args.optimizer, args.lora_rank, args.frozen) != ("fp32", "adamw", 0, []):
+        sys.exit("rsdp plan --measure trains the benchmark model whole, in fp32, with AdamW; --training-dtype, --optimizer, "
+                 "--lora-rank and --frozen describe the cost model's run: drop them or --measure.")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:
