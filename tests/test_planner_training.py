@@ -105,3 +105,141 @@ def test_fine_tuning_peak_is_within_15_percent_of_the_measured_peak(ranks, build
     for label, prediction, measured in ranks.run(2, fine_tuning_case, build_name)[0]:
         print(f"{build_name} {label}: predicted {prediction / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB ({measured / prediction:.3f})")
         assert 1 - TOLERANCE <= measured / prediction <= 1 + TOLERANCE, f"{build_name} {label}: {measured} vs {prediction}"
+
+
+def hand_count(config: dict) -> dict[str, int]:
+    """Parameters of a Llama-shaped decoder from its config.json, by hand: embedding, head (untied), and
+    per block the attention projections (Qwen2's q, k, v with biases), the gated MLP and two norms."""
+    d, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    head_dim = d // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    biases = d + 2 * kv if config["model_type"] == "qwen2" else 0
+    block = d * d + 2 * d * kv + d * d + biases + 3 * d * config["intermediate_size"] + 2 * d
+    return {"embedding": vocab * d, "head": vocab * d, "blocks": layers * block, "norm": d, "largest": vocab * d}
+
+
+@pytest.mark.parametrize("name, training_dtypes", [
+    ("llama-3.1-8b", ("fp32", "bf16")), ("qwen2.5-7b", ("fp32",)), ("mistral-7b-v0.1", ("fp32",)),
+])
+def test_a_published_configs_training_bytes_are_its_hand_count_whatever_its_torch_dtype(name, training_dtypes):
+    """Llama-3.1-8B, Qwen2.5-7B and Mistral-7B as published (``torch_dtype`` bfloat16), FSDP on 8 GPUs,
+    bf16 mixed precision: parameters and AdamW's moments are counted in the training dtype (fp32 by
+    default: 12 bytes a parameter, not the file's 6), whatever the optimizer's implementation. In fp32
+    with 32 tokens foreach AdamW's step is the peak, which is then the hand count to the byte (each
+    part's shard rounded up): parameters, gradients, moments and a second moment's root per parameter;
+    otherwise (for-loop and fused steps allocate less, bf16 parameters half) the head's backward may
+    be higher, and the peak is at least the step's hand count."""
+    from rsdp.planner._training import as_trained
+
+    path = CONFIGS / name / "config.json"
+    config = json.loads(path.read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    hand = hand_count(config)
+    total = hand["embedding"] + hand["head"] + hand["blocks"] + hand["norm"]
+    world, tokens = 8, torch.zeros(1, 33, dtype=torch.long)
+    for training_dtype in training_dtypes:
+        itemsize = {"fp32": 4, "bf16": 2}[training_dtype]
+        model, _, _ = _models.build(f"hf:{path}", {})
+        model = as_trained(model, training_dtype=training_dtype)
+        units = find_units(model)
+        counts = count(model, units, tokens, next_token_loss, torch.bfloat16)
+        parts = [*counts.units.values(), counts.before, counts.after]
+        assert sum(part.param_bytes for part in parts) == itemsize * total
+        for optimizer, temporaries in (("adamw-foreach", itemsize * total), ("adamw-for-loop", 2 * itemsize * hand["largest"]),
+                                       ("adamw-fused", 0)):
+            fsdp = cluster(world, param_dtype=torch.bfloat16, reduce_dtype=torch.float32).with_optimizer(optimizer)
+            estimates = estimate_units(counts, Strategy.FSDP, Strategy.FSDP, fsdp)
+            static = sum(c.static_bytes for c in estimates.values()) + estimate_root(counts, Strategy.FSDP, fsdp).static_bytes
+            assert 0 <= static - 3 * itemsize * total / world <= 3 * len(parts)  # parameters and two moments
+            peak = predicted(model, dict.fromkeys(["", *units], Strategy.FSDP), tokens, fsdp, counts)
+            step = 4 * itemsize * total / world + temporaries / world  # and the gradients
+            if (training_dtype, optimizer) == ("fp32", "adamw-foreach"):
+                assert 0 <= peak - step <= 4 * len(parts), (training_dtype, optimizer)
+            else:
+                assert peak >= step
+
+
+@pytest.mark.parametrize("name", [name for name in OPTIMIZERS if name != "adamw"])
+def test_each_optimizer_allocates_what_its_preset_says(name):
+    """torch's optimizer, stepped on the CPU over parameters of known sizes after a first step made its
+    state: its state bytes and its step's peak are the preset's (per byte of all parameters, and of the
+    largest). The for-loop AdamW also keeps the previous parameter's root while it makes the next one's:
+    the largest parameter follows a small one here (a head after its norm), as in a transformer."""
+    sizes = [16, 4000, 1000]
+    implementation = name.partition("-")[2]
+    make = {
+        "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+        "adamw-foreach": lambda params: torch.optim.AdamW(params, foreach=True),
+        "adamw-for-loop": lambda params: torch.optim.AdamW(params, foreach=False),
+        "adamw-fused": lambda params: torch.optim.AdamW(params, fused=True),
+    }[name]
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    optimizer = make(params)
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        with MemoryTracker("cpu") as tracker:
+            optimizer.step()
+    preset = OPTIMIZERS[name]
+    total, largest = 4 * sum(sizes), 4 * max(sizes)
+    state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    assert state == preset["optimizer_state_bytes_per_param_byte"] * total
+    expected = max(preset["optimizer_step_bytes_per_param_byte"] * total, preset["optimizer_step_bytes_per_largest_param_byte"] * largest)
+    previous_root = 4 * sizes[0] if implementation == "for-loop" else 0
+    assert tracker.peak_bytes == expected + previous_root, implementation
+
+
+def test_a_frozen_part_has_no_gradient_optimizer_state_or_reduction():
+    """A frozen embedding, by hand: it is stored (sharded) and gathered as before, but it has no
+    gradient, no AdamW moments, no optimizer step and nothing to reduce, under every strategy."""
+    model = frozen_embedding()
+    tokens = torch.zeros(2, 17, dtype=torch.long)
+    units = find_units(model)
+    whole, frozen = (count(counted_as_planned(m), units, tokens, next_token_loss) for m in (tiny_llama(), model))
+    embedding = 1024 * 64 * 4
+    world = 2
+    fsdp = cluster(world)
+    for strategy in Strategy:
+        trained, kept = (estimate_units(c, strategy, strategy, fsdp)["model.embed_tokens"] for c in (whole, frozen))
+        local = embedding if strategy is Strategy.REPLICATE else embedding // world
+        assert trained.static_bytes - kept.static_bytes == 2 * local  # the two moments
+        assert kept.optimizer_step_bytes == 0 and kept.carried.reduce == 0
+        # Gathered whole, copied or rotated all the same; its output needs no gradient: no backward of
+        # its own (what FSDP2 may still gather in backward, its prefetch, is counted).
+        assert kept.forward == trained.forward and kept.carried.gather == trained.carried.gather
+        assert kept.backward.peak < trained.backward.peak
+
+
+def test_rsdp_plan_counts_lora_frozen_parameters_and_the_optimizer(tmp_path, capsys):
+    """The command line: LoRA on the attention of a small Hugging Face config frees the optimizer state
+    of the base, the fused optimizer its temporaries; bad combinations are one-line errors."""
+    from rsdp.planner import cli
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(
+        tiny_llama().config.to_dict(), torch_dtype="bfloat16", num_hidden_layers=2, vocab_size=4096,
+    )))
+    base = ["plan", "--model", f"hf:{config}", "--world-size", "2", "--seq-len", "32", "--budget", "1GiB",
+            "--hardware", "cpu-gloo"]
+
+    def peaks(*flags) -> dict[str, int]:
+        out = tmp_path / "plan.json"
+        cli.main([*base, *flags, "--json", str(out)])
+        report = json.loads(out.read_text())
+        return {strategy: entry["peak_bytes"] for strategy, entry in report["strategies"].items()}
+
+    full, fused = peaks(), peaks("--optimizer", "adamw-fused")
+    lora = peaks("--lora-rank", "4", "--lora-targets", "q_proj", "v_proj")
+    frozen = peaks("--frozen", "model.embed_tokens.*", "lm_head.*")
+    bf16 = peaks("--training-dtype", "bf16")
+    for strategy in full:
+        assert lora[strategy] < frozen[strategy] < full[strategy] and bf16[strategy] < full[strategy]
+        assert fused[strategy] <= full[strategy]
+    assert fused["replicate"] < full["replicate"]  # whole state: the optimizer step is its peak
+    for flags, message in (
+        (["--lora-targets", "q_proj"], "give the adapters' --lora-rank"),
+        (["--lora-rank", "4", "--lora-targets", "nothing_here"], "--lora-targets nothing_here"),
+        (["--frozen", "no.such.*"], "matches no parameter"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            cli.main([*base, *flags])

@@ -553,6 +553,9 @@ class _Parallelism:
         self.local = on_one_rank(self.params)
         self.local_gradients = on_one_rank(trainable)
         self.static = int(self.local + self.local_gradients * cost.optimizer_state_bytes_per_param_byte)
+        # The optimizer step's temporaries per byte of the parameters on this rank (foreach; the for-loop
+        # implementation's, of the largest parameter, are ``estimate_root``'s floor).
+        self.largest_local = on_one_rank(counts.largest_trainable_param_bytes)
         self.optimizer_step = int(self.local_gradients * cost.optimizer_step_bytes_per_param_byte)
         # Bytes per stored parameter byte of the gathered copies (param_dtype) and of the gradients
         # that are reduced (reduce_dtype).
@@ -770,8 +773,11 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         reducing = params + gradients if strategy is Strategy.FSDP else params + 2 * reduced
         after_bytes = (gradients - params - head.compute_gradients, reducing)
         carried = Carried(gather=gathering)
-    # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts').
-    largest_param = max(part.largest_trainable_param_bytes for part in (*counts.units.values(), counts.before, counts.after))
+    # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts'):
+    # of the largest trainable parameter on one rank, the root's under its strategy, a unit's whole (the
+    # units' strategies are not known here: a sharded unit's largest is 1/W of it, an overestimate).
+    largest_unit = max((part.largest_trainable_param_bytes for part in counts.units.values()), default=0)
+    largest_param = max(root.largest_local, largest_unit)
     return _reserved(RootCost(
         root.static,
         Phase(before.delta + before_bytes[0], before.peak + before_bytes[1], embedding.seconds(counts.before.forward_flops, backward=False)),
