@@ -243,3 +243,22 @@ def test_rsdp_plan_counts_lora_frozen_parameters_and_the_optimizer(tmp_path, cap
     ):
         with pytest.raises(SystemExit, match=message):
             cli.main([*base, *flags])
+
+
+def test_torchtitans_auto_counts_the_runs_optimizer():
+    """torchtitan's optimizer config, as ``dp_strategy=auto`` hands it to the cost model: Adam and AdamW
+    by implementation; another optimizer, or bf16 states, as torch's default AdamW (the larger)."""
+    from rsdp.torchtitan import _cpu
+
+    _cpu.prepare_imports()  # torchtitan without triton or a GPU
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw
+
+    from rsdp.torchtitan.config import planned_optimizer
+
+    for implementation, name in (("fused", "adamw-fused"), ("foreach", "adamw-foreach"), ("for-loop", "adamw-for-loop"),
+                                 ("fused_opt_states_bf16", "adamw")):
+        config = default_adamw()
+        config.implementation = implementation
+        assert planned_optimizer(config) == name
+    muon = OptimizersContainer.Config(param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="DistMuon")], implementation="foreach")
+    assert planned_optimizer(muon) == "adamw"
