@@ -164,6 +164,10 @@ def main(argv: list[str] | None = None) -> None:
         }
     except ValueError as error:
         sys.exit(str(error))
+    except Exception as error:  # a model whose step cannot run on the meta device: one line, not a traceback
+        reason = (str(error).strip().splitlines() or [""])[0][:300]
+        sys.exit(f"rsdp plan: {args.model}'s training step cannot be counted on the meta device ({type(error).__name__}: "
+                 f"{reason}); rsdp plan counts decoder language models that run there.")
     try:
         chosen, no_plan = plan_from_counts(counted, units, memory_budget=args.budget, cost_model=cost_model), None
     except NoPlanFits as error:
