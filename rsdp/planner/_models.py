@@ -13,6 +13,14 @@ Pitfalls:
   run there at all. Attention is replaced by :class:`FlashAttentionCount`, which has flash attention's
   FLOPs and saved tensors (q, k, v, output, log-sum-exp). With grouped-query attention it counts k and
   v expanded to every head, a small overestimate.
+- Mixture-of-experts layers: the meta device's ``_grouped_mm`` has no FLOP formula and refuses fp32, so
+  the experts' grouped GEMMs run as :func:`grouped_mm` (torchtitan's ``GroupedExperts._grouped_mm`` seam;
+  Hugging Face's ``rsdp_counted_experts`` experts implementation). torchtitan's router enters
+  ``torch.autocast`` on its input's device, which torch refuses for "meta": :class:`_MetaAutocast`
+  does what autocast would to its gate. Selective checkpointing saves ``topk``, whose values Hugging
+  Face's routers then divide in place; :class:`_TopkValuesCopied` hands them a copy.
+- Values narrower than queries (multi-head latent attention) are padded to the queries' width for
+  the flash attention kernel and the output cut back: that attention's activations are overestimated.
 - torchtitan's chunked loss (``--loss-chunks N``, :func:`chunked_next_token_loss`) runs the head
   once per chunk, each chunk's backward inside the loss: the head is the one unit whose forward may run
   again after its backward (``_profile.StepPhases``), and its calls are counted as they run.
