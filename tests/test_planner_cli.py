@@ -105,7 +105,8 @@ def test_no_plan_under_the_budget_still_writes_every_strategys_predictions(ranks
 
 def test_counted_grouped_mm_is_the_grouped_gemm_and_counts_its_flops():
     """The experts' grouped GEMM as the planner counts it: on CPU, exact against a per-expert fp64
-    reference (output and both gradients); on meta, 2 x rows x k x n FLOPs (each row by its own expert)."""
+    reference (output and both gradients); on meta, the allocations of torch's kernel on CPU (output,
+    then the weight's and the input's gradients) and 2 x rows x k x n FLOPs (each row by its own expert)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from rsdp.planner._models import grouped_mm
@@ -120,9 +121,23 @@ def test_counted_grouped_mm_is_the_grouped_gemm_and_counts_its_flops():
     rows = [(0, 2), (2, 2), (2, 7)]
     torch.cat([a_ref[s:e] @ b_ref[g] for g, (s, e) in enumerate(rows)]).backward(grad)
     assert torch.equal(a.grad, a_ref.grad) and torch.equal(b.grad, b_ref.grad)
+    assert allocations("meta", grouped_mm) == allocations("cpu", lambda a, b, offs: torch._grouped_mm(a, b, offs=offs))
     with FlopCounterMode(display=False) as flops:
         grouped_mm(torch.empty(128, 16, device="meta"), torch.empty(8, 16, 32, device="meta"), torch.empty(8, dtype=torch.int32, device="meta"))
     assert flops.get_total_flops() == 2 * 128 * 16 * 32
+
+
+def allocations(device: str, grouped) -> list[int]:
+    """The bytes of each fresh tensor of a bf16 grouped GEMM's forward and backward, in order."""
+    from rsdp.planner._cost_model import _ALLOCATED, _MetaStorages
+
+    a = torch.randn(12, 8, device=device, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(3, 8, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    offs, grad = torch.tensor([4, 8, 12], dtype=torch.int32, device=device), torch.randn(12, 16, device=device, dtype=torch.bfloat16)
+    storages = _MetaStorages()
+    with storages:
+        grouped(a, b, offs).backward(grad)
+    return [event[3] for event in storages.log if event[0] == _ALLOCATED]
 
 
 def walk_case(specs: list[str]) -> tuple[dict[tuple[str, str], str], set[str]]:

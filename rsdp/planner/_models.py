@@ -110,7 +110,8 @@ def _grouped_mm_setup(ctx, inputs, output):
 
 def _grouped_mm_backward(ctx, grad):
     a, b, offs = ctx.saved_tensors
-    return grouped_mm(grad, b.transpose(-2, -1), offs), grouped_mm_weight_grad(a, grad, offs, b.shape[0]), None
+    grad_b = grouped_mm_weight_grad(a, grad, offs, b.shape[0])  # first, as the kernel's backward makes them
+    return grouped_mm(grad, b.transpose(-2, -1), offs), grad_b, None
 
 
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
