@@ -27,6 +27,7 @@ Pitfalls:
 """
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import json
@@ -179,9 +180,10 @@ class _MetaAutocastForward:
             torch.autocast = _AUTOCAST
 
 
-def _with_meta_autocast(module: nn.Module) -> None:
-    cls = type(module)
-    module.__class__ = type(f"{cls.__name__}OnMeta", (_MetaAutocastForward, cls), {})
+@functools.cache
+def _with_meta_autocast(cls: type) -> type:
+    """``cls`` with :class:`_MetaAutocastForward` mixed in."""
+    return type(f"{cls.__name__}OnMeta", (_MetaAutocastForward, cls), {})
 
 
 class _TopkValuesCopied(TorchDispatchMode):
@@ -326,11 +328,13 @@ def _torchtitan_model(family: str, flavor: str) -> nn.Module:
         raise ValueError(f"rsdp plan: torchtitan's {family} has no flavor {flavor!r}.") from None
     with torch.device("meta"):
         model = flash_attention_for_counting(config.build())
+    from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
+
     for module in model.modules():
-        if callable(getattr(module, "_grouped_mm", None)):  # torchtitan's MoE experts: their grouped GEMM seam
+        if isinstance(module, GroupedExperts):
             module._grouped_mm = _torchtitan_grouped_mm
-        if hasattr(module, "gate") and hasattr(module, "score_func"):  # torchtitan's MoE router: gate under autocast
-            _with_meta_autocast(module)
+        if isinstance(module, TokenChoiceTopKRouter):
+            module.__class__ = _with_meta_autocast(type(module))
     return model
 
 
