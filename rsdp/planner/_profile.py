@@ -342,6 +342,12 @@ class StepPhases:
     @classmethod
     def of(cls, timeline: _Timeline, units: list[str]) -> "StepPhases":
         first, last = units[0], units[-1]
+        idle = [name for name in units if f"forward:{name}" not in timeline.events]
+        if idle:
+            raise ValueError(
+                f"rsdp.plan: {', '.join(idle[:3])}{f' and {len(idle) - 3} more' if len(idle) > 3 else ''} never ran in the training step (a multimodal model's encoder in a "
+                "text-only step?); a plan counts modules that run: plan for a model whose step runs every module."
+            )
         # The first unit's input needs no gradient when it is the token ids: its backward ends the pass.
         end_of_backward = f"backward-done:{first}" if f"backward-done:{first}" in timeline.events else "backward-done"
         chunked = _called_per_chunk(timeline, units)
