@@ -83,7 +83,7 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) 
     stale = [param for param in held if param in replaced]
     if stale:
         names = [_replaced_names.get(param, "?") for param in stale]
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        shown = first_names(names)
         kind = type(optimizer).__name__
         raise RuntimeError(
             f"rsdp: this {kind} holds {len(stale)} of its {len(held)} parameters as they were before rsdp_shard "
@@ -92,6 +92,12 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) 
             f"torch.optim.{kind}(model.parameters(), ...)."
         )
     _checked_optimizers[optimizer] = verdict_key
+
+
+def first_names(names: list[str], shown: int = 4) -> str:
+    """The first ``shown`` of ``names`` and how many more, for an error message."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def check_same_weights(module: nn.Module, named_params: list[tuple[str, nn.Parameter]], mesh: DeviceMesh, device: torch.device) -> None:
@@ -111,7 +117,7 @@ def check_same_weights(module: nn.Module, named_params: list[tuple[str, nn.Param
     differs = ((high[:, :2] - low[:, :2]) > SAME_WEIGHTS_RTOL * scale).any(dim=1) & (high[:, 2] == 0)
     if differs.any():
         names = [name for (name, _), bad in zip(named_params, differs.tolist()) if bad]
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        shown = first_names(names)
         raise RuntimeError(
             f"rsdp_shard: the weights of this {type(module).__qualname__} differ between ranks ({shown}; checksums "
             f"compared over {mesh.size()} ranks). rsdp_shard keeps each rank's own rows of its own copy (DDP would "
