@@ -77,7 +77,8 @@ def rsdp_shard(
     sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
     column_split = {id(block.row.weight) for block in sub_blocks}
     slots = [(owner, name, param) for owner in managed for name, param in owner._parameters.items() if param is not None]
-    newly_sharded = _newly_sharded(module, slots)
+    key_prefixes = {id(submodule): f"{name}." if name else "" for name, submodule in module.named_modules()}
+    newly_sharded = _newly_sharded(slots, key_prefixes)
     check_same_weights(module, newly_sharded, mesh, state.device)
     replacement = _sharded_parameters(slots, nested, mesh, state.device, column_split)
     for name, param in newly_sharded:
@@ -92,7 +93,7 @@ def rsdp_shard(
     if len(states) > 1:
         share_ring_context(states)
     state.register_hooks(module)
-    watch_state_dicts(module)
+    watch_state_dicts(module, [key_prefixes[id(owner)] + name for owner, name, _ in slots], mesh)
     _swap_class(module, RSDPModule, "RSDP")
     return module
 
@@ -110,14 +111,13 @@ def _planned_sub_blocks(module: nn.Module, managed: list[nn.Module], ring_plan: 
     return sub_blocks
 
 
-def _newly_sharded(module: nn.Module, slots: list) -> list[tuple[str, nn.Parameter]]:
+def _newly_sharded(slots: list, key_prefixes: dict[int, str]) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of each plain parameter in ``slots`` that no earlier call sharded (a tied one
     once): the ones this call shards from this rank's own full value."""
-    prefixes = {id(submodule): f"{name}." if name else "" for name, submodule in module.named_modules()}
     found = {}
     for owner, name, param in slots:
         if not isinstance(param, DTensor) and param not in replaced and id(param) not in found:
-            found[id(param)] = (prefixes.get(id(owner), "") + name, param)
+            found[id(param)] = (key_prefixes[id(owner)] + name, param)
     return list(found.values())
 
 

@@ -20,10 +20,10 @@ each rank's own rows. So:
   ``1/sqrt(numel)``, which is above it for any parameter of fewer than ~2e9 elements.
 - **``torch.save(model.state_dict())`` on one rank**, loaded by every rank, would copy that rank's rows
   into every rank's shard (or fail on ranks whose shard has another size). Each sharded DTensor in a
-  state dict carries the shard coordinates of the rank that made it (an attribute, which pickling
-  keeps); ``load_state_dict`` refuses one whose coordinates are not the loading rank's, before anything
-  is copied. DCP and ``get_model_state_dict`` / ``set_model_state_dict`` load each rank's own shards
-  (or full tensors, which carry no coordinates) and pass.
+  state dict carries the shard (index, count) of the rank that made it (an attribute, which pickling
+  keeps); ``load_state_dict`` refuses one that is not the loading rank's, before anything is copied.
+  DCP and ``get_model_state_dict`` / ``set_model_state_dict`` load each rank's own shards (or full
+  tensors, which carry no mark) and pass.
 
 Pitfalls:
 - The weight check is a collective: every rank must call ``rsdp_shard`` the same number of times on the
@@ -37,6 +37,7 @@ Pitfalls:
   correctly and does not raise; only the ranks it would corrupt do.
 """
 
+import functools
 import os
 import weakref
 
@@ -47,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._compat import DTensor, Shard
+from .._compat import DTensor
 
 # Original parameter -> the DTensor parameter that replaced it (``_api.py`` also keeps a parameter tied
 # across two rsdp_shard calls one parameter with it), and -> its name where it was sharded. Keyed weakly
@@ -61,7 +62,7 @@ _step_hook = None
 
 SAME_WEIGHTS_ENV = "RSDP_CHECK_SAME_WEIGHTS"
 SAME_WEIGHTS_RTOL = 1e-5
-_SHARD_COORDINATES = "_rsdp_shard_coordinates"
+_SHARD_MARK = "_rsdp_shard"  # (index, count) of the rank that made a state dict's DTensor
 
 
 def record_replacement(original: nn.Parameter, sharded: nn.Parameter, where: str) -> None:
@@ -146,45 +147,35 @@ def _checksums(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.stack([total, squares, torch.zeros((), dtype=accumulate, device=data.device)]).to(device, torch.float64)
 
 
-def watch_state_dicts(module: nn.Module) -> None:
-    """Mark the sharded DTensors of ``module``'s state dicts with this rank's shard coordinates, and
-    refuse a ``load_state_dict`` of another rank's."""
-    module.register_state_dict_post_hook(_mark_shards)
-    module.register_load_state_dict_pre_hook(_refuse_other_ranks_shards)
+def watch_state_dicts(module: nn.Module, keys: list[str], mesh: DeviceMesh) -> None:
+    """Mark the sharded DTensors that ``module``'s state dicts hold under ``keys`` (the names of the
+    parameters it manages, each sharded on ``mesh``'s last dimension) with this rank's shard (index,
+    count), and refuse a ``load_state_dict`` of another rank's there. Only its own keys, with a mark
+    computed once: every rsdp module of a model runs these hooks at every ``state_dict()``."""
+    keys = tuple(keys)
+    shard = (mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1))
+    module.register_state_dict_post_hook(functools.partial(_mark_shards, keys, shard))
+    module.register_load_state_dict_pre_hook(functools.partial(_refuse_other_ranks_shards, keys, shard))
 
 
-def _shard_coordinates(tensor: DTensor) -> tuple | None:
-    """This rank's (index, count) on each mesh dimension ``tensor`` is sharded over; ``None`` if this rank
-    is not in its mesh. Found from the mesh's ranks, not ``get_coordinate()``: an unpickled mesh keeps
-    the coordinate of the rank that pickled it."""
-    ranks = tensor.device_mesh.mesh.flatten().tolist()
-    if dist.get_rank() not in ranks:
-        return None
-    shape = tuple(tensor.device_mesh.shape)
-    coordinate = torch.unravel_index(torch.tensor(ranks.index(dist.get_rank())), shape)
-    return tuple((int(coordinate[dim]), shape[dim]) for dim, placement in enumerate(tensor.placements) if isinstance(placement, Shard))
+def _mark_shards(keys: tuple[str, ...], shard: tuple[int, int], module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    for key in keys:
+        value = state_dict.get(prefix + key)
+        if isinstance(value, DTensor):
+            setattr(value, _SHARD_MARK, shard)
 
 
-def _mark_shards(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    for key, value in state_dict.items():
-        if key.startswith(prefix) and isinstance(value, DTensor):
-            setattr(value, _SHARD_COORDINATES, _shard_coordinates(value))
-
-
-def _refuse_other_ranks_shards(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
-    for key, value in state_dict.items():
-        if not (key.startswith(prefix) and isinstance(value, DTensor)):
-            continue
-        saved = getattr(value, _SHARD_COORDINATES, None)
-        if saved is None or saved == _shard_coordinates(value):
+def _refuse_other_ranks_shards(keys: tuple[str, ...], shard: tuple[int, int], module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    for key in keys:
+        saved = getattr(state_dict.get(prefix + key), _SHARD_MARK, None)
+        if saved is None or saved == shard:
             continue
         raise RuntimeError(
-            f"rsdp: load_state_dict was given another rank's shard of {key} (shard {saved}, this rank holds "
-            f"{_shard_coordinates(value)} as (index, count) per sharded mesh dimension). model.state_dict() holds "
-            "each rank's own rows, so a torch.save of it on one rank, loaded by every rank, would copy that rank's "
-            "rows into every rank's shard. Save and load with torch.distributed.checkpoint from every rank "
-            "(dcp.save(model.state_dict(), checkpoint_id=path), then dcp.load), or save one full state dict "
-            "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))) and "
-            "load it with set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, "
-            "broadcast_from_rank0=True))."
+            f"rsdp: load_state_dict was given another rank's shard of {prefix}{key} (shard {saved[0]} of {saved[1]}; "
+            f"this rank holds shard {shard[0]} of {shard[1]}). model.state_dict() holds each rank's own rows, so a "
+            "torch.save of it on one rank, loaded by every rank, would copy that rank's rows into every rank's shard. "
+            "Save and load with torch.distributed.checkpoint from every rank (dcp.save(model.state_dict(), "
+            "checkpoint_id=path), then dcp.load), or save one full state dict (get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True, cpu_offload=True))) and load it with "
+            "set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))."
         )
