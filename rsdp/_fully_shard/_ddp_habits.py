@@ -13,9 +13,9 @@ each rank's own rows. So:
   a step costs one dictionary lookup.
 - **Ranks whose weights differ** at sharding (a different seed per rank, a head initialised per rank
   unseeded) would train a model stitched from different ranks' rows. ``rsdp_shard`` compares two checksums
-  per parameter it shards (sum and sum of squares) across the mesh in one all-reduce (MAX of
-  the checksums and of their negatives), and every rank raises the same verdict before any parameter
-  is replaced. The tolerance (``SAME_WEIGHTS_RTOL`` of each parameter's own scale) absorbs summation
+  per parameter it shards (sum and sum of squares) across the mesh, in one all-reduce per mesh
+  dimension (MAX of the checksums and of their negatives), and every rank raises the same verdict
+  before any parameter is replaced. The tolerance (``SAME_WEIGHTS_RTOL`` of each parameter's own scale) absorbs summation
   order only (float32 accumulation: ~1e-7); ranks initialised from different seeds differ by about
   ``1/sqrt(numel)``, which is above it for any parameter of fewer than ~2e9 elements.
 - **``torch.save(model.state_dict())`` on one rank**, loaded by every rank, would copy that rank's rows
