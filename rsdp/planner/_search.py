@@ -40,10 +40,10 @@ Pitfalls:
   quantities are within a grid step of its own. The figures the search keeps and returns are never
   rounded: a plan's predicted peak is its exact one, whatever grid chose it. What the grid costs is
   only plans not found (within a grid step per unit of a kept one), which is why the planner also
-  considers every uniform plan itself (``_plan._candidates``).
-- The partial plans are rows of tensors (``Partial``), extended and compared all at once; the
-  comparison runs in blocks of rows against the rows kept so far, each op small enough for one
-  thread (on a busy machine, waking threads costs more than these small ops).
+  considers every uniform plan itself (``_plan._search``).
+- The partial plans are rows of tensors (``Partial``), extended all at once; the dominance check is
+  a bit-set intersection (``_non_dominated``). It all runs on one intra-op thread: on a busy machine,
+  waking threads for these small ops costs far more than the ops.
 """
 
 import contextlib
