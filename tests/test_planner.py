@@ -34,14 +34,15 @@ def brute_force_best(options, root, budget):
     for choice in itertools.product(*(list(o.items()) for o in options)):
         partial = EMPTY
         for strategy, cost in reversed(choice):
-            partial = partial.extend(strategy, cost)
+            partial = partial.extend(cost)
         if predicted_peak(partial, root) <= budget and (best is None or partial.seconds < best):
-            best = partial.seconds
+            best = partial.seconds.item()
     return best
 
 
 def exactness_case(options, root, budget):
-    fitting = [p.seconds for p in pareto_plans(options) if predicted_peak(p, root) <= budget]
+    found = pareto_plans(options).partial
+    fitting = found.seconds[predicted_peak(found, root) <= budget].tolist()
     expected = brute_force_best(options, root, budget)
     assert (min(fitting) if fitting else None) == pytest.approx(expected)
 
@@ -167,8 +168,8 @@ def cost_model_peak(
                         reduce_dtype=torch.float32 if param_dtype else None, reserved_per_allocated=reserved_per_allocated)
     partial = EMPTY
     for name in reversed(units):
-        partial = partial.extend(policy[name], estimate_units(counts, policy[name], policy[""], cluster)[name])
-    return predicted_peak(partial, estimate_root(counts, policy[""], cluster))
+        partial = partial.extend(estimate_units(counts, policy[name], policy[""], cluster)[name])
+    return predicted_peak(partial, estimate_root(counts, policy[""], cluster)).item()
 
 
 def tied_lm(vocab: int, dim: int, hidden: int, layers: int) -> TinyLM:

@@ -16,7 +16,7 @@ from .._compat import MixedPrecisionPolicy
 from ..policy import Strategy, _default_mesh
 from ._cost_model import CostModel, Counts, count, estimate_root, estimate_units
 from ._profile import RootCost, UnitCost, find_units, profile
-from ._search import EMPTY, FrontierTooLarge, Partial, pareto_plans, predicted_peak
+from ._search import Frontier, pareto_plans, predicted_peak, uniform_plans
 
 MiB = 2**20
 # How many of the fastest plans are run to check them (each run is one training step).
@@ -24,8 +24,9 @@ MAX_VERIFICATIONS = 8
 SMALLEST_VERIFIED = 3  # plans of least predicted peak run before a budget is declared too small
 # A plan whose measured peak is within this fraction of its prediction is preferred.
 PREDICTION_TOLERANCE = 0.1
-# The search rounds byte figures up to 1 / SEARCH_GRID_STEPS of the smallest plan's bytes (see _search).
-SEARCH_GRID_STEPS = 4096
+# The search compares byte figures on a grid of at first 1 / SEARCH_GRID_STEPS of the smallest plan's
+# bytes, coarser where its frontier needs it (see _search).
+SEARCH_GRID_STEPS = 2**16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,12 +320,13 @@ def _estimated_costs(counts: Counts, strategies: Sequence[Strategy], root_strate
 
 
 def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, world: int) -> list[_Candidate]:
-    """The plans worth considering: the search's best plan per (batch size, root strategy) for each peak,
-    then only those faster per sample than every plan of smaller or equal peak."""
+    """The plans worth considering: the search's plans and the uniform ones per (batch size, root
+    strategy), with their exact peaks, then only those faster per sample than every plan of smaller or
+    equal peak."""
     found = []
     # The units' costs depend on the root's strategy only through whether it rotates (the cost model's
     # FSDP and replicate roots give the same ones): a search already made is reused.
-    frontiers: dict[tuple, list[Partial]] = {}
+    frontiers: dict[tuple, Frontier] = {}
     for batch_size in batch_sizes:
         for root_strategy in strategies:
             by_strategy, root = costs(batch_size, root_strategy)
@@ -332,14 +334,18 @@ def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, worl
             searched = tuple(tuple(options.items()) for options in unit_costs)
             if searched not in frontiers:
                 frontiers[searched] = _search(unit_costs)
-            for partial in frontiers[searched]:
-                peak = predicted_peak(partial, root)
-                seconds = partial.seconds + root.seconds
-                found.append(_Found(seconds / (batch_size * world), peak, partial, root_strategy, root, batch_size, unit_costs))
+            frontier = frontiers[searched]
+            peaks = predicted_peak(frontier.partial, root).tolist()
+            per_sample = ((frontier.partial.seconds + root.seconds) / (batch_size * world)).tolist()
+            found += [
+                _Found(seconds, peak, frontier, row, root_strategy, root, batch_size, unit_costs)
+                for row, (seconds, peak) in enumerate(zip(per_sample, peaks))
+            ]
     useful, fastest = [], math.inf
     for f in sorted(found, key=lambda f: (f.peak, f.seconds_per_sample)):
         if f.seconds_per_sample < fastest:
-            assignments = [(name, s, costs[s]) for name, s, costs in zip(units, f.partial.choices, f.unit_costs)]
+            chosen = f.frontier.assignment(f.row)
+            assignments = [(name, s, costs[s]) for name, s, costs in zip(units, chosen, f.unit_costs)]
             rows = _rows(f.root_strategy, f.root, assignments)
             useful.append(_Candidate(f.seconds_per_sample, f.peak, Plan(rows, f.batch_size, world, int(f.peak), f.seconds_per_sample * f.batch_size * world, 0)))
             fastest = f.seconds_per_sample
@@ -347,11 +353,12 @@ def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, worl
 
 
 class _Found(NamedTuple):
-    """A plan the search found, before it is known to be worth building."""
+    """A plan the search found (row ``row`` of ``frontier``), before it is known to be worth building."""
 
     seconds_per_sample: float
     peak: float
-    partial: Partial
+    frontier: Frontier
+    row: int
     root_strategy: Strategy
     root: RootCost
     batch_size: int
@@ -370,10 +377,8 @@ def plan_from_counts(
 def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel) -> tuple[float, float]:
     """Predicted peak bytes per device and step seconds of ``strategy`` everywhere, root included."""
     by_strategy, root = _estimated_costs(counts, (strategy,), strategy, cost_model)
-    partial = EMPTY
-    for name in reversed(units):
-        partial = partial.extend(strategy, by_strategy[strategy][name])
-    return predicted_peak(partial, root), partial.seconds + root.seconds
+    uniform = uniform_plans([{strategy: by_strategy[strategy][name]} for name in units]).partial
+    return predicted_peak(uniform, root).item(), uniform.seconds.item() + root.seconds
 
 
 def _confirmed(candidate: Plan) -> bool:
@@ -409,24 +414,20 @@ def _summary(plan_: Plan) -> str:
     return f"root {plan_.strategies[''].value}, modules {per_strategy}" if modules else f"root {plan_.strategies[''].value}"
 
 
-def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> list[Partial]:
-    """The non-dominated plans, on the finest grid whose frontier stays within bounds.
+def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> Frontier:
+    """The search's plans and the uniform ones, with exact figures.
 
-    The grid is a fraction of what the smallest choice of every unit holds, not of the budget (nor of the
-    largest choice: replicating a 70B model would make the grid coarser than a whole plan that fits): the plans
-    found and their predicted peaks are then the same whatever the budget, so a budget that an
-    infeasible call names is one a second call finds that plan for.
+    The search's grid starts at a fraction of what the smallest choice of every unit holds, not of the
+    budget: the plans found and their predicted peaks are then the same whatever the budget, so a
+    budget that an infeasible call names is one a second call finds that plan for. The uniform plans
+    are there whatever the grid let the search find: a budget a uniform plan fits gets a plan no
+    slower than it.
     """
     smallest = sum(
         min(cost.static_bytes + max(cost.forward.peak, cost.forward.delta + cost.backward.peak, 0) for cost in options.values())
         for options in unit_costs
     )
-    grid = max(1, smallest // SEARCH_GRID_STEPS)
-    while True:
-        try:
-            return pareto_plans(unit_costs, grid)
-        except FrontierTooLarge:
-            grid *= 2
+    return pareto_plans(unit_costs, max(1, smallest // SEARCH_GRID_STEPS)).joined(uniform_plans(unit_costs))
 
 
 def _rows(root_strategy: Strategy, root: RootCost, assignments: list[tuple[str, Strategy, UnitCost]]) -> tuple[PlanRow, ...]:
