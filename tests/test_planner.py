@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from models import TinyLM, twin
 from rsdp import CostModel, Planner, Strategy, parallelize, plan
 from rsdp.memory import MemoryTracker
-from rsdp.planner._plan import _next_token_loss
+from rsdp.planner._plan import _next_token_loss, predict_policy
 from rsdp.planner import measure_peak
-from rsdp.planner._cost_model import count, estimate_root, estimate_units
+from rsdp.planner._cost_model import count
 from rsdp.planner._profile import Carried, Phase, RootCost, StepPhases, UnitCost, find_units, run_marked_step
 from rsdp.planner._search import EMPTY, pareto_plans, predicted_peak
 from test_training import train_and_compare
@@ -166,10 +166,7 @@ def cost_model_peak(
     counts = count(model, units, tokens, loss_fn, param_dtype)
     cluster = CostModel(world, flops_per_s=1e12, bandwidth_bytes_per_s=1e10, latency_s=1e-5, param_dtype=param_dtype,
                         reduce_dtype=torch.float32 if param_dtype else None, reserved_per_allocated=reserved_per_allocated)
-    partial = EMPTY
-    for name in reversed(units):
-        partial = partial.extend(estimate_units(counts, policy[name], policy[""], cluster)[name])
-    return predicted_peak(partial, estimate_root(counts, policy[""], cluster)).item()
+    return predict_policy(counts, units, policy, cluster)[0]
 
 
 def tied_lm(vocab: int, dim: int, hidden: int, layers: int) -> TinyLM:

@@ -17,7 +17,7 @@ from rsdp.planner._cost_model import OPTIMIZERS, count, estimate_root, estimate_
 from rsdp.planner import _models
 from rsdp.planner._models import next_token_loss
 from rsdp.planner._profile import find_units
-from rsdp.planner._search import EMPTY, predicted_peak
+from rsdp.planner._plan import predict_policy
 
 MiB = 2**20
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -38,10 +38,7 @@ def predicted(model, policy: dict[str, Strategy], tokens: torch.Tensor, cluster:
     """The cost model's peak for one plan, replayed as the search does."""
     units = find_units(model)
     counts = counts or count(counted_as_planned(model), units, tokens, next_token_loss, cluster.param_dtype)
-    partial = EMPTY
-    for name in reversed(units):
-        partial = partial.extend(policy[name], estimate_units(counts, policy[name], policy[""], cluster)[name])
-    return predicted_peak(partial, estimate_root(counts, policy[""], cluster))
+    return predict_policy(counts, units, policy, cluster)[0]
 
 
 def cluster(world: int, **fields) -> CostModel:

@@ -9,10 +9,10 @@ import torch
 
 from rsdp import CostModel, Strategy
 from rsdp.planner import _search
-from rsdp.planner._cost_model import count, estimate_root, estimate_units
-from rsdp.planner._plan import _EstimatedChoice, _next_token_loss, predict_uniform
+from rsdp.planner._cost_model import count, estimate_units
+from rsdp.planner._plan import _EstimatedChoice, _next_token_loss, predict_policy, predict_uniform
 from rsdp.planner._profile import find_units
-from rsdp.planner._search import EMPTY, MAX_PARTIALS, pareto_plans, predicted_peak
+from rsdp.planner._search import EMPTY, MAX_PARTIALS, pareto_plans
 from test_planner import untied_lm
 
 # An embedding and a head of 50000 x 32, 40 blocks of about 8000 parameters, a norm of 64: each size
@@ -54,12 +54,7 @@ def planner(searched):
 
 def exact_peak(counts, units: list[str], strategies: dict[str, Strategy]) -> int:
     """The plan's peak walked unit by unit from the cost model's unrounded figures."""
-    root_strategy = strategies[""]
-    by_strategy = {s: estimate_units(counts, s, root_strategy, CLUSTER) for s in Strategy}
-    partial = EMPTY
-    for name in reversed(units):
-        partial = partial.extend(by_strategy[strategies[name]][name])
-    return int(predicted_peak(partial, estimate_root(counts, root_strategy, CLUSTER)).item())
+    return int(predict_policy(counts, units, strategies, CLUSTER)[0])
 
 
 def test_a_plan_reports_its_exact_peak_and_a_uniform_plans_budget_finds_one_no_slower(counted, planner):

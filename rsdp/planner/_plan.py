@@ -16,7 +16,7 @@ from .._compat import MixedPrecisionPolicy
 from ..policy import Strategy, _default_mesh
 from ._cost_model import CostModel, Counts, count, estimate_root, estimate_units
 from ._profile import RootCost, UnitCost, find_units, profile
-from ._search import Frontier, pareto_plans, predicted_peak, uniform_plans
+from ._search import EMPTY, Frontier, pareto_plans, predicted_peak, uniform_plans
 
 MiB = 2**20
 # How many of the fastest plans are run to check them (each run is one training step).
@@ -376,9 +376,17 @@ def plan_from_counts(
 
 def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel) -> tuple[float, float]:
     """Predicted peak bytes per device and step seconds of ``strategy`` everywhere, root included."""
-    by_strategy, root = _estimated_costs(counts, (strategy,), strategy, cost_model)
-    uniform = uniform_plans([{strategy: by_strategy[strategy][name]} for name in units]).partial
-    return predicted_peak(uniform, root).item(), uniform.seconds.item() + root.seconds
+    return predict_policy(counts, units, dict.fromkeys(["", *units], strategy), cost_model)
+
+
+def predict_policy(counts: Counts, units: list[str], policy: dict[str, Strategy], cost_model: CostModel) -> tuple[float, float]:
+    """Predicted peak bytes per device and step seconds of one plan (``policy``: a strategy per unit and
+    for the root ``""``), walked unit by unit from the cost model's exact figures, as the search reports it."""
+    by_strategy, root = _estimated_costs(counts, tuple(set(policy.values())), policy[""], cost_model)
+    partial = EMPTY
+    for name in reversed(units):
+        partial = partial.extend(by_strategy[policy[name]][name])
+    return predicted_peak(partial, root).item(), partial.seconds.item() + root.seconds
 
 
 def _confirmed(candidate: Plan) -> bool:
