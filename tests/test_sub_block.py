@@ -288,7 +288,7 @@ class NormedAttention(Attention):
 def misuse_case():
     block = LlamaBlock(6, 2, 2, 3, 4)
     block.self_attn = NormedAttention(6, 2, 2, 3)
-    with pytest.raises(ValueError, match=r"holds parameters or Linears besides its plan's \(\['q_norm.weight'\]\)"):
+    with pytest.raises(ValueError, match=r"holds parameters or Linears besides its plan's \(\['q_norm.weight'\]\).* Drop these ring_plan entries: \['self_attn.k_proj', 'self_attn.o_proj', 'self_attn.q_proj', 'self_attn.v_proj'\]"):
         rsdp_shard(block, ring_plan=TITAN_PLAN)
     with pytest.raises(ValueError, match="rowwise Linear 'mlp.down_proj' but no colwise sibling"):
         rsdp_shard(LlamaBlock(6, 2, 2, 3, 4), ring_plan={"mlp.down_proj": "rowwise"})

@@ -60,8 +60,9 @@ def rsdp_shard(
         ring_plan: submodule name (globs; keys from an ancestor also match) -> ``"colwise"`` /
             ``"rowwise"`` (Hugging Face's ``base_model_tp_plan`` strings) or torchtitan's
             ``ColwiseParallel()`` / ``RowwiseParallel()``: each rowwise Linear and its colwise siblings
-            rotate as one ring, their parent's whole forward per shard (``_sub_block.py``). Other
-            entries are ignored.
+            rotate as one ring, their parent's whole forward per shard (``_sub_block.py``);
+            ``"replicated_with_grad_allreduce"`` parameters inside (per-head q/k norms) run with each
+            shard. Other entries leave their modules to rsdp's own sharding.
 
     Returns:
         ``module``, now an :class:`RSDPModule` (or the checkpoint wrapper around one).

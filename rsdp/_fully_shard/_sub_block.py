@@ -9,9 +9,13 @@ pass instead of one per Linear: a Llama block needs 2.
 
 ``rsdp_shard(block, ring_plan={...})`` takes the plan as torchtitan's ``ColwiseParallel`` /
 ``RowwiseParallel`` per submodule name, or Hugging Face's ``"colwise"`` / ``"rowwise"`` strings
-(``base_model_tp_plan``); names may be given from any ancestor (``layers.*.self_attn.q_proj`` matches
+(``base_model_tp_plan``, as a model ships it: every string Hugging Face uses has a meaning here, listed
+at ``_COLWISE``); names may be given from any ancestor (``layers.*.self_attn.q_proj`` matches
 ``self_attn.q_proj`` of a block). Each rowwise Linear is paired with the colwise Linears that are its
-siblings; their parent module is the sub-block. The rowwise weight is stored as a ``Shard(1)`` DTensor
+siblings; their parent module is the sub-block. Parameters inside it that the plan names
+``"replicated_with_grad_allreduce"`` (Qwen3's and Gemma3's per-head ``q_norm``/``k_norm``) are used whole at
+every step, as on every tensor-parallel rank, and their gradient is summed over the steps: they go to
+the ring function as inputs, and each step installs its own leaf of them. The rowwise weight is stored as a ``Shard(1)`` DTensor
 (its columns), the colwise ones as ``Shard(0)``; the rowwise bias is gathered and added once.
 
 - **Forward**: W steps; at step k the sub-block's own forward runs on the shards held (installed as
@@ -41,7 +45,10 @@ Pitfalls:
   the head count (read it from the shapes, as tensor parallelism already requires: ``view(..., -1, hd)``).
 - Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
-- The sub-block may hold no parameters besides its plan's Linears, and no other Linears.
+- The sub-block may hold no parameters besides its plan's Linears and its per-shard vectors, and no
+  other Linears. A norm over all heads (OLMo2's full-width ``q_norm``) cannot act on a shard of heads:
+  Hugging Face's plans gather such a projection's output instead (``colwise_gather_output``), which
+  leaves its Linears out of any sub-block. Every refusal names the plan entries to drop.
 - Its arguments are tensors, plain values (functions, flex attention's BlockMask), and at most one
   key/value cache: Hugging Face's attention updates its cache inside, so each shard's run gets a view
   of that shard's heads and the cache is updated once per call (``_sub_block_cache.py``); any other
@@ -79,13 +86,27 @@ from ._wire import Message, Segment, segment
 from ._ring import DeferredHop, Phase
 from ._sub_block_cache import SubBlockCache, shard_cache_arguments
 
+# Hugging Face's plan strings (``transformers.distributed.tensor_parallel``), as a ring plan reads them.
+# A colwise Linear and its rowwise sibling form a sub-block.
 _COLWISE = ("colwise", "local_colwise")
 _ROWWISE = ("rowwise", "local_rowwise")
+# A parameter replicated on every tensor-parallel rank whose gradient there is partial: a norm between a
+# colwise and a rowwise Linear that acts on each rank's own heads (Qwen3's per-head ``q_norm``). Inside a
+# sub-block it is used whole at every ring step, and its gradient is the sum over the steps.
+_PER_SHARD = ("replicated_with_grad_allreduce",)
+# Every other string leaves its module to rsdp's own sharding, which is exact for each: a Linear whose
+# input or output is whole ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
+# "rowwise_rep") rotates alone, an Embedding ("embedding_rowwise") on its own ring; packed experts
+# ("packed_colwise", "moe_tp_experts") rotate op by op, and what only reshapes or reduces activations
+# under tensor parallelism ("sequence_parallel", "all_reduce", "local_params", "replicate",
+# "mla_kv_a_proj", "moe_identity_expert") has nothing to do here. Inside a sub-block, those modules'
+# parameters make it refused (below), naming the entries to drop.
 
 
 def _style(style) -> str | None:
+    """"colwise", "rowwise", "per_shard", or None (left to rsdp's own sharding) for a plan's value."""
     if isinstance(style, str):
-        return "colwise" if style in _COLWISE else "rowwise" if style in _ROWWISE else None
+        return "colwise" if style in _COLWISE else "rowwise" if style in _ROWWISE else "per_shard" if style in _PER_SHARD else None
     if ColwiseParallel is not None and isinstance(style, ColwiseParallel):
         return "colwise"
     if RowwiseParallel is not None and isinstance(style, RowwiseParallel):
@@ -104,8 +125,15 @@ def _matches(name: str, key: str) -> bool:
 class SubBlock:
     """One planned sub-block: its module, colwise Linears, rowwise Linear, and its ring."""
 
-    def __init__(self, module: nn.Module, name: str, columns: list[nn.Linear], row: nn.Linear):
+    def __init__(
+        self, module: nn.Module, name: str, columns: list[nn.Linear], row: nn.Linear, per_shard: list[tuple[nn.Module, str]],
+        advice: str,
+    ):
         self.module, self.name, self.columns, self.row = module, name, columns, row
+        self.advice = advice  # which ring_plan entries to drop, for a refusal at its first call
+        # (module, parameter name) of each parameter used whole at every step (a per-head norm's weight):
+        # handed to the ring function as an input, so that its gradient, summed over the steps, reaches it.
+        self.per_shard = per_shard
         self.forward = type(module).forward  # the original forward, run once per shard
         self.ring: RingLayer | None = None
         # (Linear, attribute) of each parameter the ring function takes, in its order; a column
@@ -134,54 +162,77 @@ class SubBlock:
 
 
 def plan_sub_blocks(root: nn.Module, ring_plan: dict, world: int) -> list[SubBlock]:
-    """The sub-blocks ``ring_plan`` describes inside ``root``; raises if one cannot rotate as a whole."""
-    styles = {}
+    """The sub-blocks ``ring_plan`` describes inside ``root``; raises, naming the plan entries to drop,
+    if one cannot rotate as a whole."""
+    styles = {}  # submodule name -> (kind, module, the plan key that named it)
     for name, module in root.named_modules():
         for key, style in ring_plan.items():
             kind = _style(style)
             if kind is not None and _matches(name, key):
-                styles[name] = (kind, module)
+                styles[name] = (kind, module, key)
                 break
-    blocks = []
-    for name, (kind, row) in styles.items():
-        if kind != "rowwise":
-            continue
-        parent_name = name.rpartition(".")[0]
-        parent = root.get_submodule(parent_name)
-        columns = [
-            module
-            for column_name, (column_kind, module) in styles.items()
-            if column_kind == "colwise" and column_name.rpartition(".")[0] == parent_name
-        ]
-        where = f"ring_plan: sub-block {parent_name or type(root).__qualname__!r}"
-        linears = [row, *columns]
-        if not columns:
-            raise ValueError(f"{where} has a rowwise Linear {name!r} but no colwise sibling to pair it with.")
-        if any(type(linear) is not nn.Linear for linear in linears):
-            found = [f"{type(m).__module__}.{type(m).__qualname__}" for m in linears]
-            raise ValueError(
-                f"{where}: planned modules must be plain nn.Linear (found {found}); leave the others out of ring_plan "
-                "(Linears wrapped with LoRA adapters, for one)."
-            )
-        uneven = [n for n in [row.in_features] + [c.out_features for c in columns] if n % world]
-        if uneven:
-            raise ValueError(
-                f"{where}: the colwise out_features and the rowwise in_features must divide by the {world} "
-                f"ranks of the shard group, as with tensor parallelism; found {uneven}. Leave the sub-block "
-                "out of ring_plan (its Linears still rotate, one ring each)."
-            )
-        planned = {id(p) for linear in linears for p in linear.parameters()}
-        others = [n for n, p in parent.named_parameters() if id(p) not in planned]
-        other_linears = [n for n, m in parent.named_modules() if isinstance(m, nn.Linear) and m not in linears]
-        if others or other_linears:
-            raise ValueError(
-                f"{where} holds parameters or Linears besides its plan's ({others or other_linears}); "
-                "its forward runs once per shard, so it may hold no others. Plan a smaller sub-block."
-            )
-        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in parent.modules()):
-            raise ValueError(f"{where} has dropout; a ring sub-block runs once per shard and must be deterministic.")
-        blocks.append(SubBlock(parent, parent_name, columns, row))
-    return blocks
+    rows_by_parent: dict[str, list[str]] = {}
+    for name, (kind, _, _) in styles.items():
+        if kind == "rowwise":
+            rows_by_parent.setdefault(name.rpartition(".")[0], []).append(name)
+    return [_sub_block(root, parent_name, rows, styles, world) for parent_name, rows in rows_by_parent.items()]
+
+
+def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict, world: int) -> SubBlock:
+    """The sub-block ``parent_name`` with its rowwise Linears ``rows``, checked whole."""
+    parent = root.get_submodule(parent_name)
+    prefix = f"{parent_name}." if parent_name else ""
+    inside = {name: value for name, value in styles.items() if name.startswith(prefix) and name != parent_name}
+    columns = [module for name, (kind, module, _) in inside.items() if kind == "colwise" and name.rpartition(".")[0] == parent_name]
+    per_shard_modules = [module for kind, module, _ in inside.values() if kind == "per_shard"]
+    drop = sorted({key for kind, _, key in inside.values() if kind is not None})
+    where = f"ring_plan: sub-block {parent_name or type(root).__qualname__!r}"
+    advice = f" Drop these ring_plan entries: {drop} (its Linears then rotate one ring each)."
+    if len(rows) > 1:
+        raise ValueError(f"{where} has {len(rows)} rowwise Linears ({rows}); a sub-block sums one Linear's partial outputs.{advice}")
+    row = styles[rows[0]][1]
+    if not columns:
+        raise ValueError(f"{where} has a rowwise Linear {rows[0]!r} but no colwise sibling to pair it with.{advice}")
+    linears = [row, *columns]
+    if any(type(linear) is not nn.Linear for linear in linears):
+        found = [f"{type(m).__module__}.{type(m).__qualname__}" for m in linears]
+        raise ValueError(
+            f"{where}: planned modules must be plain nn.Linear (found {found}); leave the others out of ring_plan "
+            "(Linears wrapped with LoRA adapters, for one)."
+        )
+    uneven = [n for n in [row.in_features] + [c.out_features for c in columns] if n % world]
+    if uneven:
+        raise ValueError(
+            f"{where}: the colwise out_features and the rowwise in_features must divide by the {world} "
+            f"ranks of the shard group, as with tensor parallelism; found {uneven}.{advice}"
+        )
+    planned = {id(p) for linear in linears for p in linear.parameters()}
+    per_shard = [(module, name) for module in per_shard_modules for name, p in module.named_parameters(recurse=False) if id(p) not in planned]
+    per_shard_ids = {id(getattr(module, name)) for module, name in per_shard}
+    others = [n for n, p in parent.named_parameters() if id(p) not in planned and id(p) not in per_shard_ids]
+    other_linears = [n for n, m in parent.named_modules() if isinstance(m, nn.Linear) and m not in linears]
+    if others or other_linears:
+        raise ValueError(
+            f"{where} holds parameters or Linears besides its plan's ({others or other_linears}); its forward "
+            "runs once per shard, so any other may only be a per-head norm named 'replicated_with_grad_allreduce'."
+            f"{advice}"
+        )
+    matrices = [f"{prefix}{n}" for n, p in parent.named_parameters() if id(p) in per_shard_ids and p.dim() > 1]
+    if matrices:
+        raise ValueError(f"{where}: its 'replicated_with_grad_allreduce' parameters must be vectors (a norm's weight); found {matrices}.{advice}")
+    # A vector as wide as a colwise output is a norm over all its heads (OLMo2's q_norm), which a shard of
+    # heads cannot compute alone; a per-head one is a head wide. One shard is all heads.
+    widths = {column.out_features for column in columns}
+    full_width = [f"{prefix}{n}" for n, p in parent.named_parameters() if id(p) in per_shard_ids and p.dim() == 1 and world > 1 and p.numel() in widths]
+    if full_width:
+        raise ValueError(
+            f"{where}: {full_width} span a colwise Linear's whole output (a norm over all heads), which a shard "
+            "of heads cannot compute alone; gather those Linears' output instead ('colwise_gather_output', as "
+            f"OLMo2's plan does).{advice}"
+        )
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in parent.modules()):
+        raise ValueError(f"{where} has dropout; a ring sub-block runs once per shard and must be deterministic.{advice}")
+    return SubBlock(parent, parent_name, columns, row, per_shard, advice)
 
 
 class RingSubBlock:
@@ -199,12 +250,13 @@ class RingSubBlock:
             differentiable = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (*leaves, *params) if isinstance(t, torch.Tensor)
             )
-            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.state.ring.size, differentiable)
+            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.state.ring.size, differentiable, block.advice)
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         call = _Call(block, leaves, spec, tensor_at, cache)
         # Decided here: inside the autograd Function's forward, grad mode is off.
         call.keeps_graphs = torch.is_grad_enabled() and not saved_tensors_hooks_active()
-        total = _RingSubBlockFunction.apply(call, *(leaves[i] for i in tensor_at), *params)
+        per_shard = [module._parameters[name] for module, name in block.per_shard]  # as installed: gathered
+        total = _RingSubBlockFunction.apply(call, *(leaves[i] for i in tensor_at), *per_shard, *params)
         if block.row.bias is not None:
             total = total + autocast_like(block.row.bias, total)
         return call.rebuild(total)
@@ -215,18 +267,27 @@ class _Call:
 
     def __init__(self, block: SubBlock, leaves: list, spec, tensor_at: list[int], cache: SubBlockCache | None):
         self.block, self.leaves, self.spec, self.tensor_at = block, leaves, spec, tensor_at
+        # The ring function's tensors: the call's, then the parameters the sub-block uses whole at each step.
+        self.tensor_count = len(tensor_at) + len(block.per_shard)
         self.cache = cache  # the KV cache the call was given, handed to each shard's run as a view
         self.output_spec, self.output_position = None, None
         self.keeps_graphs = False
 
     def arguments(self, tensors: list[torch.Tensor]) -> "_Arguments":
-        """The call's arguments with ``tensors`` for its tensors: made once for a ring's steps, which all
-        take the same."""
+        """The call's arguments with ``tensors`` for its tensors (then its per-shard parameters): made
+        once for a ring's steps, which all take the same."""
         leaves = list(self.leaves)
         for index, tensor in zip(self.tensor_at, tensors):
             leaves[index] = tensor
         args, kwargs = (tuple(leaves), {}) if self.spec is None else tree_unflatten(leaves, self.spec)
-        return _Arguments(args, kwargs, tensors)
+        count = len(self.tensor_at)
+        return _Arguments(args, kwargs, tensors[:count], tensors[count:])
+
+    def cast(self, tensors, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The call's floating tensors in ``dtype`` (the inputs' compute dtype); its per-shard parameters
+        stay as installed, as the stock sub-block reads them."""
+        count = len(self.tensor_at)
+        return [t.to(dtype) if i < count and t.is_floating_point() else t for i, t in enumerate(tensors)]
 
     def run(self, arguments: "_Arguments", shard: int, shard_params) -> torch.Tensor:
         """The sub-block's forward on ``arguments`` (as ``arguments()`` makes them) with shard ``shard``'s
@@ -242,6 +303,11 @@ class _Call:
         # which would cost a small sub-block step much of its host time; and not through the ring
         # Linear's own forward, whose compiler-disable wrapper adds Python calls to each.
         produced = []
+        # The per-shard parameters as this ring's steps take them (leaves of their own, kept graphs'),
+        # in place of the installed ones, which come back after the step.
+        installed = [module._parameters[name] for module, name in block.per_shard]
+        for (module, name), value in zip(block.per_shard, arguments.per_shard):
+            module._parameters[name] = value
         for linear, (weight_t, bias) in zip(linears, shard_params):
             linear.__dict__["forward"] = functools.partial(
                 _shard_product, weight_t, bias, arguments, produced if linear is block.row else None
@@ -251,6 +317,8 @@ class _Call:
         finally:
             for linear in linears:
                 del linear.__dict__["forward"]
+            for (module, name), value in zip(block.per_shard, installed):
+                module._parameters[name] = value
         # A lone tensor, the usual output, needs no pytree.
         out_leaves, self.output_spec = ([output], None) if isinstance(output, torch.Tensor) else tree_flatten(output)
         produced = produced[-1] if produced else None  # the rowwise Linear's output, if it ran
@@ -258,7 +326,8 @@ class _Call:
         if len(positions) != 1 or any(leaf is not None for leaf in out_leaves if leaf is not produced):
             raise ValueError(
                 f"rsdp ring_plan: sub-block {block.name!r} must return its rowwise Linear's output (or a tuple "
-                "of it and Nones); its partial outputs are summed. Plan a sub-block that does."
+                "of it and Nones, as Hugging Face's sdpa attention does; eager attention returns its weights); its "
+                f"partial outputs are summed.{block.advice}"
             )
         self.output_position = positions[0]
         return produced
@@ -285,8 +354,8 @@ class _Arguments:
     Linears take them (``[tokens, features]``): once for every step and Linear that reads one (q, k and
     v read the block's input at each of the W steps), not once per product."""
 
-    def __init__(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]):
-        self.args, self.kwargs = args, kwargs
+    def __init__(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor], per_shard: list[torch.Tensor]):
+        self.args, self.kwargs, self.per_shard = args, kwargs, per_shard
         # id -> (tensor, its version when flattened, the flat view or None): the tensors are held, so
         # their ids stay theirs; a tensor changed in place since is flattened again.
         self._flat = {id(t): (t, -1, None) for t in tensors}
@@ -396,15 +465,15 @@ class _SubBlockForward:
         self.layer = call.block.ring
         state, ring = self.layer.state, self.layer.state.ring
         self.ring = ring
-        tensors = tensors_and_params[: len(call.tensor_at)]
-        self.params = params = tensors_and_params[len(call.tensor_at) :]
+        tensors = tensors_and_params[: call.tensor_count]
+        self.params = params = tensors_and_params[call.tensor_count :]
         present = [p for p in params if p is not None]
         # Inputs in the policy's compute dtype (as FSDP2 casts them); the weights in the dtype the
         # sub-block's matmuls use, which autocast, where it is on, may lower further.
         self.input_dtype = state.compute_dtype(present[0].dtype)
         self.dtype = state.matmul_dtype(present[0].dtype)
         self.message = ring.context.buffers.message_of(call.block.segments(self.dtype, ring.size))
-        self.cast = [t.to(self.input_dtype) if t.is_floating_point() else t for t in tensors]
+        self.cast = call.cast(tensors, self.input_dtype)
         self.row_layout = self.message.segments[-1].layout  # the cached message's: its bounds are computed once
         self.graphs = None
         if call.keeps_graphs and any(needs):
@@ -481,7 +550,7 @@ class _SubBlockBackward:
         self.state, self.ring = self.layer.state, self.layer.state.ring
         self.graphs, self.input_dtype, self.autocast = ctx.graphs, ctx.input_dtype, ctx.autocast
         saved = ctx.saved_tensors
-        n = len(self.call.tensor_at)
+        n = self.call.tensor_count
         self.tensors, self.params = saved[:n], saved[n:]
         dtype = ctx.dtype
         self.needs_inputs = ctx.needs_input_grad[1 : 1 + n]
@@ -538,10 +607,7 @@ class _SubBlockBackward:
     def _recomputed(self, shard: int, operands: list[torch.Tensor]) -> tuple:
         """The gradients of ``step``, from the sub-block's forward for ``shard`` run again."""
         leaves = _weight_leaves(operands, [self.needs_params[i] for i in self.present])
-        inputs = [
-            (t.detach().to(self.input_dtype) if t.is_floating_point() else t.detach()).requires_grad_(need)
-            for t, need in zip(self.tensors, self.needs_inputs)
-        ]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(self.call.cast(self.tensors, self.input_dtype), self.needs_inputs)]
         autocast = torch.autocast(self.ring.device.type, dtype=self.autocast, enabled=self.autocast is not None)
         with torch.enable_grad(), autocast:
             partial = self.call.run(self.call.arguments(inputs), shard, _shard_params(self.block, leaves))

@@ -73,12 +73,12 @@ def _supported_cache_types():
 
 
 def shard_cache_arguments(
-    block_name: str, leaves: list, world: int, differentiable: bool
+    block_name: str, leaves: list, world: int, differentiable: bool, advice: str
 ) -> tuple[list, "SubBlockCache | None"]:
     """A sub-block call's argument leaves with its cache (if any) replaced by a ``ShardCacheView``, and
     the cache's ``SubBlockCache``; raises for any other leaf that is not a tensor or a plain value.
     ``differentiable``: whether the call's output may be backpropagated (grad mode on and some input or
-    parameter requiring grad)."""
+    parameter requiring grad). ``advice``: which ring_plan entries to drop, ending a refusal."""
     cache_types, layer_types = _supported_cache_types()
     cache = None
     leaves = list(leaves)
@@ -92,7 +92,7 @@ def shard_cache_arguments(
                 "counter) would be changed once per shard, and rsdp cannot tell which objects stay unchanged: "
                 "it takes tensors, plain values, functions and flex attention's BlockMask, makes Hugging Face's "
                 "DynamicCache and StaticCache exact, and refuses other objects. Pass use_cache=False (or one of "
-                "those caches), or leave the sub-block out of ring_plan."
+                f"those caches), or leave the sub-block out of ring_plan.{advice}"
             )
         unsupported = [type(layer).__name__ for layer in leaf.layers if type(layer) not in layer_types]
         replicated = leaf.layer_class_to_replicate
@@ -106,7 +106,7 @@ def shard_cache_arguments(
             raise TypeError(
                 f"{where} with {problem}; a planned sub-block's cache is updated per shard of heads, which rsdp "
                 "does for dynamic and static full or sliding-window layers, not offloaded, one cache per call. Use "
-                "such a cache, use_cache=False, or leave the sub-block out of ring_plan."
+                f"such a cache, use_cache=False, or leave the sub-block out of ring_plan.{advice}"
             )
         cache = SubBlockCache(block_name, leaf, world, differentiable)
         leaves[index] = cache.view
