@@ -109,6 +109,36 @@ class Link:
 
 
 @dataclasses.dataclass(frozen=True)
+class Work:
+    """The work of a part's forward outside its matrix products, by kind, each timed at its own rate:
+    attention's FLOPs (``attention_flops`` as ``torch.utils.flop_counter`` counts them, every score of
+    the square; ``attention_executed_flops`` what a flash kernel runs: half of them when causal), and
+    the bytes that memory-bound ops read and write (every input and output of an op that is not a view
+    or a matrix product), in norms (inside a module whose type's name ends in ``Norm``), in the loss
+    (after the model's forward returned) and in every other elementwise op."""
+
+    attention_flops: float = 0
+    attention_executed_flops: float = 0
+    norm_bytes: float = 0
+    elementwise_bytes: float = 0
+    loss_bytes: float = 0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __sub__(self, other: "Work") -> "Work":
+        return Work(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def backward(self) -> "Work":
+        """The backward's work for this forward: a flash backward runs 2.5 times its forward's FLOPs
+        (five matrix products of the tile to the forward's two; FlashAttention-2, Dao 2023, section 3.1),
+        counted twice the forward's as every counted FLOP is; a memory-bound op's gradient reads the
+        output's gradient and what the op saved and writes the input's gradient: twice its forward's bytes."""
+        return Work(2 * self.attention_flops, 2.5 * self.attention_executed_flops,
+                    2 * self.norm_bytes, 2 * self.elementwise_bytes, 2 * self.loss_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
 class CostModel:
     world_size: int
     flops_per_s: float  # achieved per device: a training step's rate (or whole GEMMs' where no step was measured)
@@ -145,6 +175,14 @@ class CostModel:
     # in for the step's elementwise and normalisation work too, which the count gives no FLOPs). Then
     # the Linears' FLOPs run at ``gemm_flops_per_s`` and the rest at this; None: every FLOP at ``flops_per_s``.
     other_flops_per_s: float | None = None
+    # The work outside the matrix products by kind (``Work``), each at its own rate where
+    # ``attention_flops_per_s`` is set (then every matrix product runs at ``gemm_flops_per_s``, and
+    # ``other_flops_per_s`` is not used): flash attention's executed FLOPs, and the bytes that norms,
+    # elementwise ops and the loss move. A byte rate left None: that kind is not charged.
+    attention_flops_per_s: float | None = None
+    norm_bytes_per_s: float | None = None
+    elementwise_bytes_per_s: float | None = None
+    loss_bytes_per_s: float | None = None
     # FSDP2's own work beside the wire per stored parameter byte of a unit, (forward, backward): its
     # copies into and out of the collectives' buffers, the pre-division, its hooks (``rsdp calibrate``
     # measures them on the fake process group; 0: not modelled). It runs where the compute runs.
@@ -157,8 +195,17 @@ class CostModel:
     reduce_scatter: Link | None = None
     all_reduce: Link | None = None
 
-    def compute_seconds(self, flops: float, linear_flops: float) -> float:
-        """``flops`` of which ``linear_flops`` are the Linears' GEMMs, at the rates that were measured."""
+    def compute_seconds(self, flops: float, linear_flops: float, work: Work = Work()) -> float:
+        """``flops`` of which ``linear_flops`` are the Linears' GEMMs and ``work`` the rest by kind, at
+        the rates that were measured."""
+        if self.attention_flops_per_s:
+            matmuls = max(flops - work.attention_flops, 0.0)  # the Linears' and any other matrix product
+            seconds = matmuls / (self.gemm_flops_per_s or self.flops_per_s)
+            seconds += work.attention_executed_flops / self.attention_flops_per_s
+            for nbytes, rate in ((work.norm_bytes, self.norm_bytes_per_s), (work.elementwise_bytes, self.elementwise_bytes_per_s),
+                                 (work.loss_bytes, self.loss_bytes_per_s)):
+                seconds += nbytes / rate if rate else 0.0
+            return seconds
         if self.gemm_flops_per_s and self.other_flops_per_s:
             return linear_flops / self.gemm_flops_per_s + (flops - linear_flops) / self.other_flops_per_s
         return flops / self.flops_per_s
@@ -189,6 +236,8 @@ class PartCounts:
     recomputed_flops: int = 0  # what activation checkpointing runs again in its backward
     calls: int = 0  # its forwards in a step: 1, or a chunked loss's chunks for its head
     linear_flops: int = 0  # of them, the Linears' GEMMs (what rsdp splits into shards)
+    forward_work: Work = Work()  # its forward's attention and memory-bound work (``Work``)
+    recomputed_work: Work = Work()  # of that, what activation checkpointing runs again in backward
     itemsize: int = 0  # of its parameters as the model stores them (before a mixed-precision cast)
 
     def add_layer(self, module: nn.Module, seen: set[int]) -> None:
@@ -236,15 +285,18 @@ class _MetaStorages(TorchDispatchMode):
         self.allocations = 0
         self.allocation_of: dict[int, int] = {}  # live storage identity -> its allocation's number
         self.flops = 0
+        self.work = Work()  # by kind (``Work``), counted where the FLOPs are
         self.counting_flops = True
         self.recomputing = False
+        self.norm_depth = 0  # inside a norm module (``_StepCounter``'s hooks say so)
+        self.in_loss = False  # after the model's forward returned, before the backward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         counted = self.recomputing or (self.counting_flops and not in_backward())
-        if counted and func._overloadpacket in flop_registry:
-            self.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+        if counted:
+            self._count(func, args, kwargs, out)
         if all(ret.alias_info is None for ret in func._schema.returns):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
@@ -256,6 +308,24 @@ class _MetaStorages(TorchDispatchMode):
                     self.log.append((_ALLOCATED, self.allocations, key, storage.nbytes()))
                     self.allocations += 1
         return out
+
+    def _count(self, func, args, kwargs, out) -> None:
+        """``func``'s FLOPs, and its work by kind (``Work``)."""
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            self.flops += flops
+            if packet in _ATTENTION:
+                executed = flops / 2 if _argument(func, args, kwargs, "is_causal") else flops
+                self.work += Work(attention_flops=flops, attention_executed_flops=executed)
+            return
+        if func.is_view or packet.__name__.startswith(_NO_TRAFFIC):
+            return
+        moved = tree_leaves(out) if packet.__name__.startswith(_LOOKUPS) else tree_leaves((args, kwargs, out))
+        nbytes = sum(t.numel() * t.element_size() for t in moved if isinstance(t, torch.Tensor))
+        nbytes *= 2 if packet.__name__.startswith(_LOOKUPS) else 1
+        kind = "loss_bytes" if self.in_loss else "norm_bytes" if self.norm_depth else "elementwise_bytes"
+        self.work += Work(**{kind: nbytes})
 
     def _freed_storage(self, key: int) -> None:
         del self.allocation_of[key]
@@ -287,6 +357,33 @@ class _MetaStorages(TorchDispatchMode):
 
 
 _ALLOCATED, _FREED, _MARKED = range(3)
+# Attention ops: their FLOPs run at their own rate (``Work``).
+_ATTENTION = {
+    packet for packet in flop_registry
+    if isinstance(packet, torch._ops.OpOverloadPacket) and "attention" in packet.__name__
+}
+# Ops that allocate without reading or writing the memory.
+# (``_unsafe_view`` is a view that does not say so.)
+_NO_TRAFFIC = ("empty", "new_empty", "detach", "lift_fresh", "_local_scalar_dense", "_unsafe_view")
+# Lookups read the rows they return, not their whole table: their output's bytes twice.
+_LOOKUPS = ("embedding", "nll_loss_forward", "gather", "index_select")
+
+
+def _argument(func, args: tuple, kwargs: dict, name: str):
+    """The value of ``func``'s argument ``name`` in a call (its default when not passed)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return kwargs[name] if name in kwargs else args[index] if index < len(args) else argument.default_value
+    return None
+
+
+def work_of(fn, *inputs: torch.Tensor) -> Work:
+    """The work of ``fn(*inputs)`` as the count charges it, counted on the meta device (its memory-bound
+    bytes as elementwise ones): what ``rsdp calibrate`` divides by the time the same call takes."""
+    storages, inputs = _MetaStorages(), [tensor.to("meta") for tensor in inputs]
+    with storages:
+        fn(*inputs)
+    return storages.work
 
 
 def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, param_dtype: torch.dtype | None = None) -> Counts:
@@ -380,7 +477,7 @@ class _StepCounter:
                 self.per_unit[name].add_layer(module, self.seen)
         self.unit_of = {id(m): self.per_unit[name] for name in units for m in meta.get_submodule(name).modules()}
         self.storages = _MetaStorages()
-        self.section, self.flops_at_entry, self.forward = self.before, 0, True
+        self.section, self.flops_at_entry, self.work_at_entry, self.forward = self.before, 0, Work(), True
         # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``). An
         # input is known by a serial number, dropped when it dies: a checkpointed region frees its
         # intermediates at once, and a new tensor may then get a freed one's id.
@@ -391,6 +488,7 @@ class _StepCounter:
         # Counted from the outermost such forward to its end (ops a selective policy saved are not run
         # again: the checkpoint's mode answers them before this one sees them).
         self.recompute_depth, self.recomputed_section, self.recompute_flops_at_entry = 0, None, 0
+        self.recompute_work_at_entry = Work()
         self.gradients: set[int] = set()  # the allocations of the parameters' gradients
 
     def hooks(self) -> list:
@@ -402,6 +500,9 @@ class _StepCounter:
         for module in self.meta.modules():
             handles.append(module.register_forward_pre_hook(self.recompute_begins))
             handles.append(module.register_forward_hook(self.recompute_ends))
+            if type(module).__name__.endswith("Norm"):  # its ops' bytes are norms' (``Work``)
+                handles.append(module.register_forward_pre_hook(lambda m, args: self.enter_norm(1)))
+                handles.append(module.register_forward_hook(lambda m, args, out: self.enter_norm(-1)))
             if id(module) not in self.unit_of and any(True for _ in module.parameters(recurse=False)):
                 handles.append(module.register_forward_pre_hook(self.note_root_layer))
             if isinstance(module, nn.Linear):
@@ -410,12 +511,15 @@ class _StepCounter:
                 handles.append(module.register_forward_pre_hook(self.note_embedding))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 handles.append(module.register_forward_hook(self.note_ring_output))
+        # What runs after the model's forward returned is the loss's (``Work``).
+        handles.append(self.meta.register_forward_hook(lambda m, args, out: setattr(self.storages, "in_loss", True)))
         handles += [param.register_post_accumulate_grad_hook(self.drop_gradient) for param in self.meta.parameters() if param.requires_grad]
         return handles
 
     def step(self, timeline) -> None:
         loss = self.loss_fn(self.meta, self.batch)
         self.switch_to(self.after)
+        self.storages.in_loss = False  # a recomputation in backward is no loss's
         self.forward = self.storages.counting_flops = False
         loss.backward()
         del loss  # freed before the mark, as a step that never names it frees it
@@ -423,7 +527,11 @@ class _StepCounter:
 
     def switch_to(self, section: PartCounts) -> None:
         self.section.forward_flops += self.storages.flops - self.flops_at_entry
-        self.section, self.flops_at_entry = section, self.storages.flops
+        self.section.forward_work += self.storages.work - self.work_at_entry
+        self.section, self.flops_at_entry, self.work_at_entry = section, self.storages.flops, self.storages.work
+
+    def enter_norm(self, depth: int) -> None:
+        self.storages.norm_depth += depth
 
     def enter_unit(self, name: str) -> None:
         if self.forward:  # not a recomputation
@@ -460,6 +568,7 @@ class _StepCounter:
             return
         if self.recompute_depth == 0:
             self.recomputed_section, self.recompute_flops_at_entry = self.unit_of[id(module)], self.storages.flops
+            self.recompute_work_at_entry = self.storages.work
             self.storages.recomputing = True
         self.recompute_depth += 1
 
@@ -469,6 +578,7 @@ class _StepCounter:
         self.recompute_depth -= 1
         if self.recompute_depth == 0:
             self.recomputed_section.recomputed_flops += self.storages.flops - self.recompute_flops_at_entry
+            self.recomputed_section.recomputed_work += self.storages.work - self.recompute_work_at_entry
             self.storages.recomputing = False
 
     def drop_gradient(self, param: nn.Parameter) -> None:
@@ -535,7 +645,8 @@ class _Parallelism:
         cost, world, counts = self.cost, self.cost.world_size, self.counts
         # The Linears' share of the phase's FLOPs (activation checkpointing recomputes in proportion).
         linear = counts.linear_flops * flops / counts.forward_flops if counts.forward_flops else 0.0
-        compute = cost.compute_seconds(flops, linear)
+        work = counts.forward_work.backward() + counts.recomputed_work if backward else counts.forward_work
+        compute = cost.compute_seconds(flops, linear, work)
         if world == 1 or counts.param_bytes == 0:
             return compute
         share = (world - 1) / world

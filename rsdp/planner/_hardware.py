@@ -45,6 +45,8 @@ import torch
 from ._cost_model import CostModel, Link
 
 LINK_OPS = ("send_recv", "all_gather", "reduce_scatter", "all_reduce")
+# The rates of the work outside the matrix products (``_cost_model.Work``), as CostModel names them.
+WORK_RATES = ("attention_flops_per_s", "norm_bytes_per_s", "elementwise_bytes_per_s", "loss_bytes_per_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,11 @@ class Hardware:
     # FSDP2's own work per stored parameter byte beside the wire, forward and backward (CostModel's).
     fsdp_overhead_s_per_byte: tuple[float, float] = (0.0, 0.0)
     replicate_overhead_s_per_byte: tuple[float, float] = (0.0, 0.0)
+    # The work outside the matrix products by kind, each at its own rate (CostModel's; ``WORK_RATES``).
+    attention_flops_per_s: float | None = None
+    norm_bytes_per_s: float | None = None
+    elementwise_bytes_per_s: float | None = None
+    loss_bytes_per_s: float | None = None
 
     def efficiency_at(self, world_size: int) -> float:
         """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
@@ -93,10 +100,12 @@ class Hardware:
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s, other_flops_per_s=self.other_flops_per_s,
             fsdp_overhead_s_per_byte=self.fsdp_overhead_s_per_byte,
             replicate_overhead_s_per_byte=self.replicate_overhead_s_per_byte, **self.links,
+            **{rate: getattr(self, rate) for rate in WORK_RATES},
         )
         fields.update({name: value for name, value in overrides.items() if value is not None})
         if overrides.get("flops_per_s") is not None:  # one given rate for every FLOP replaces the measured split
             fields["other_flops_per_s"] = None
+            fields.update(dict.fromkeys(WORK_RATES))
         if {"bandwidth_bytes_per_s", "latency_s"} & {k for k, v in overrides.items() if v is not None}:
             for op in LINK_OPS:  # an overridden default link replaces the fitted ones
                 fields.pop(op, None)
@@ -113,6 +122,7 @@ class Hardware:
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s, "other_flops_per_s": self.other_flops_per_s,
             "fsdp_overhead_s_per_byte": list(self.fsdp_overhead_s_per_byte),
             "replicate_overhead_s_per_byte": list(self.replicate_overhead_s_per_byte),
+            **{rate: getattr(self, rate) for rate in WORK_RATES},
         }
 
 
@@ -138,12 +148,22 @@ _ACHIEVED = {
             "53.9 TFLOP as the cost model counts them (47.3 of them the Linears') in 120.4 ms (W=8; 120.5 and "
             "120.9 at W=4 and 2) = 447 TFLOP/s = 45.2% of peak; whole GEMMs alone: 743 TFLOP/s, so the Linears "
             "take 63.6 ms and the other 6.6 TFLOP (attention, standing in for the elementwise work) 56.8 ms: "
-            "116 TFLOP/s; partial GEMMs: that run's split-GEMM table at 8192 tokens, "
+            "116 TFLOP/s (no longer charged: the kinds below replace it); partial GEMMs: that run's split-GEMM table at 8192 tokens, "
             "FLOP-weighted over 32 layers and the head (0.96, 0.90, 0.80 at W = 2, 4, 8); host per ring step: "
             "rsdp's host issue time over FSDP2's at W=8, seq 2048 (46.5 - 28.3 ms) over its 132 exchanges"
         ),
     ),
 }
+# The work outside the matrix products on an H100 SXM, each rate from a published measurement of that
+# kind of kernel, none fitted to a training run.
+_H100_WORK = (
+    dict(attention_flops_per_s=333e12, norm_bytes_per_s=2.8e12, elementwise_bytes_per_s=2.8e12, loss_bytes_per_s=2.8e12),
+    "attention 333 TFLOP/s: FlashAttention-2's causal forward at head dim 128, sequence 8k on an H100 80GB SXM5 "
+    "(FlashAttention-3 paper, Shah et al. 2024, arXiv 2407.08608, forward-speed figure: 298 at 2k, 335 at 16k), its "
+    "causal FLOPs counted as half the square's, the backward (2.5x the forward's FLOPs) assumed at the same rate; "
+    "norms, elementwise ops and the loss 2.8 TB/s each: coalesced HBM3 reads measured at 84% of the 3.35 TB/s "
+    "datasheet figure under Nsight Compute (mikamirai.com/blog/gpu-memory-bandwidth); `rsdp calibrate` measures each",
+)
 _LINKS = {  # bytes/s per GPU each way and its source
     ("h100-sxm", "nvlink"): (450e9, "NVLink 4: 900 GB/s per GPU, both directions together (450 GB/s each way)"),
     ("h100-sxm", "infiniband"): (50e9, "one 400 Gb/s NDR InfiniBand link (ConnectX-7) per GPU = 50 GB/s"),
@@ -184,14 +204,13 @@ def _preset(chip: str, link: str, rate: float, link_source: str) -> Hardware:
         return Hardware(peak, rate, _LATENCY_S, f"{peak_source} (no achieved rate measured: step times are lower bounds); "
                         f"{link_source}; {links_source}; {reserved_source}", links=links, reserved_per_allocated=reserved,
                         memory_bandwidth_bytes_per_s=memory_bandwidth)
-    gemm_seconds = achieved["step_linear_flops"] / achieved["gemm_flops_per_s"]
-    other_flops_per_s = (achieved["step_flops"] - achieved["step_linear_flops"]) / (achieved["step_seconds"] - gemm_seconds)
+    work_rates, work_source = _H100_WORK
     return Hardware(
         achieved["step_flops"] / achieved["step_seconds"], rate, _LATENCY_S,
-        f"{peak_source}; {achieved['source']}; {link_source}; {links_source}; {reserved_source}",
+        f"{peak_source}; {achieved['source']}; {work_source}; {link_source}; {links_source}; {reserved_source}",
         partial_gemm_efficiency=achieved["partial_gemm_efficiency"], ring_step_host_s=achieved["ring_step_host_s"],
         links=links, gemm_flops_per_s=achieved["gemm_flops_per_s"], reserved_per_allocated=reserved,
-        memory_bandwidth_bytes_per_s=memory_bandwidth, other_flops_per_s=other_flops_per_s,
+        memory_bandwidth_bytes_per_s=memory_bandwidth, **work_rates,
     )
 
 
@@ -246,6 +265,7 @@ def from_json(values: dict, source: str) -> Hardware:
         other_flops_per_s=float(values["other_flops_per_s"]) if values.get("other_flops_per_s") else None,
         fsdp_overhead_s_per_byte=_pair(values.get("fsdp_overhead_s_per_byte")),
         replicate_overhead_s_per_byte=_pair(values.get("replicate_overhead_s_per_byte")),
+        **{rate: float(values[rate]) if values.get(rate) else None for rate in WORK_RATES},
     )
 
 
