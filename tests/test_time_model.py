@@ -274,3 +274,58 @@ def test_the_h100_preset_charges_each_kind_at_a_cited_rate():
     assert "2407.08608" in source and "84%" in source
     # One given rate for every FLOP (--flops) replaces the split.
     assert _hardware.PRESETS["h100-sxm-nvlink"].cost_model(8, flops_per_s=1e14).attention_flops_per_s is None
+
+
+def test_the_caching_allocator_model_rounds_splits_reuses_and_grows():
+    """``_allocator`` as ``CUDACachingAllocator.cpp`` does it: 512-byte rounding; 2 MiB segments for the
+    small pool, 20 MiB for requests under 10 MiB, 2 MiB multiples above; best fit among cached blocks,
+    split only where enough is left; freed blocks merge and stay reserved. With expandable segments a
+    request no gap fits grows its pool's one segment by whole 2 MiB pages."""
+    from rsdp.planner._allocator import CachingAllocator, reserved_peak, round_size, segment_size
+
+    MiB = 2**20
+    assert (round_size(1), round_size(513), round_size(1024)) == (512, 1024, 1024)
+    assert (segment_size(100), segment_size(3 * MiB), segment_size(11 * MiB + 1)) == (2 * MiB, 20 * MiB, 12 * MiB)
+    allocator = CachingAllocator()
+    a, b = allocator.malloc(4 * MiB), allocator.malloc(4 * MiB)  # one 20 MiB segment, split
+    assert allocator.reserved == 20 * MiB
+    allocator.free(a)
+    allocator.malloc(3 * MiB)  # fits the freed 4 MiB block: reused, its 1 MiB rest not split off
+    assert allocator.reserved == 20 * MiB
+    allocator.malloc(13 * MiB)  # the segment's 12 MiB rest is too small: a new 14 MiB segment
+    assert allocator.reserved == 34 * MiB and allocator.peak_allocated == 20 * MiB
+    allocator.free(b)
+
+    # A growing request after a freed smaller one: a new segment, or (expandable) the end grows.
+    log = [("malloc", 1, 12 * MiB), ("free", 1), ("malloc", 2, 16 * MiB)]
+    assert reserved_peak(log, expandable_segments=False) == (16 * MiB, 28 * MiB)
+    assert reserved_peak(log, expandable_segments=True) == (16 * MiB, 16 * MiB)
+    # A gap in the middle of an expandable segment is reused by what fits in it.
+    log = [("malloc", 1, 4 * MiB), ("malloc", 2, 4 * MiB), ("free", 1), ("malloc", 3, 2 * MiB), ("malloc", 4, 6 * MiB)]
+    assert reserved_peak(log, expandable_segments=True) == (12 * MiB, 14 * MiB)
+
+
+def test_a_caching_allocator_scales_every_byte_figure_by_the_replayed_factor():
+    import dataclasses
+
+    import torch
+
+    from models import TinyLM
+    from rsdp.planner._cost_model import count, estimate_root, estimate_units
+    from rsdp.planner._plan import _next_token_loss
+    from rsdp.planner._profile import find_units
+
+    model = TinyLM(vocab=256, dim=32, heads=4, hidden=64, layers=2)
+    counts = count(model, find_units(model), torch.zeros(2, 16, dtype=torch.long), _next_token_loss)
+    counts = dataclasses.replace(counts, reserved_per_allocated=(1.25, 1.5))
+    plain = CostModel(WORLD, flops_per_s=1e12, bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    for allocator, factor in ((None, 1.0), ("segments", 1.25), ("expandable_segments", 1.5)):
+        cost = dataclasses.replace(plain, caching_allocator=allocator)
+        assert cost.peak_is_reserved is (allocator is not None)
+        root, allocated_root = estimate_root(counts, Strategy.FSDP, cost), estimate_root(counts, Strategy.FSDP, plain)
+        assert root.static_bytes == round(allocated_root.static_bytes * factor)
+        unit = estimate_units(counts, Strategy.FSDP, Strategy.FSDP, cost)["layers.0"]
+        allocated = estimate_units(counts, Strategy.FSDP, Strategy.FSDP, plain)["layers.0"]
+        assert unit.forward.peak == round(allocated.forward.peak * factor)
+    with pytest.raises(ValueError, match="caching_allocator 'slab' is none of"):
+        dataclasses.replace(plain, caching_allocator="slab")

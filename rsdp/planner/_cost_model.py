@@ -92,6 +92,7 @@ from torch.utils.flop_counter import flop_registry
 from .._compat import TorchDispatchMode, in_backward, tree_leaves
 from .._fully_shard._checkpoint import in_ring_checkpoint_forward
 from ..policy import Strategy
+from ._allocator import reserved_peak
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
 from ._repeated_blocks import repeated_blocks
 
@@ -106,6 +107,9 @@ class Link:
 
     def seconds(self, nbytes: float, hops: int = 1) -> float:
         return hops * self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+CACHING_ALLOCATORS = (None, "segments", "expandable_segments")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +168,15 @@ class CostModel:
     # addcdiv_ into the parameter (4).
     memory_bandwidth_bytes_per_s: float | None = None
     optimizer_traffic_per_param_byte: float = 20.0
-    # What the caching allocator reserves per allocated byte at the peak (1: allocated bytes, as on CPU
-    # ranks; a GPU preset's figure otherwise, ``_hardware``): every byte figure is scaled by it, so the
-    # predicted peak, and what the budget is compared with, is the reserved peak.
+    # A fixed factor of reserved per allocated byte (a profile may give one; 1: none): every byte figure
+    # is scaled by it and by the caching allocator's (below), so the predicted peak, and what the budget
+    # is compared with, is the reserved peak.
     reserved_per_allocated: float = 1.0
+    # The caching allocator modelled (``_allocator``): None (CPU ranks: allocated bytes), "segments"
+    # (PyTorch's default) or "expandable_segments" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
+    # as torchtitan runs). Its factor, from replaying the counted step, scales every byte figure beside
+    # ``reserved_per_allocated``.
+    caching_allocator: str | None = None
     # Time terms that ``rsdp calibrate`` measures (the defaults leave only the three numbers above).
     partial_gemm_efficiency: float = 1.0  # FLOP/s of 1/world_size-row GEMMs over that of whole ones
     gemm_flops_per_s: float | None = None  # whole GEMMs' rate (None: flops_per_s), for the shards' penalty
@@ -195,6 +204,12 @@ class CostModel:
     reduce_scatter: Link | None = None
     all_reduce: Link | None = None
 
+    def __post_init__(self):
+        if self.caching_allocator not in CACHING_ALLOCATORS:
+            raise ValueError(
+                f"rsdp: caching_allocator {self.caching_allocator!r} is none of {CACHING_ALLOCATORS}; give one of them."
+            )
+
     def compute_seconds(self, flops: float, linear_flops: float, work: Work = Work()) -> float:
         """``flops`` of which ``linear_flops`` are the Linears' GEMMs and ``work`` the rest by kind, at
         the rates that were measured."""
@@ -209,6 +224,11 @@ class CostModel:
         if self.gemm_flops_per_s and self.other_flops_per_s:
             return linear_flops / self.gemm_flops_per_s + (flops - linear_flops) / self.other_flops_per_s
         return flops / self.flops_per_s
+
+    @property
+    def peak_is_reserved(self) -> bool:
+        """Whether byte figures are what a caching allocator reserves (else allocated bytes)."""
+        return self.caching_allocator is not None or self.reserved_per_allocated != 1.0
 
     def link(self, op: str) -> Link:
         """The fitted cost of ``op`` (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``)."""
@@ -265,6 +285,9 @@ class Counts:
     before: PartCounts  # the root's parameters and work before the first unit
     after: PartCounts  # after the last unit: the head and the loss
     activations: StepPhases  # the step's phases, without parameters and their gradients
+    # The caching allocator's reserved peak over the allocated peak when it replays the step's log
+    # (``_allocator``), without and with expandable segments (1.0: not replayed).
+    reserved_per_allocated: tuple[float, float] = (1.0, 1.0)
 
 
 class _MetaStorages(TorchDispatchMode):
@@ -443,6 +466,7 @@ def _with_every_block(counts: Counts, units: list[str], representative) -> Count
             forward={name: phases.forward[representative(name)] for name in units},
             backward={name: phases.backward[representative(name)] for name in units},
         ),
+        counts.reserved_per_allocated,
     )
 
 
@@ -459,7 +483,19 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
         for handle in handles:
             handle.remove()
     timeline.relevel(counter.storages.levels(counter.gradients))
-    return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units))
+    reserved = tuple(_allocator_factor(counter.storages.log, counter.gradients, expandable) for expandable in (False, True))
+    return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved)
+
+
+def _allocator_factor(log: list[tuple], skipped: set[int], expandable_segments: bool) -> float:
+    """The caching allocator's reserved peak over the allocated peak for the step's allocations (without
+    the parameters' gradients, numbered in ``skipped``), as ``_allocator`` replays them."""
+    events = [
+        ("malloc", event[2], event[3]) if event[0] == _ALLOCATED else ("free", event[1])
+        for event in log if event[0] != _MARKED and not (event[0] == _ALLOCATED and event[1] in skipped)
+    ]
+    allocated, reserved = reserved_peak(events, expandable_segments)
+    return reserved / allocated if allocated else 1.0
 
 
 class _StepCounter:
@@ -749,17 +785,20 @@ def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, 
             _Parallelism(part, strategy, cost).unit(
                 phases.forward[name], phases.backward[name], below_ring_root, name == phases.called_per_chunk
             ),
-            cost,
+            cost, counts,
         )
         for name, part in counts.units.items()
     }
 
 
-def _reserved(estimate, cost: CostModel):
+def _reserved(estimate, cost: CostModel, counts: Counts):
     """``estimate`` (a ``UnitCost`` or ``RootCost`` of allocated bytes) in bytes the caching allocator
-    reserves for them: every byte figure times ``cost.reserved_per_allocated``. A plan's peak is a
-    maximum of sums of these figures, so it scales by the same factor."""
+    reserves for them: every byte figure times ``cost.reserved_per_allocated`` and the factor of the
+    allocator's replay of the counted step (``Counts.reserved_per_allocated``, with or without
+    expandable segments). A plan's peak is a maximum of sums of these figures, so it scales alike."""
     factor = cost.reserved_per_allocated
+    if cost.caching_allocator is not None:
+        factor *= counts.reserved_per_allocated[cost.caching_allocator == "expandable_segments"]
     if factor == 1.0:
         return estimate
 
@@ -827,4 +866,4 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         carried,
         root.optimizer_step,
         int(largest_param * cost.optimizer_step_bytes_per_largest_param_byte),
-    ), cost)
+    ), cost, counts)
