@@ -38,14 +38,19 @@ unsharded gradients and ring weight messages in ``param_dtype``, reduce-scatter 
 partials in ``reduce_dtype`` (FSDP2 casts while it copies the gradients into the reduce-scatter input).
 Activation checkpointing applied to the model is counted as it runs (what regions save, their
 recomputation in backward); rsdp units under ``ring_checkpoint_context`` also keep their ring outputs.
-The caching allocator (``CostModel.reserved_per_allocated``, a GPU preset's): every byte figure is
-scaled to what the allocator reserves for it, a fixed fraction (1 on CPU ranks: allocated bytes).
+The caching allocator (``CostModel.caching_allocator``, a GPU preset's): the count's allocation log
+is replayed through a model of PyTorch's CUDA caching allocator (``_allocator``: rounding, segment
+sizes, best fit, splitting, expandable segments), and every byte figure is scaled by its reserved peak
+over the log's allocated peak (``Counts.reserved_per_allocated``; CPU ranks: allocated bytes).
 
 Time (``_Parallelism.seconds``; the constants come from ``rsdp calibrate`` or a preset, ``_hardware``).
-Compute is the counted FLOPs (backward twice forward, plus what activation checkpointing recomputes):
-the Linears' at ``gemm_flops_per_s`` and the rest at ``other_flops_per_s`` where both were measured (a
-step's average rate is no layer's when one large GEMM, a head's, is much of the step), else all at
-``flops_per_s``. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
+Compute is the counted FLOPs (backward twice forward, plus what activation checkpointing recomputes)
+and the work outside the matrix products by kind (``Work``, counted op by op in the same run: flash
+attention's executed FLOPs, the bytes norms, elementwise ops and the loss read and write). Where
+``attention_flops_per_s`` is set, every matrix product runs at ``gemm_flops_per_s`` and each kind at its
+own rate, so the time follows the sequence length as each kind does (attention with its square, the
+rest linearly); else the Linears' FLOPs at ``gemm_flops_per_s`` and the rest at ``other_flops_per_s``
+where both were measured, else all at ``flops_per_s``. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
 (``Link``; bytes as nccl-tests' busbw counts them: (W-1)/W of the whole for a ring collective).
 Overlap, per strategy, where a device computes (``host_overlaps_compute``; where the host computes, as
 on CPU ranks, it runs the transfers and its own work too, so every "longer of" below is a sum):
