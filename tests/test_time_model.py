@@ -329,3 +329,22 @@ def test_a_caching_allocator_scales_every_byte_figure_by_the_replayed_factor():
         assert unit.forward.peak == round(allocated.forward.peak * factor)
     with pytest.raises(ValueError, match="caching_allocator 'slab' is none of"):
         dataclasses.replace(plain, caching_allocator="slab")
+
+
+def test_the_allocator_factor_of_four_alike_blocks_is_the_whole_stacks():
+    """A stack of alike blocks is counted by four of them; the allocator's replay of that cut step gives
+    nearly the factor of the whole stack's (the blocks' allocation pattern repeats)."""
+    import torch
+
+    from models import TinyLM
+    from rsdp.planner import _cost_model
+    from rsdp.planner._plan import _next_token_loss
+    from rsdp.planner._profile import find_units
+
+    model = TinyLM(vocab=96, dim=256, heads=4, hidden=1024, layers=8)
+    tokens = torch.zeros(4, 257, dtype=torch.long)
+    units = find_units(model)
+    cut = _cost_model.count(model, units, tokens, _next_token_loss).reserved_per_allocated
+    whole = _cost_model.count_step(_cost_model.meta_copy(model), units, tokens.to("meta"), _next_token_loss).reserved_per_allocated
+    assert cut == pytest.approx(whole, rel=0.1)
+    assert all(factor > 1 for factor in whole)
