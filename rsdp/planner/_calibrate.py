@@ -11,6 +11,12 @@ What it measures, each rank at once (ranks share the host's cores and links as t
   model counts it (GEMMs, attention, norms, loss), the GEMM rate is kept beside it
   (``gemm_flops_per_s``: the rate the Linears' FLOPs and the per-shard penalty are charged at), and the
   step's time less its Linears' at that rate gives the rate of its other FLOPs (``other_flops_per_s``);
+- the rates of the work outside the matrix products by kind (``_cost_model.Work``; ``work_rates``):
+  causal attention (``scaled_dot_product_attention``, the device's own kernel, counted as flash
+  attention's executed FLOPs), ``rms_norm``, an elementwise ``silu(a) * b`` and an fp32 cross-entropy
+  at the run's tokens, width, heads and vocabulary, each its work as the count charges it (bytes read
+  and written, counted on meta) over its median time. With them the cost model charges each kind at its
+  own rate (``other_flops_per_s`` is then not used);
 - per op (point-to-point ring exchange, all-gather, reduce-scatter, all-reduce), ``t = hops x latency
   + bytes / bandwidth`` fitted by least squares over message sizes (bytes as nccl-tests' busbw counts
   them, the slowest rank's time per size);
