@@ -388,10 +388,7 @@ class _MetaStorages(TorchDispatchMode):
 
 _ALLOCATED, _FREED, _MARKED = range(3)
 # Attention ops: their FLOPs run at their own rate (``Work``).
-_ATTENTION = {
-    packet for packet in flop_registry
-    if isinstance(packet, torch._ops.OpOverloadPacket) and "attention" in packet.__name__
-}
+_ATTENTION = {packet for packet in flop_registry if "attention" in getattr(packet, "__name__", "")}
 # Ops that allocate without reading or writing the memory.
 # (``_unsafe_view`` is a view that does not say so.)
 _NO_TRAFFIC = ("empty", "new_empty", "detach", "lift_fresh", "_local_scalar_dense", "_unsafe_view")
