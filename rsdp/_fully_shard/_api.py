@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._compat import (
     DTensor,
@@ -16,6 +15,7 @@ from .._compat import (
     insert_module_state,
     unwrap_activation_checkpoint,
 )
+from ._ddp_habits import check_same_weights, record_replacement, replaced, watch_state_dicts
 from ._embedding import RingEmbedding
 from ._linear import RingLinear
 from ._param import placements_for, shard_parameter
@@ -24,13 +24,6 @@ from ._ring import new_layer_tags
 from ._ring_function import RingLayer
 from ._state import RSDPState, rsdp_states_under
 from ._sub_block import RingSubBlock, plan_sub_blocks
-
-# Original parameter -> the DTensor parameter that replaced it, so a parameter tied across two
-# rsdp_shard calls (an LM head sharded before the root that owns the embedding) stays one parameter.
-# Keyed weakly by the originals only: the sharded parameters must carry no weakref, or
-# ``module.to_empty()`` cannot swap them in place.
-_sharded_from: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
 
 def rsdp_shard(
     module: nn.Module,
@@ -84,7 +77,12 @@ def rsdp_shard(
     sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
     column_split = {id(block.row.weight) for block in sub_blocks}
     slots = [(owner, name, param) for owner in managed for name, param in owner._parameters.items() if param is not None]
+    key_prefixes = {id(submodule): f"{name}." if name else "" for name, submodule in module.named_modules()}
+    newly_sharded = _newly_sharded(slots, key_prefixes)
+    check_same_weights(module, newly_sharded, mesh, state.device)
     replacement = _sharded_parameters(slots, nested, mesh, state.device, column_split)
+    for name, param in newly_sharded:
+        record_replacement(param, replacement[id(param)], f"{type(module).__qualname__}.{name}")
     names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
     ring_slots = _make_ring_layers(state, managed, sub_blocks, names)
     _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward)
@@ -95,6 +93,7 @@ def rsdp_shard(
     if len(states) > 1:
         share_ring_context(states)
     state.register_hooks(module)
+    watch_state_dicts(module, [key_prefixes[id(owner)] + name for owner, name, _ in slots], mesh)
     _swap_class(module, RSDPModule, "RSDP")
     return module
 
@@ -110,6 +109,16 @@ def _planned_sub_blocks(module: nn.Module, managed: list[nn.Module], ring_plan: 
                 "shards; give the plan to that call instead."
             )
     return sub_blocks
+
+
+def _newly_sharded(slots: list, key_prefixes: dict[int, str]) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of each plain parameter in ``slots`` that no earlier call sharded (a tied one
+    once): the ones this call shards from this rank's own full value."""
+    found = {}
+    for owner, name, param in slots:
+        if not isinstance(param, DTensor) and param not in replaced and id(param) not in found:
+            found[id(param)] = (key_prefixes[id(owner)] + name, param)
+    return list(found.values())
 
 
 def _sharded_parameters(slots: list, nested: list[nn.Module], mesh: DeviceMesh, device, column_split: set[int]) -> dict[int, nn.Parameter]:
@@ -369,8 +378,8 @@ def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner:
             f"rsdp_shard: parameter {where} is already a DTensor ({param.placements}); rsdp_shard "
             "shards plain parameters and does not compose with tensor parallelism on the same module."
         )
-    if param in _sharded_from:
-        return _sharded_from[param]
+    if param in replaced:
+        return replaced[param]
     if param.dim() == 0:
         raise ValueError(
             f"rsdp_shard: parameter {where} is 0-dimensional and cannot be sharded by rows; "
@@ -378,7 +387,6 @@ def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner:
         )
     sharded = shard_parameter(param, mesh, device, dim)
     sharded._rsdp_sharded = True  # for the error above: a later call on an enclosing or sharing module
-    _sharded_from[param] = sharded
     return sharded
 
 

@@ -75,8 +75,9 @@ def shard_parameter(param: nn.Parameter, mesh: DeviceMesh, device: torch.device,
     """This rank's rows (``dim=0``; columns for ``dim=1``, a ring plan's row-split Linear) of ``param``
     as an ``nn.Parameter(DTensor)``, with no communication.
 
-    Every rank holds the same full initial value (as with FSDP2), so each keeps its own slice. A
-    parameter on the meta device stays on meta; ``to_empty`` + initialisation fill it later.
+    Every rank holds the same full initial value (as with FSDP2; ``rsdp_shard`` checks it first,
+    ``_ddp_habits.py``), so each keeps its own slice. A parameter on the meta device stays on meta;
+    ``to_empty`` + initialisation fill it later.
     """
     shard_dim_rank = mesh.get_local_rank(mesh.ndim - 1)
     layout = shard_layout(param.shape[dim], mesh.size(mesh.ndim - 1))

@@ -46,6 +46,7 @@ from .._compat import (
 )
 from ._collectives import GatheredParams, gather_together
 from ._context import LIVE_CONTEXTS, RingContext
+from ._ddp_habits import first_names
 from ._fusion import SharedInputFusion
 from ._grad import RingGradients
 from ._operand import RingOperand
@@ -443,7 +444,7 @@ def _check_callers_are_sharded(module: nn.Module, ranks: int) -> None:
                 seen.add(id(param))
                 plain.append(f"{name}.{n}" if name else n)
     if plain:
-        shown = ", ".join(plain[:4]) + (f" and {len(plain) - 4} more" if len(plain) > 4 else "")
+        shown = first_names(plain)
         raise RuntimeError(
             f"rsdp: {type(module).__qualname__} is rsdp_shard-ed, but the {type(model).__qualname__} that calls it holds "
             f"trainable parameters that nothing shards ({shown}): every rank would train its own copy of them on its "

@@ -33,6 +33,9 @@ Pitfalls:
   without it accelerate runs every rank as a single process on the whole data set. Refused too.
 - fp16 with a gradient scaler is refused: each rank would find infs only in its own gradient shards
   and skip, or not skip, the step on its own. bf16 needs no scaler.
+- accelerate's own sharding (``TrainingArguments(fsdp=...)``, a DeepSpeed config, or ``accelerate launch
+  --use_fsdp / --use_deepspeed``) is refused: it would be a second owner of parameters the model's
+  sharding already owns, and on CPU accelerate drops it without a word and trains as if it were absent.
 """
 
 import contextlib
@@ -154,11 +157,31 @@ def check_training_setup(model: torch.nn.Module, args) -> None:
             "torchrun, and on CPU pass TrainingArguments(use_cpu=True), which makes accelerate run the ranks as one "
             "data-parallel job."
         )
+    plugin = _accelerate_sharding(args)
+    if plugin:
+        raise ValueError(
+            f"rsdp.integrations.transformers: {plugin} asks accelerate to shard the model, but the model's own "
+            "rsdp_shard / fully_shard calls already shard it: two owners of the same parameters (on CPU, accelerate "
+            "drops the plugin without a word and trains as if it were absent). Leave accelerate's FSDP and DeepSpeed "
+            "off (no fsdp or deepspeed in TrainingArguments, no accelerate launch --use_fsdp / --use_deepspeed)."
+        )
     if args.fp16:
         raise ValueError(
             "rsdp.integrations.transformers: fp16 needs a gradient scaler, which would find infs in each rank's own "
             "gradient shards and skip the step on some ranks only. Train in bf16 (TrainingArguments(bf16=True))."
         )
+
+
+def _accelerate_sharding(args) -> str | None:
+    """What asks accelerate to shard the model (its FSDP or DeepSpeed plugin), or ``None``."""
+    if args.fsdp:
+        return "TrainingArguments(fsdp=...)"
+    if args.deepspeed:
+        return "TrainingArguments(deepspeed=...)"
+    for variable, flag in (("ACCELERATE_USE_FSDP", "--use_fsdp"), ("ACCELERATE_USE_DEEPSPEED", "--use_deepspeed")):
+        if os.environ.get(variable, "false").lower() in ("1", "true", "yes", "on"):
+            return f"accelerate launch {flag} ({variable}={os.environ[variable]})"
+    return None
 
 
 def _checkpoint_dir(checkpoint: str) -> str:

@@ -153,11 +153,11 @@ class CostModel:
     flops_per_s: float  # achieved per device: a training step's rate (or whole GEMMs' where no step was measured)
     bandwidth_bytes_per_s: float  # per device: every op's, unless the op has its own Link below
     latency_s: float  # per message (hop): every op's, unless the op has its own Link below
-    optimizer_state_bytes_per_param_byte: float = 2.0  # AdamW keeps two moments
-    # The optimizer step's temporaries: AdamW's foreach implementation (torch's default on GPUs) allocates
-    # the square root of every second moment at once (per byte of all parameters), its for-loop
-    # implementation (the default on CPUs) that root and its quotient for one parameter at a time (per
-    # byte of the largest), its fused one nothing. Both are counted.
+    # The optimizer, per byte of the parameters it trains (``OPTIMIZERS``, ``with_optimizer``; the
+    # default is torch's AdamW, whose implementation depends on the device): its state, and its step's
+    # temporaries, per byte of all the parameters (a foreach implementation's, made at once) and per byte
+    # of the largest (a for-loop implementation's, made one parameter at a time); the larger applies.
+    optimizer_state_bytes_per_param_byte: float = 2.0
     optimizer_step_bytes_per_param_byte: float = 1.0
     optimizer_step_bytes_per_largest_param_byte: float = 2.0
     # The mixed-precision policy (``MixedPrecisionPolicy``): the dtype parameters are gathered and computed
@@ -209,6 +209,12 @@ class CostModel:
     reduce_scatter: Link | None = None
     all_reduce: Link | None = None
 
+    def with_optimizer(self, name: str) -> "CostModel":
+        """This cost model for a run that trains with the optimizer ``name`` (a key of ``OPTIMIZERS``)."""
+        if name not in OPTIMIZERS:
+            raise ValueError(f"rsdp plan: no optimizer {name!r} is modelled; pick one of {', '.join(OPTIMIZERS)}.")
+        return dataclasses.replace(self, **OPTIMIZERS[name])
+
     def __post_init__(self):
         if self.caching_allocator not in CACHING_ALLOCATORS:
             raise ValueError(
@@ -240,18 +246,52 @@ class CostModel:
         return getattr(self, op) or Link(self.latency_s, self.bandwidth_bytes_per_s)
 
 
+def _optimizer(state: float, per_param_byte: float, per_largest_param_byte: float, traffic: float) -> dict:
+    return dict(
+        optimizer_state_bytes_per_param_byte=state,
+        optimizer_step_bytes_per_param_byte=per_param_byte,
+        optimizer_step_bytes_per_largest_param_byte=per_largest_param_byte,
+        optimizer_traffic_per_param_byte=traffic,
+    )
+
+
+# torch's optimizers, per byte of the parameters they train, as torch 2.13 allocates them
+# (``tests/test_planner_training.py`` steps each on the CPU and compares): state (AdamW: two moments;
+# SGD with its defaults, no momentum: none); the step's temporaries (foreach AdamW: the square root of
+# every second moment at once; for-loop AdamW: that root and its quotient, one parameter at a time, of
+# which the largest parameter's count; fused AdamW and SGD: none); the bytes the step reads and writes
+# (foreach and for-loop AdamW 20 parameter-sized tensors, see ``optimizer_traffic_per_param_byte``; fused
+# AdamW reads parameter, gradient and both moments and writes three of them, 7; SGD reads parameter and
+# gradient and writes the parameter, 3).
+OPTIMIZERS = {
+    "adamw": _optimizer(2.0, 1.0, 2.0, 20.0),  # torch's default: foreach on GPUs, for-loop on CPUs
+    "adamw-foreach": _optimizer(2.0, 1.0, 0.0, 20.0),
+    "adamw-for-loop": _optimizer(2.0, 0.0, 2.0, 20.0),
+    "adamw-fused": _optimizer(2.0, 0.0, 0.0, 7.0),
+    "sgd": _optimizer(0.0, 0.0, 0.0, 3.0),
+}
+
+
 @dataclasses.dataclass
 class PartCounts:
     """What one part of the model holds and does in one step, counted on the meta device."""
 
     param_bytes: int = 0
-    largest_param_bytes: int = 0
     vector_bytes: int = 0  # of 1-D parameters: gathered whole under rsdp
+    # Of them, the frozen ones (``requires_grad`` off: no gradient, no optimizer state; a part written by
+    # hand trains everything), and the largest parameter that trains (the for-loop optimizer's step).
+    frozen_bytes: int = 0
+    frozen_vector_bytes: int = 0
+    largest_trainable_param_bytes: int = 0
     # The weights of one ring (an Embedding's, or the Linears' called on one input), in the stored dtype:
     # what rsdp's messages are shards of; of them the Linears', whose backward message carries the
     # weights beside the partials and needs a scratch (an Embedding's carries its partial alone).
     largest_layer_bytes: int = 0
     largest_linear_bytes: int = 0
+    # The trainable weights of one ring: its backward message's gradient partials (an Embedding's, or the
+    # Linears' called on one input; a frozen ring's backward carries its weights alone, or nothing).
+    largest_trainable_layer_bytes: int = 0
+    largest_trainable_linear_bytes: int = 0
     # The outputs of its rings (Linears, Embeddings) inside a ``ring_checkpoint_context`` region, which
     # saves nothing else: rsdp keeps them from the forward for the recomputation (``_fully_shard/_checkpoint.py``).
     # (Another selective policy saves matmul outputs itself, which the count holds already.)
@@ -278,8 +318,12 @@ class PartCounts:
             if identity not in seen:
                 seen.add(identity)
                 self.param_bytes += nbytes
-                self.largest_param_bytes = max(self.largest_param_bytes, nbytes)
                 self.vector_bytes += nbytes if param.dim() < 2 else 0
+                if param.requires_grad:
+                    self.largest_trainable_param_bytes = max(self.largest_trainable_param_bytes, nbytes)
+                else:
+                    self.frozen_bytes += nbytes
+                    self.frozen_vector_bytes += nbytes if param.dim() < 2 else 0
         if layer_bytes:  # a tied weight is stored once but still moves wherever it is used
             self.layers += 1
 
@@ -521,7 +565,8 @@ class _StepCounter:
         # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``). An
         # input is known by a serial number, dropped when it dies: a checkpointed region frees its
         # intermediates at once, and a new tensor may then get a freed one's id.
-        self.shared_input: dict[tuple[int, int], int] = collections.defaultdict(int)  # (part, input) -> bytes
+        # (part, input) -> bytes of the weights, and of those that train
+        self.shared_input: dict[tuple[int, int], tuple[int, int]] = collections.defaultdict(lambda: (0, 0))
         self.serial_of: dict[int, int] = {}  # live input's id -> its serial number
         self.serials = itertools.count()
         # Activation checkpointing's recomputation in backward: a unit's module runs its forward again.
@@ -586,14 +631,22 @@ class _StepCounter:
             self.serial_of[id(tensor)] = next(self.serials)
             weakref.finalize(tensor, self.serial_of.pop, id(tensor), None)
         key = (id(part), self.serial_of[id(tensor)])
-        self.shared_input[key] += _weight_bytes(module)  # a bias is a vector: gathered whole, not rotated
-        part.largest_layer_bytes = max(part.largest_layer_bytes, self.shared_input[key])
-        part.largest_linear_bytes = max(part.largest_linear_bytes, self.shared_input[key])
+        weights, trainable = self.shared_input[key]  # a bias is a vector: gathered whole, not rotated
+        weights += _weight_bytes(module)
+        trainable += _weight_bytes(module) if module.weight.requires_grad else 0
+        self.shared_input[key] = (weights, trainable)
+        part.largest_layer_bytes = max(part.largest_layer_bytes, weights)
+        part.largest_linear_bytes = max(part.largest_linear_bytes, weights)
+        part.largest_trainable_layer_bytes = max(part.largest_trainable_layer_bytes, trainable)
+        part.largest_trainable_linear_bytes = max(part.largest_trainable_linear_bytes, trainable)
         part.linear_flops += 2 * tensor.numel() * module.out_features
 
     def note_embedding(self, module: nn.Embedding, args) -> None:
         if self.forward:
-            self.section.largest_layer_bytes = max(self.section.largest_layer_bytes, _weight_bytes(module))
+            section = self.section
+            section.largest_layer_bytes = max(section.largest_layer_bytes, _weight_bytes(module))
+            if module.weight.requires_grad:
+                section.largest_trainable_layer_bytes = max(section.largest_trainable_layer_bytes, _weight_bytes(module))
 
     def note_ring_output(self, module: nn.Module, args, output) -> None:
         if self.forward and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
@@ -638,40 +691,54 @@ class _Parallelism:
     def __init__(self, counts: PartCounts, strategy: Strategy, cost: CostModel):
         self.counts, self.strategy, self.cost = counts, strategy, cost
         world = cost.world_size
-        self.params = counts.param_bytes
         whole = strategy is Strategy.REPLICATE or world == 1
-        self.local = self.params if whole else math.ceil(self.params / world)
-        self.static = int(self.local * (1 + cost.optimizer_state_bytes_per_param_byte))
-        self.optimizer_step = int(self.local * cost.optimizer_step_bytes_per_param_byte)
+
+        def on_one_rank(nbytes: int) -> int:
+            return nbytes if whole else math.ceil(nbytes / world)
+
+        # Every parameter is stored (sharded or whole); the trainable ones alone have gradients, optimizer
+        # state and a share of the optimizer step.
+        self.params = counts.param_bytes
+        trainable = counts.param_bytes - counts.frozen_bytes
+        self.local = on_one_rank(self.params)
+        self.local_gradients = on_one_rank(trainable)
+        self.static = int(self.local + self.local_gradients * cost.optimizer_state_bytes_per_param_byte)
+        # The optimizer step's temporaries per byte of the parameters on this rank (foreach; the for-loop
+        # implementation's, of the largest parameter, are ``estimate_root``'s floor).
+        self.largest_local = on_one_rank(counts.largest_trainable_param_bytes)
+        self.optimizer_step = int(self.local_gradients * cost.optimizer_step_bytes_per_param_byte)
         # Bytes per stored parameter byte of the gathered copies (param_dtype) and of the gradients
         # that are reduced (reduce_dtype).
         stored = counts.itemsize or 1
         self.compute_ratio = cost.param_dtype.itemsize / stored if cost.param_dtype else 1.0
         self.reduce_ratio = cost.reduce_dtype.itemsize / stored if cost.reduce_dtype else self.compute_ratio
-        self.compute = int(self.params * self.compute_ratio)  # a gathered copy, its gradient
-        self.reduced = int(self.params * self.reduce_ratio)  # the gradient as it is reduced
+        self.compute = int(self.params * self.compute_ratio)  # a gathered copy
+        self.compute_gradients = int(trainable * self.compute_ratio)  # its gradient
+        self.reduced = int(trainable * self.reduce_ratio)  # the gradient as it is reduced
         # The ring's buffers: in forward two messages of a weight shard of its largest ring; in backward
         # two messages of a weight shard and a gradient partial and the scratch of the next contribution
-        # for a Linear ring, two of a partial for an Embedding's (its gradient needs no weights, and
-        # its sparse contribution is added into the arrived partial).
+        # for a Linear ring (partials and scratch of its trainable weights alone), two of a partial for an
+        # Embedding's (its gradient needs no weights, and its sparse contribution is added into the
+        # arrived partial).
         def shard(nbytes: int) -> int:
             return math.ceil(nbytes / world)
 
         rsdp = strategy is Strategy.RSDP
         self.ring_forward = int(2 * shard(counts.largest_layer_bytes) * self.compute_ratio) if rsdp else 0
         ring = max(
-            shard(counts.largest_linear_bytes) * (2 * self.compute_ratio + 3 * self.reduce_ratio),
-            shard(counts.largest_layer_bytes) * 2 * self.reduce_ratio,
+            shard(counts.largest_linear_bytes) * 2 * self.compute_ratio + shard(counts.largest_trainable_linear_bytes) * 3 * self.reduce_ratio,
+            shard(counts.largest_trainable_layer_bytes) * 2 * self.reduce_ratio,
         )
         self.ring = int(ring) if rsdp else 0
-        self.vectors = int(counts.vector_bytes * self.compute_ratio)
+        self.vectors = int(counts.vector_bytes * self.compute_ratio)  # gathered whole under rsdp
+        self.vector_gradients = int((counts.vector_bytes - counts.frozen_vector_bytes) * self.compute_ratio)
 
     @property
     def optimizer_seconds(self) -> float:
         """The optimizer step over this part's parameters on one rank: memory-bound, its traffic over the
         device's memory bandwidth (not modelled where that is unknown)."""
         bandwidth = self.cost.memory_bandwidth_bytes_per_s
-        return self.local * self.cost.optimizer_traffic_per_param_byte / bandwidth if bandwidth else 0.0
+        return self.local_gradients * self.cost.optimizer_traffic_per_param_byte / bandwidth if bandwidth else 0.0
 
     @property
     def backward_flops(self) -> int:
@@ -723,14 +790,17 @@ class _Parallelism:
         """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
         holds the ring's buffers through its forward (an rsdp root) or not; ``called_per_chunk``: a
         chunked loss's head (``StepPhases.called_per_chunk``), whose forward phase holds its backwards."""
-        counts, params, local, vectors = self.counts, self.params, self.local, self.vectors
+        counts, vectors = self.counts, self.vectors
         compute, reduced = self.compute, self.reduced
+        # Of the trainable parameters alone: the gradient on one rank, the unsharded gradient, the
+        # vectors' gradients (frozen parameters have none, and nothing of theirs is reduced).
+        gradients, compute_gradients, vector_gradients = self.local_gradients, self.compute_gradients, self.vector_gradients
         if self.strategy is Strategy.FSDP:
             # Unsharded parameters and the all-gather output they were copied from while computing (the
             # output outlives the forward: carried); in backward the unsharded parameters and gradients
             # (param_dtype), and at the reduce the reduce-scatter input (reduce_dtype: the copy into it
             # casts; it outlives the phase: carried) and the reduced shard.
-            forward_bytes, backward_bytes = (0, 2 * compute), (local, 2 * compute + local)
+            forward_bytes, backward_bytes = (0, 2 * compute), (gradients, compute + compute_gradients + gradients)
             carried = Carried(gather=compute, reduce=reduced, ringed=below_ring_root)
         elif self.strategy is Strategy.REPLICATE:
             # The copy lives from forward to backward. In backward autograd makes the gradients beside it
@@ -739,8 +809,8 @@ class _Parallelism:
             # reduce-scatter is a copy): at most the larger of the input and the input and gradient less
             # the freed gradients, once the phase's activations are gone.
             forward_bytes = (compute, compute)
-            backward_bytes = (params - compute, compute)
-            reducing = backward.delta + max(reduced, 2 * reduced - compute)
+            backward_bytes = (gradients - compute, compute_gradients)
+            reducing = backward.delta + max(reduced, 2 * reduced - compute_gradients)
             carried = Carried(reduce=reduced, ringed=below_ring_root)
         else:
             # Vectors: gathered with a send and a receive buffer, kept; their gradients and the
@@ -751,7 +821,7 @@ class _Parallelism:
             # recomputation, which takes them instead of running the ring again.
             kept = counts.checkpointed_ring_output_bytes
             forward_bytes = (vectors + kept, 3 * vectors + kept)
-            backward_bytes = (local + vectors - kept, local + 2 * vectors)
+            backward_bytes = (gradients + vector_gradients - kept, gradients + 2 * vector_gradients)
             carried = Carried(ring=self.ring, ringed=below_ring_root or self.ring > 0, ring_forward=self.ring_forward)
         backward_peak = backward.peak + backward_bytes[1]
         if self.strategy is Strategy.REPLICATE:
@@ -825,23 +895,25 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
     """The root's cost under ``strategy``: its parameters are those of the work before the first unit
     (embedding) and after the last (head); the head's gradients appear in the middle phase."""
     embedding, head = _Parallelism(counts.before, strategy, cost), _Parallelism(counts.after, strategy, cost)
+    pair = (counts.before, counts.after)
     whole = PartCounts(
-        param_bytes=counts.before.param_bytes + counts.after.param_bytes,
-        largest_param_bytes=max(counts.before.largest_param_bytes, counts.after.largest_param_bytes),
-        vector_bytes=counts.before.vector_bytes + counts.after.vector_bytes,
-        largest_layer_bytes=max(counts.before.largest_layer_bytes, counts.after.largest_layer_bytes),
-        largest_linear_bytes=max(counts.before.largest_linear_bytes, counts.after.largest_linear_bytes),
-        itemsize=max(counts.before.itemsize, counts.after.itemsize),
+        **{name: sum(getattr(part, name) for part in pair) for name in ("param_bytes", "vector_bytes", "frozen_bytes", "frozen_vector_bytes")},
+        **{
+            name: max(getattr(part, name) for part in pair)
+            for name in ("largest_trainable_param_bytes", "largest_layer_bytes", "largest_linear_bytes",
+                         "largest_trainable_layer_bytes", "largest_trainable_linear_bytes", "itemsize")
+        },
     )
     root = _Parallelism(whole, strategy, cost)
-    local, vectors = root.local, root.vectors
-    params, head_params, reduced = root.compute, head.compute, root.reduced  # gathered copies, in param_dtype
+    vectors, vector_gradients = root.vectors, root.vector_gradients
+    gradients, head_gradients = root.local_gradients, head.local_gradients  # on one rank, trainable parameters'
+    params, reduced = root.compute, root.reduced  # the gathered copy, in param_dtype; the reduced gradient
     before, middle, after = counts.activations.before, counts.activations.middle, counts.activations.after
     if strategy is Strategy.RSDP:
         # Vectors as in units, the head's gradient shards from its backward on; the ring's buffers carried.
         before_bytes = (vectors, 3 * vectors)
-        middle_bytes = (head.local, head.local + 2 * vectors)
-        after_bytes = (local - head.local - vectors, local + 2 * vectors)
+        middle_bytes = (head_gradients, head_gradients + 2 * vector_gradients)
+        after_bytes = (gradients - head_gradients - vectors, gradients + 2 * vector_gradients)
         carried = Carried(ring=root.ring, ringed=True, ring_forward=root.ring_forward)
     else:
         # FSDP2 does not reshard its root after forward and replicate keeps its copy: the parameters are
@@ -851,12 +923,15 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         # input, its divided copy and the reduced gradient).
         gathering = params if strategy is Strategy.FSDP else 0  # the all-gather output, beside the copy-out
         before_bytes = (params, params + gathering)
-        middle_bytes = (head_params, head_params)
-        reducing = params + local if strategy is Strategy.FSDP else params + 2 * reduced
-        after_bytes = (local - params - head_params, reducing)
+        middle_bytes = (head.compute_gradients, head.compute_gradients)
+        reducing = params + gradients if strategy is Strategy.FSDP else params + 2 * reduced
+        after_bytes = (gradients - params - head.compute_gradients, reducing)
         carried = Carried(gather=gathering)
-    # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts').
-    largest_param = max(part.largest_param_bytes for part in (*counts.units.values(), counts.before, counts.after))
+    # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts'):
+    # of the largest trainable parameter on one rank, the root's under its strategy, a unit's whole (the
+    # units' strategies are not known here: a sharded unit's largest is 1/W of it, an overestimate).
+    largest_unit = max((part.largest_trainable_param_bytes for part in counts.units.values()), default=0)
+    largest_param = max(root.largest_local, largest_unit)
     return _reserved(RootCost(
         root.static,
         Phase(before.delta + before_bytes[0], before.peak + before_bytes[1], embedding.seconds(counts.before.forward_flops, backward=False)),

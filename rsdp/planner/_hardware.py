@@ -298,12 +298,21 @@ def load(name_or_path: str) -> Hardware:
         raise ValueError(
             f"rsdp plan: --hardware {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a profile file."
         )
-    values = json.loads(path.read_text())
+    try:
+        values = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"rsdp plan: --hardware {path} is not valid JSON ({error}); give a profile that `rsdp calibrate` wrote, "
+            f"or a preset ({', '.join(PRESETS)})."
+        ) from None
     try:
         unknown = set(values.get("links", {})) - set(LINK_OPS)
         if unknown:
             raise ValueError(f"unknown ops in links: {sorted(unknown)} (known: {', '.join(LINK_OPS)})")
-        return from_json(values, str(path))
+        hardware = from_json(values, str(path))
+        if min(hardware.flops_per_s, hardware.bandwidth_bytes_per_s) <= 0 or hardware.latency_s < 0:
+            raise ValueError("flops_per_s and bandwidth_bytes_per_s must be positive, latency_s 0 or more")
+        return hardware
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(
             f"rsdp plan: profile {path} needs numbers flops_per_s, bandwidth_bytes_per_s and latency_s, and optionally "

@@ -1,5 +1,6 @@
 """``rsdp.plan``: profile, search, and report a per-module plan that fits a memory budget."""
 
+import collections
 import dataclasses
 import math
 import numbers
@@ -384,13 +385,28 @@ def _key(plan_: Plan) -> tuple:
     return (plan_.batch_size, tuple(plan_.strategies.items()))
 
 
+class NoPlanFits(ValueError):
+    """No plan fits the budget: ``needed_bytes`` is the smallest budget that fits, ``smallest`` that plan."""
+
+    def __init__(self, message: str, needed_bytes: int, smallest: Plan):
+        super().__init__(message)
+        self.needed_bytes, self.smallest = needed_bytes, smallest
+
+
 def _raise_infeasible(budget: int, smallest: Plan, needed: int) -> None:
-    assignment = ", ".join(f"{name or '(root)'}={s.value}" for name, s in smallest.strategies.items())
     counted = " (reserved by the caching allocator, as the cost model's hardware counts it)" if smallest.peak_is_reserved else ""
-    raise ValueError(
+    raise NoPlanFits(
         f"rsdp.plan: no plan fits {budget / MiB:.2f} MiB per rank{counted}; the smallest budget that fits is "
-        f"{needed / MiB:.2f} MiB ({needed} bytes, batch size {smallest.batch_size} per rank: {assignment})."
+        f"{needed / MiB:.2f} MiB ({needed} bytes, batch size {smallest.batch_size} per rank: {_summary(smallest)}).",
+        needed, smallest,
     )
+
+
+def _summary(plan_: Plan) -> str:
+    """A plan's strategies in a few words: the root's, and how many modules take each."""
+    modules = collections.Counter(s.value for name, s in plan_.strategies.items() if name)
+    per_strategy = ", ".join(f"{number} {strategy}" for strategy, number in modules.most_common())
+    return f"root {plan_.strategies[''].value}, modules {per_strategy}" if modules else f"root {plan_.strategies[''].value}"
 
 
 def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> list[Partial]:

@@ -211,11 +211,11 @@ def _hook_boundaries(model: nn.Module, units: list[str], timeline: _Timeline) ->
 
         def after_forward(module, args, output, name=name):
             timeline.mark(f"forward-done:{name}")
-            if isinstance(output, torch.Tensor) and output.requires_grad:
+            if not isinstance(output, torch.Tensor):
+                raise ValueError(f"rsdp.plan: unit {name} must return one tensor (got {type(output).__name__})")
+            if output.requires_grad:
                 return _BackwardBoundary.apply(timeline, f"backward:{name}", output)
-            raise ValueError(
-                f"rsdp.plan: unit {name} must return one tensor that requires grad (got {type(output).__name__})"
-            )
+            return None  # frozen, and so is everything before it: no backward (a frozen embedding's)
 
         handles.append(module.register_forward_pre_hook(before_forward, prepend=True))
         handles.append(module.register_forward_hook(after_forward))
@@ -342,15 +342,26 @@ class StepPhases:
     @classmethod
     def of(cls, timeline: _Timeline, units: list[str]) -> "StepPhases":
         first, last = units[0], units[-1]
+        idle = [name for name in units if f"forward:{name}" not in timeline.events]
+        if idle:
+            raise ValueError(
+                f"rsdp.plan: {', '.join(idle[:3])}{f' and {len(idle) - 3} more' if len(idle) > 3 else ''} never ran in the training step (a multimodal model's encoder in a "
+                "text-only step?); a plan counts modules that run: plan for a model whose step runs every module."
+            )
         # The first unit's input needs no gradient when it is the token ids: its backward ends the pass.
         end_of_backward = f"backward-done:{first}" if f"backward-done:{first}" in timeline.events else "backward-done"
         chunked = _called_per_chunk(timeline, units)
         forward, backward = {}, {}
+        # A unit whose output needs no gradient has no backward; the backward before it ends the pass.
+        backward_end = end_of_backward
         for index, name in enumerate(units):
             forward_end = f"forward:{units[index + 1]}" if index + 1 < len(units) else f"forward-done:{last}"
-            backward_end = f"backward:{units[index - 1]}" if index > 0 else end_of_backward
             forward[name] = timeline.phase(f"forward:{name}", forward_end)
-            backward[name] = timeline.phase(f"backward:{name}", backward_end)
+            if f"backward:{name}" in timeline.events:
+                backward[name] = timeline.phase(f"backward:{name}", backward_end)
+                backward_end = f"backward:{name}"
+            else:
+                backward[name] = Phase(0, 0, 0.0)
         if chunked:
             # The head's last backward is the loss's last work on it; the rest of the loss, then the
             # decoder's backward (the unit before the head's), follow.

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from . import CostModel, plan
-from . import _calibrate, _hardware, _models
-from ._cost_model import count
-from ._plan import _resize_batch, plan_from_counts, predict_uniform
+from . import _calibrate, _hardware, _models, _training
+from ._cost_model import OPTIMIZERS, count
+from ._plan import NoPlanFits, _resize_batch, plan_from_counts, predict_uniform
 from ._profile import find_units
 from ..policy import Strategy
 
@@ -70,6 +70,19 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loss-chunks", type=int, default=1,
                    help="torchtitan's chunked loss in this many sequence chunks (torchtitan 0.3's llama3 configs: 8); "
                         "1: cross-entropy over the whole logits")
+    trains = p.add_argument_group("what the run trains (cost model)")
+    trains.add_argument("--training-dtype", choices=tuple(_training.TRAINING_DTYPES), default="fp32",
+                        help="the dtype the run keeps parameters, gradients and optimizer state in, whatever a config's "
+                             "torch_dtype says: fp32 (mixed precision keeps fp32 parameters), bf16 (pure-bf16 training)")
+    trains.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                        help="its state and its step's temporaries (adamw: torch's default, foreach on GPUs and for-loop "
+                             "on CPUs: both counted; sgd: torch's defaults, no momentum)")
+    trains.add_argument("--lora-rank", type=int, default=0, help="train peft LoRA adapters of this rank, the rest frozen")
+    trains.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                        help="the Linears LoRA adapts, by the last segment of their names (default: every Linear of the blocks)")
+    trains.add_argument("--frozen", nargs="+", default=[], metavar="PATTERN",
+                        help="parameters that do not train (no gradient, no optimizer state), by name glob: "
+                             "'model.embed_tokens.*', '**.mlp.**'")
     p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(_hardware.PRESETS)}) or a profile JSON")
     p.add_argument("--flops", type=float, default=None, help="achieved FLOP/s per device (overrides --hardware)")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s per device (overrides --hardware)")
@@ -93,8 +106,44 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                      "to measure host and GEMM times for W ranks in this one process")
     if args.command == "plan":
         args.batch_sizes = args.batch_sizes or [1]
-    args.seq_len = args.seq_len or (128 if args.model in ("benchmark", None) else 2048)
+    if args.seq_len is None:
+        args.seq_len = 128 if args.model in ("benchmark", None) else 2048
+    _check_arguments(args)
     return args
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Exit with one line naming the first bad value and its fix: a count that must be positive, a time
+    constant that must be positive (a latency may be 0)."""
+    positive = {"--seq-len": args.seq_len, "--local-batch-size": args.batch_sizes if args.command == "plan" else args.local_batch_size}
+    if args.command == "plan" or args.world_size is not None:
+        positive["--world-size"] = args.world_size
+    if args.command == "plan":
+        positive.update({"--flops": args.flops, "--bandwidth": args.bandwidth, "--loss-chunks": args.loss_chunks})
+    if args.model in ("benchmark", None):
+        positive.update({f"--{name}": getattr(args, name) for name in ("vocab_size", "ninp", "nhid", "nhead", "num_decoder_layers")})
+    for flag, value in positive.items():
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and v <= 0 for v in values):
+            sys.exit(f"rsdp {args.command}: {flag} must be positive, got {' '.join(map(str, values))}; "
+                     f"{_FIXES.get(flag, 'pass a positive number')}.")
+    if args.command == "plan" and args.latency is not None and args.latency < 0:
+        sys.exit(f"rsdp plan: --latency must be 0 or more seconds per message, got {args.latency}; e.g. --latency 5e-6.")
+    if args.command == "plan" and args.lora_rank < 0:
+        sys.exit(f"rsdp plan: --lora-rank must be 0 (no LoRA) or more, got {args.lora_rank}; e.g. --lora-rank 16.")
+    if args.model in ("benchmark", None) and args.ninp % args.nhead:
+        sys.exit(f"rsdp {args.command}: the benchmark model's --ninp {args.ninp} must divide into --nhead {args.nhead} "
+                 "attention heads; pick an --nhead that divides --ninp.")
+
+
+_FIXES = {
+    "--seq-len": "pass the tokens per sample, e.g. --seq-len 2048, or leave it out (2048; the benchmark model's 128)",
+    "--local-batch-size": "pass per-device batch sizes of 1 or more, e.g. --local-batch-size 1 2 4",
+    "--world-size": "pass the number of data-parallel devices, e.g. --world-size 8",
+    "--loss-chunks": "pass 1 for cross-entropy over the whole logits, or the number of sequence chunks, e.g. --loss-chunks 8",
+    "--flops": "pass the achieved FLOP/s per device, e.g. --flops 4e14, or leave it out (--hardware's)",
+    "--bandwidth": "pass bytes/s per device, e.g. --bandwidth 4.5e11, or leave it out (--hardware's)",
+}
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
@@ -103,7 +152,7 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     return hardware.cost_model(
         args.world_size, param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None,
         flops_per_s=args.flops, bandwidth_bytes_per_s=args.bandwidth, latency_s=args.latency,
-    )
+    ).with_optimizer(args.optimizer)
 
 
 def _prediction(peak: float, seconds: float, batch_size: int, seq_len: int) -> dict:
@@ -121,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         benchmark_shape = dict(vocab_size=args.vocab_size, ninp=args.ninp, nhid=args.nhid, nhead=args.nhead,
                                num_decoder_layers=args.num_decoder_layers, seq_len=args.seq_len)
         model, loss_fn, vocab = _models.build(args.model, benchmark_shape, args.loss_chunks)
+        model = _training.as_trained(model, training_dtype=args.training_dtype, lora_rank=args.lora_rank,
+                                     lora_targets=args.lora_targets, frozen=args.frozen)
         _models.apply_activation_checkpointing(model, args.activation_checkpoint)
         started = time.perf_counter()
         units = find_units(model)
@@ -129,9 +180,16 @@ def main(argv: list[str] | None = None) -> None:
             size: count(model, units, _resize_batch(sample, size), loss_fn, cost_model.param_dtype)
             for size in args.batch_sizes
         }
-        chosen = plan_from_counts(counted, units, memory_budget=args.budget, cost_model=cost_model)
     except ValueError as error:
         sys.exit(str(error))
+    except Exception as error:  # a model whose step cannot run on the meta device: one line, not a traceback
+        reason = (str(error).strip().splitlines() or [""])[0][:300]
+        sys.exit(f"rsdp plan: {args.model}'s training step cannot be counted on the meta device ({type(error).__name__}: "
+                 f"{reason}); rsdp plan counts decoder language models that run there.")
+    try:
+        chosen, no_plan = plan_from_counts(counted, units, memory_budget=args.budget, cost_model=cost_model), None
+    except NoPlanFits as error:
+        chosen, no_plan = None, error
     uniform = {}
     for strategy in Strategy:
         best = None  # the batch size of most tokens/s per device that fits, else the smallest
@@ -146,20 +204,27 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "model": args.model, "world_size": args.world_size, "seq_len": args.seq_len,
         "activation_checkpoint": args.activation_checkpoint, "mixed_precision": args.mixed_precision,
+        "training_dtype": args.training_dtype, "optimizer": args.optimizer, "lora_rank": args.lora_rank,
+        "lora_targets": args.lora_targets, "frozen": args.frozen,
         "loss_chunks": args.loss_chunks,
         "budget_bytes": args.budget, "cost_model": {k: str(v) for k, v in vars(cost_model).items()},
         "peak_bytes_are": "reserved" if cost_model.peak_is_reserved else "allocated",
         "strategies": uniform,
-        "plan": {
+        "plan": None if chosen is None else {
             "local_batch_size": chosen.batch_size,
             **_prediction(chosen.predicted_peak_bytes, chosen.predicted_step_seconds, chosen.batch_size, args.seq_len),
             "modules": {name or "(root)": s.value for name, s in chosen.strategies.items()},
         },
+        "smallest_fitting_budget_bytes": no_plan.needed_bytes if no_plan else None,
         "planning_seconds": elapsed,
     }
     GiB = 2**30
-    print(f"plan for {args.world_size} devices (cost model), {args.model}, seq {args.seq_len}, "
-          f"activation checkpointing {args.activation_checkpoint}, {args.mixed_precision}:\n{chosen}\n")
+    trained = f"LoRA rank {args.lora_rank}" if args.lora_rank else "every parameter"
+    trained += f", {' '.join(args.frozen)} frozen" if args.frozen else ""
+    heading = f"{args.world_size} devices (cost model), {args.model}, seq {args.seq_len}, " \
+              f"activation checkpointing {args.activation_checkpoint}, {args.mixed_precision}, " \
+              f"{args.training_dtype} parameters, {args.optimizer}, training {trained}"
+    print(f"plan for {heading}:\n{chosen}\n" if chosen else f"no plan for {heading}\n")
     print("| everywhere | batch | peak per device | step | tokens/s per device |\n| --- | --- | --- | --- | --- |")
     for name, entry in uniform.items():
         print(f"| {name} | {entry['local_batch_size']} | {entry['peak_bytes'] / GiB:.2f} GiB | {entry['step_s'] * 1e3:.1f} ms | "
@@ -168,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=2)
+    if no_plan:
+        sys.exit(str(no_plan))
 
 
 def _calibrated(args: argparse.Namespace) -> None:
@@ -192,6 +259,9 @@ def _measured(args: argparse.Namespace) -> None:
         sys.exit("rsdp plan --measure: start it with torchrun, e.g. torchrun --nproc_per_node 4 -m rsdp plan --measure ...")
     if args.model != "benchmark":
         sys.exit("rsdp plan --measure profiles the benchmark model only; drop --model or --measure.")
+    if (args.training_dtype, args.optimizer, args.lora_rank, args.frozen) != ("fp32", "adamw", 0, []):
+        sys.exit("rsdp plan --measure trains the benchmark model whole, in fp32, with AdamW; --training-dtype, --optimizer, "
+                 "--lora-rank and --frozen describe the cost model's run: drop them or --measure.")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     try:

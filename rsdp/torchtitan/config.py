@@ -74,6 +74,11 @@ class ParallelismConfig(TorchTitanParallelismConfig):
     """Not a flag: the run's loss, set by RSDPTrainer (torchtitan's chunked loss's num_chunks, else 1),
     which auto counts as it runs."""
 
+    dp_optimizer: str = field(default="adamw", init=False)
+    """Not a flag: the run's optimizer as the planner models it (``rsdp.planner._cost_model.OPTIMIZERS``),
+    set by RSDPTrainer from the optimizer config, which auto counts (its state and its step's temporaries;
+    frozen parameters, such as a LoRA converter's base, are counted as the model has them)."""
+
     def __post_init__(self):
         TorchTitanParallelismConfig.__post_init__(self)
         self.overrides()  # fail at parse time, not after the model is built
@@ -147,6 +152,7 @@ class RSDPTrainer(Trainer):
         config.parallelism.dp_overrides = head_under_chunked_loss(config.parallelism, config.loss)
         if isinstance(config.loss, ChunkedLossWrapper.Config):
             config.parallelism.dp_loss_chunks = config.loss.num_chunks
+        config.parallelism.dp_optimizer = planned_optimizer(config.optimizer)
         super().__init__(config)
 
     def train_step(self, data_iterator):
@@ -170,6 +176,21 @@ class RSDPTrainer(Trainer):
             f"rsdp: step {self.step} memory per rank: {held:.2f} MiB parameters and optimizer state + {peak:.2f} "
             f"MiB step peak = {total:.2f} MiB" + (f" of a {budget} budget" if budget else "")
         )
+
+
+def planned_optimizer(optimizer) -> str:
+    """The planner's model (``OPTIMIZERS``) of torchtitan's optimizer config: Adam and AdamW (the same
+    state) by its ``implementation``. Another optimizer, or bf16 states, is counted as torch's default
+    AdamW (its for-loop and foreach temporaries, the larger), with a line in the log that says so."""
+    names = {group.optimizer_name for group in optimizer.param_groups}
+    implementation = {"fused": "adamw-fused", "foreach": "adamw-foreach", "for-loop": "adamw-for-loop"}.get(optimizer.implementation)
+    if names <= {"Adam", "AdamW"} and implementation:
+        return implementation
+    log_once(
+        f"rsdp: dp_strategy=auto counts {sorted(names)} ({optimizer.implementation}) as torch's default AdamW: two fp32 "
+        "moments a parameter and the larger of its foreach and for-loop temporaries"
+    )
+    return "adamw"
 
 
 def head_under_chunked_loss(parallelism: ParallelismConfig, loss) -> str:

@@ -88,7 +88,8 @@ def data_parallel_rules(
         log_once(
             f"rsdp: dp_strategy=auto planned with the cost model for {parallelism.hardware_name(_dp_world(parallel_dims))} "
             "(activations in mixed_precision_param, under "
-            f"the run's activation checkpointing, {_loss_counted(parallelism)}); it chose\n{chosen}"
+            f"the run's activation checkpointing, {_loss_counted(parallelism)}, optimizer {parallelism.dp_optimizer}, "
+            f"frozen parameters as the model has them); it chose\n{chosen}"
         )
         defaults = chosen.strategies
     else:
@@ -143,7 +144,7 @@ def _plan(
         flops_per_s=parallelism.dp_flops_per_s,
         bandwidth_bytes_per_s=parallelism.dp_bandwidth_bytes_per_s,
         latency_s=parallelism.dp_latency_s,
-    )
+    ).with_optimizer(parallelism.dp_optimizer)
     sample = torch.zeros(training.local_batch_size, training.seq_len + 1, dtype=torch.long, device="meta")
     counted = flash_attention_for_counting(copy.deepcopy(model))  # on the meta device: no memory
     if ac_config is not None:  # counted as the step will run it: what each block saves and recomputes
