@@ -2,8 +2,8 @@
 
 For each model, the meta-device count of ``rsdp plan`` (one per local batch size, and per shorter
 sequence at batch 1 where a whole sequence does not fit), then every strategy everywhere on every
-world size and memory size: the largest batch whose predicted peak (reserved, on the preset's
-caching-allocator factor) fits, else the longest sequence at batch 1, else nothing. Prints a markdown
+world size and memory size: the largest batch whose predicted peak (reserved, as the preset's
+caching-allocator model replays each count) fits, else the longest sequence at batch 1, else nothing. Prints a markdown
 table (docs/planner.md, "Fine-tuning").
 
     python benchmarks/planner_fine_tuning.py --models torchtitan:llama3:8B torchtitan:llama3:70B

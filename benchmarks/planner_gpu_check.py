@@ -1,13 +1,15 @@
-"""The cost model's FSDP2 peak against one GPU's allocator: a Llama-3-8B-shaped decoder (dim 4096, 32
-heads without GQA, FFN 14336, vocabulary 128256) of a few layers, sequence 8192, batch 2, torchtitan's
-selective per-op activation checkpointing, bf16 parameters with fp32 reduction, AdamW.
+"""The cost model's FSDP2 peak and step time against one GPU: a Llama-3-8B-shaped decoder (dim 4096, 32
+heads without GQA, FFN 14336, vocabulary 128256) of a few layers, batch 2, torchtitan's selective
+per-op activation checkpointing, bf16 parameters with fp32 reduction, AdamW.
 
-    python benchmarks/planner_gpu_check.py --layers 4             # on the GPU: allocated, reserved, step time
-    python benchmarks/planner_gpu_check.py --layers 4 --predict   # here: the cost model's peak, same model
+    python benchmarks/planner_gpu_check.py --layers 4 --seq 2048 8192             # on the GPU (80 GB: 32768 does not fit)
+    python benchmarks/planner_gpu_check.py --layers 4 --seq 2048 8192 --predict   # here, on meta
 
-Run both with and without ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's launcher
-sets it) to see what the allocator reserves beyond the allocated peak. Self-contained (torch only), so
-that it runs on a machine without torchtitan.
+Each prints, per sequence length, allocated and reserved peaks and the forward + backward time (the
+prediction: allocated, reserved as the caching allocator model replays the step with and without
+expandable segments, and the H100 preset's compute time for the step). Run the measurement with and
+without ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's launcher sets it) to check
+both allocator modes. Self-contained (torch only), so that it runs on a machine without torchtitan.
 """
 
 import argparse
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-DIM, HEADS, FFN, VOCAB, SEQ, BATCH = 4096, 32, 14336, 128256, 8192, 2
+DIM, HEADS, FFN, VOCAB, BATCH = 4096, 32, 14336, 128256, 2
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention
 
 
@@ -82,49 +84,64 @@ def loss_fn(model, tokens):
     return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def predict(layers: int) -> None:
-    from rsdp import CostModel, Strategy
-    from rsdp.planner._cost_model import count
+def predict(layers: int, seq: int) -> None:
+    import dataclasses
+
+    from rsdp import Strategy
+    from rsdp.planner import _hardware
+    from rsdp.planner._cost_model import count, estimate_root, estimate_units
     from rsdp.planner._plan import predict_uniform
     from rsdp.planner._profile import find_units
 
     with torch.device("meta"):
         model = Decoder(layers)
     units = find_units(model)
-    tokens = torch.zeros(BATCH, SEQ + 1, dtype=torch.long, device="meta")
+    tokens = torch.zeros(BATCH, seq + 1, dtype=torch.long, device="meta")
     counts = count(model, units, tokens, loss_fn, torch.bfloat16)
-    cost = CostModel(1, 989e12, 450e9, 5e-6, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    peak, _ = predict_uniform(counts, units, Strategy.FSDP, cost)
-    print(f"layers {layers}: predicted FSDP2 peak {peak / 2**30:.3f} GiB (allocated)")
+    h100 = _hardware.PRESETS["h100-sxm-nvlink"].cost_model(1, torch.bfloat16, torch.float32)
+    peaks = {}
+    for allocator in (None, "segments", "expandable_segments"):
+        peaks[allocator], _ = predict_uniform(counts, units, Strategy.FSDP, dataclasses.replace(h100, caching_allocator=allocator))
+    root = estimate_root(counts, Strategy.FSDP, h100)
+    seconds = root.before.seconds + root.middle.seconds + root.after.seconds + sum(
+        unit.forward.seconds + unit.backward.seconds for unit in estimate_units(counts, Strategy.FSDP, Strategy.FSDP, h100).values()
+    )
+    GiB = 2**30
+    print(f"layers {layers} seq {seq}: predicted allocated {peaks[None] / GiB:.3f} GiB, reserved {peaks['segments'] / GiB:.3f} "
+          f"(segments) / {peaks['expandable_segments'] / GiB:.3f} GiB (expandable), forward+backward {seconds * 1e3:.1f} ms "
+          f"(compute only), {BATCH * seq / seconds:.0f} tokens/s")
 
 
-def measure(layers: int) -> None:
+def measure(layers: int, seq: int) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
     torch.cuda.set_device(0)
+    torch.cuda.empty_cache()  # the previous sequence length's blocks: not this one's reserved memory
     with torch.device("cuda"):
         model = Decoder(layers)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for unit in (model.tok_embeddings, *model.layers, model.norm, model.lm_head, model):
         fully_shard(unit, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device="cuda")
+    tokens = torch.randint(0, VOCAB, (BATCH, seq + 1), device="cuda")
     for step in range(4):
         if step == 3:  # steady state: optimizer state exists
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
         loss_fn(model, tokens).backward()
+        if step == 3:
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started  # forward + backward, what the prediction covers
         optimizer.step()
         optimizer.zero_grad()
     torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
     stats, GiB = torch.cuda.memory_stats(), 2**30
     print(
-        f"layers {layers}: allocated {stats['allocated_bytes.all.peak'] / GiB:.3f} GiB, reserved "
-        f"{stats['reserved_bytes.all.peak'] / GiB:.3f} GiB, step {seconds:.3f} s, {BATCH * SEQ / seconds:.0f} tokens/s"
+        f"layers {layers} seq {seq}: allocated {stats['allocated_bytes.all.peak'] / GiB:.3f} GiB, reserved "
+        f"{stats['reserved_bytes.all.peak'] / GiB:.3f} GiB, forward+backward {seconds * 1e3:.1f} ms, {BATCH * seq / seconds:.0f} tokens/s"
     )
     dist.destroy_process_group()
 
@@ -132,6 +149,8 @@ def measure(layers: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--predict", action="store_true", help="the cost model's peak, on the meta device")
+    parser.add_argument("--seq", type=int, nargs="+", default=[8192])
+    parser.add_argument("--predict", action="store_true", help="the cost model's peak and time, on the meta device")
     args = parser.parse_args()
-    (predict if args.predict else measure)(args.layers)
+    for seq in args.seq:
+        (predict if args.predict else measure)(args.layers, seq)

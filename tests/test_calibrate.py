@@ -25,6 +25,7 @@ def test_calibrate_on_two_gloo_ranks_writes_a_profile_the_planner_loads(tmp_path
     hardware = _hardware.load(str(profile))
     assert hardware.flops_per_s > 0 and hardware.ring_step_host_s > 0 and not hardware.host_overlaps_compute
     assert set(hardware.links) == set(_hardware.LINK_OPS) and set(hardware.partial_gemm_efficiency) == {2, 4, 8}
+    assert all(getattr(hardware, rate) > 0 for rate in _hardware.WORK_RATES)  # attention, norms, elementwise, loss
     assert values["measured"]["world_size"] == 2 and "2 gloo ranks" in hardware.source
 
     main(["plan", "--budget", "1GiB", "--world-size", "2", "--vocab_size", "256", "--ninp", "32", "--nhid", "64",

@@ -196,3 +196,155 @@ def test_the_optimizer_step_moves_its_state_at_the_memory_bandwidth():
     assert _hardware.PRESETS["h100-sxm-nvlink"].cost_model(8).memory_bandwidth_bytes_per_s == 3.35e12
     unknown = CostModel(WORLD, flops_per_s=1e12, bandwidth_bytes_per_s=1e18, latency_s=0.0)
     assert _Parallelism(PART, Strategy.FSDP, unknown).unit(*(Phase(0, 0, 0.0),) * 2, False).optimizer_seconds == 0.0
+
+
+def test_each_kind_of_work_outside_the_matmuls_runs_at_its_own_rate():
+    """With ``attention_flops_per_s`` set: every matrix product at the GEMM rate, flash attention's
+    executed FLOPs at its rate (backward 2.5x the forward's), norms', elementwise ops' and the loss's
+    bytes each at theirs (backward twice the forward's), what checkpointing recomputes on top."""
+    import dataclasses
+
+    from rsdp.planner._cost_model import Work
+
+    work = Work(attention_flops=1e9, attention_executed_flops=0.5e9, norm_bytes=3e6, elementwise_bytes=5e6, loss_bytes=7e6)
+    recomputed = Work(norm_bytes=3e6)
+    part = dataclasses.replace(PART, forward_work=work, recomputed_work=recomputed)
+    rates = dict(gemm_flops_per_s=2e12, attention_flops_per_s=0.25e12, norm_bytes_per_s=1e12,
+                 elementwise_bytes_per_s=2e12, loss_bytes_per_s=4e12, other_flops_per_s=1.0)  # other: not used
+    cost = CostModel(WORLD, flops_per_s=1e12, bandwidth_bytes_per_s=1e18, latency_s=0.0, **rates)
+    forward = (PART.forward_flops - 1e9) / 2e12 + 0.5e9 / 0.25e12 + 3e6 / 1e12 + 5e6 / 2e12 + 7e6 / 4e12
+    backward = (2 * PART.forward_flops - 2e9) / 2e12 + 1.25e9 / 0.25e12 + 9e6 / 1e12 + 10e6 / 2e12 + 14e6 / 4e12
+    for strategy in Strategy:
+        assert _Parallelism(part, strategy, cost).seconds(PART.forward_flops, False) == pytest.approx(forward)
+        assert _Parallelism(part, strategy, cost).seconds(2 * PART.forward_flops, True) == pytest.approx(backward)
+    # A byte rate left unset charges nothing for that kind.
+    unset = dataclasses.replace(cost, loss_bytes_per_s=None)
+    assert _Parallelism(part, Strategy.FSDP, unset).seconds(PART.forward_flops, False) == pytest.approx(forward - 7e6 / 4e12)
+
+
+def test_the_count_splits_the_work_by_kind(monkeypatch):
+    """Causal flash attention executes half the FLOPs the counter counts; an op's bytes are its inputs'
+    and outputs' (a lookup's: its output's twice; views move nothing); bytes inside a ``*Norm`` module
+    are norms', after the model's forward the loss's, the rest elementwise; checkpointing's recomputation
+    is counted again; the attention share grows with the sequence, the bytes linearly."""
+    import torch
+    import torch.nn.functional as F
+
+    from models import TinyLM
+    from rsdp._compat import flash_attention_op
+    from rsdp.planner._cost_model import count, work_of
+    from rsdp.planner._models import apply_activation_checkpointing
+    from rsdp.planner._plan import _next_token_loss
+    from rsdp.planner._profile import find_units
+
+    q = torch.zeros(1, 2, 16, 8)
+    causal = work_of(lambda q, k, v: flash_attention_op(q, k, v, is_causal=True), q, q, q)
+    assert causal.attention_flops == 4 * 2 * 16 * 16 * 8 and causal.attention_executed_flops == causal.attention_flops / 2
+    full = work_of(lambda q, k, v: flash_attention_op(q, k, v, is_causal=False), q, q, q)
+    assert full.attention_executed_flops == full.attention_flops
+    x = torch.zeros(64, 32)
+    assert work_of(lambda a, b: F.silu(a) * b, x, x).elementwise_bytes == 5 * x.nbytes  # silu 2, mul 3
+    assert work_of(lambda a: a.view(32, 64).t(), x).elementwise_bytes == 0
+    table, ids = torch.zeros(1000, 32), torch.zeros(64, dtype=torch.long)
+    assert work_of(F.embedding, ids, table).elementwise_bytes == 2 * 64 * 32 * 4
+
+    # As the planner counts torchtitan's attention: the flash kernel (meta's own SDPA is the math one).
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, is_causal: flash_attention_op(q, k, v, is_causal=is_causal)[0])
+
+    def counted(seq: int, mode: str = "none"):
+        torch.manual_seed(0)
+        model = apply_activation_checkpointing(TinyLM(vocab=64, dim=32, heads=4, hidden=64, layers=2), mode)
+        return count(model, find_units(model), torch.zeros(2, seq, dtype=torch.long), _next_token_loss)  # the model sees seq
+
+    short, long = counted(16), counted(64)
+    block = short.units["layers.0"].forward_work
+    assert block.norm_bytes > 0 and block.elementwise_bytes > 0 and block.loss_bytes == 0
+    assert short.after.forward_work.loss_bytes > 0 and short.after.forward_work.norm_bytes == 0
+    assert long.units["layers.0"].forward_work.attention_flops == 16 * block.attention_flops  # seq squared
+    assert long.units["layers.0"].forward_work.norm_bytes == pytest.approx(4 * block.norm_bytes, rel=0.05)  # seq (and the weight)
+    full_ac = counted(16, "full").units["layers.0"]
+    assert full_ac.recomputed_work == full_ac.forward_work
+
+
+def test_the_h100_preset_charges_each_kind_at_a_cited_rate():
+    cost = _hardware.PRESETS["h100-sxm-nvlink"].cost_model(8)
+    assert cost.attention_flops_per_s == 333e12 and cost.gemm_flops_per_s == 743e12
+    assert cost.norm_bytes_per_s == cost.elementwise_bytes_per_s == cost.loss_bytes_per_s == 2.8e12
+    source = _hardware.PRESETS["h100-sxm-nvlink"].source
+    assert "2407.08608" in source and "84%" in source
+    # One given rate for every FLOP (--flops) replaces the split.
+    assert _hardware.PRESETS["h100-sxm-nvlink"].cost_model(8, flops_per_s=1e14).attention_flops_per_s is None
+
+
+def test_the_caching_allocator_model_rounds_splits_reuses_and_grows():
+    """``_allocator`` as ``CUDACachingAllocator.cpp`` does it: 512-byte rounding; 2 MiB segments for the
+    small pool, 20 MiB for requests under 10 MiB, 2 MiB multiples above; best fit among cached blocks,
+    split only where enough is left; freed blocks merge and stay reserved. With expandable segments a
+    request no gap fits grows its pool's one segment by whole 2 MiB pages."""
+    from rsdp.planner._allocator import CachingAllocator, reserved_peak, round_size, segment_size
+
+    MiB = 2**20
+    assert (round_size(1), round_size(513), round_size(1024)) == (512, 1024, 1024)
+    assert (segment_size(100), segment_size(3 * MiB), segment_size(11 * MiB + 1)) == (2 * MiB, 20 * MiB, 12 * MiB)
+    allocator = CachingAllocator()
+    a, b = allocator.malloc(4 * MiB), allocator.malloc(4 * MiB)  # one 20 MiB segment, split
+    assert allocator.reserved == 20 * MiB
+    allocator.free(a)
+    allocator.malloc(3 * MiB)  # fits the freed 4 MiB block: reused, its 1 MiB rest not split off
+    assert allocator.reserved == 20 * MiB
+    allocator.malloc(13 * MiB)  # the segment's 12 MiB rest is too small: a new 14 MiB segment
+    assert allocator.reserved == 34 * MiB and allocator.peak_allocated == 20 * MiB
+    allocator.free(b)
+
+    # A growing request after a freed smaller one: a new segment, or (expandable) the end grows.
+    log = [("malloc", 1, 12 * MiB), ("free", 1), ("malloc", 2, 16 * MiB)]
+    assert reserved_peak(log, expandable_segments=False) == (16 * MiB, 28 * MiB)
+    assert reserved_peak(log, expandable_segments=True) == (16 * MiB, 16 * MiB)
+    # A gap in the middle of an expandable segment is reused by what fits in it.
+    log = [("malloc", 1, 4 * MiB), ("malloc", 2, 4 * MiB), ("free", 1), ("malloc", 3, 2 * MiB), ("malloc", 4, 6 * MiB)]
+    assert reserved_peak(log, expandable_segments=True) == (12 * MiB, 14 * MiB)
+
+
+def test_a_caching_allocator_scales_every_byte_figure_by_the_replayed_factor():
+    import dataclasses
+
+    import torch
+
+    from models import TinyLM
+    from rsdp.planner._cost_model import count, estimate_root, estimate_units
+    from rsdp.planner._plan import _next_token_loss
+    from rsdp.planner._profile import find_units
+
+    model = TinyLM(vocab=256, dim=32, heads=4, hidden=64, layers=2)
+    counts = count(model, find_units(model), torch.zeros(2, 16, dtype=torch.long), _next_token_loss)
+    counts = dataclasses.replace(counts, reserved_per_allocated=(1.25, 1.5))
+    plain = CostModel(WORLD, flops_per_s=1e12, bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    for allocator, factor in ((None, 1.0), ("segments", 1.25), ("expandable_segments", 1.5)):
+        cost = dataclasses.replace(plain, caching_allocator=allocator)
+        assert cost.peak_is_reserved is (allocator is not None)
+        root, allocated_root = estimate_root(counts, Strategy.FSDP, cost), estimate_root(counts, Strategy.FSDP, plain)
+        assert root.static_bytes == round(allocated_root.static_bytes * factor)
+        unit = estimate_units(counts, Strategy.FSDP, Strategy.FSDP, cost)["layers.0"]
+        allocated = estimate_units(counts, Strategy.FSDP, Strategy.FSDP, plain)["layers.0"]
+        assert unit.forward.peak == round(allocated.forward.peak * factor)
+    with pytest.raises(ValueError, match="caching_allocator 'slab' is none of"):
+        dataclasses.replace(plain, caching_allocator="slab")
+
+
+def test_the_allocator_factor_of_four_alike_blocks_is_the_whole_stacks():
+    """A stack of alike blocks is counted by four of them; the allocator's replay of that cut step gives
+    nearly the factor of the whole stack's (the blocks' allocation pattern repeats)."""
+    import torch
+
+    from models import TinyLM
+    from rsdp.planner import _cost_model
+    from rsdp.planner._plan import _next_token_loss
+    from rsdp.planner._profile import find_units
+
+    model = TinyLM(vocab=96, dim=256, heads=4, hidden=1024, layers=8)
+    tokens = torch.zeros(4, 257, dtype=torch.long)
+    units = find_units(model)
+    cut = _cost_model.count(model, units, tokens, _next_token_loss).reserved_per_allocated
+    whole = _cost_model.count_step(_cost_model.meta_copy(model), units, tokens.to("meta"), _next_token_loss).reserved_per_allocated
+    assert cut == pytest.approx(whole, rel=0.1)
+    assert all(factor > 1 for factor in whole)

@@ -11,6 +11,12 @@ What it measures, each rank at once (ranks share the host's cores and links as t
   model counts it (GEMMs, attention, norms, loss), the GEMM rate is kept beside it
   (``gemm_flops_per_s``: the rate the Linears' FLOPs and the per-shard penalty are charged at), and the
   step's time less its Linears' at that rate gives the rate of its other FLOPs (``other_flops_per_s``);
+- the rates of the work outside the matrix products by kind (``_cost_model.Work``; ``work_rates``):
+  causal attention (``scaled_dot_product_attention``, the device's own kernel, counted as flash
+  attention's executed FLOPs), ``rms_norm``, an elementwise ``silu(a) * b`` and an fp32 cross-entropy
+  at the run's tokens, width, heads and vocabulary, each its work as the count charges it (bytes read
+  and written, counted on meta) over its median time. With them the cost model charges each kind at its
+  own rate (``other_flops_per_s`` is then not used);
 - per op (point-to-point ring exchange, all-gather, reduce-scatter, all-reduce), ``t = hops x latency
   + bytes / bandwidth`` fitted by least squares over message sizes (bytes as nccl-tests' busbw counts
   them, the slowest rank's time per size);
@@ -29,6 +35,7 @@ profile says so in its ``source``. Times are medians of rounds; a loaded host sh
 
 import collections
 import contextlib
+import operator
 import copy
 import dataclasses
 import json
@@ -41,14 +48,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from .._compat import MixedPrecisionPolicy, all_gather_flat, fake_store, reduce_scatter_flat, send_and_receive
+from .._compat import (
+    MixedPrecisionPolicy, all_gather_flat, fake_store, flash_attention_op, reduce_scatter_flat, send_and_receive,
+)
 from .._fully_shard._ring import WaitedWorks, wait_for
 from ._cost_model import Link
 from ..policy import Strategy, parallelize
 from . import _hardware, _models
-from ._cost_model import count
+from ._cost_model import count, work_of
 from ._hardware import LINK_OPS, Hardware
 from ._profile import find_units
 
@@ -231,6 +241,32 @@ def gathered_overhead_seconds_per_byte(world: int, shapes: collections.Counter, 
     return overhead
 
 
+def work_rates(tokens: int, width: int, heads: int, vocab: int, dtype: torch.dtype, device: torch.device,
+               sync=lambda: None) -> dict[str, float]:
+    """The rates of the work outside the matrix products (``_cost_model.Work``), each a kernel of its
+    kind at ``tokens x width`` (attention over ``heads``; the loss over ``vocab``): its work as the
+    count charges it (``work_of``, on meta) over its median time here. Attention is timed through
+    ``scaled_dot_product_attention`` (the device's own kernel), counted as flash attention."""
+    x, other = (torch.randn(tokens, width, dtype=dtype, device=device) for _ in range(2))
+    weight = torch.ones(width, dtype=dtype, device=device)
+    logits = torch.randn(tokens, vocab, dtype=dtype, device=device)
+    targets = torch.randint(vocab, (tokens,), device=device)
+    q, k, v = (torch.randn(1, heads, tokens, width // heads, dtype=dtype, device=device) for _ in range(3))
+    kernels = {  # rate: (the call timed, the call counted, its inputs, the counted work it is charged for)
+        "attention_flops_per_s": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                  lambda q, k, v: flash_attention_op(q, k, v, is_causal=True), (q, k, v),
+                                  operator.attrgetter("attention_executed_flops")),
+        "norm_bytes_per_s": (lambda x, w: F.rms_norm(x, (width,), w), None, (x, weight), operator.attrgetter("elementwise_bytes")),
+        "elementwise_bytes_per_s": (lambda a, b: F.silu(a) * b, None, (x, other), operator.attrgetter("elementwise_bytes")),
+        "loss_bytes_per_s": (lambda z, t: F.cross_entropy(z.float(), t), None, (logits, targets), operator.attrgetter("elementwise_bytes")),
+    }
+    rates = {}
+    for rate, (timed, counted, inputs, charged) in kernels.items():
+        work = charged(work_of(counted or timed, *inputs))
+        rates[rate] = work / median_seconds(lambda: timed(*inputs), sync=sync)
+    return rates
+
+
 # Linear shapes measured without --model: a 1024-wide Llama-style block (q, k, v, o; gate, up; down).
 DEFAULT_SHAPES = collections.Counter({(1024, 1024): 4, (1024, 2816): 2, (2816, 1024): 1})
 
@@ -281,8 +317,10 @@ def calibrate(args) -> tuple[Hardware, dict]:
         if args.model == "benchmark":
             batch = torch.randint(vocab, (args.local_batch_size, args.seq_len + 1))
             step_rate, other_rate = step_rates(model.to(device), loss_fn, batch.to(device), gemms.flops_per_s)
+        kinds = work_rates(tokens, args.ninp, args.nhead, args.vocab_size, dtype, device, sync)
         overheads = [*gathered["fsdp"], *gathered["replicate"]]
-        measured = [gemms.flops_per_s, step_rate, other_rate, host, *overheads, *(gemms.partial_gemm_efficiency[w] for w in world_sizes)]
+        measured = [gemms.flops_per_s, step_rate, other_rate, host, *overheads, *kinds.values(),
+                    *(gemms.partial_gemm_efficiency[w] for w in world_sizes)]
         if distributed:  # every rank measured its own: the mean
             mean = torch.tensor(measured, dtype=torch.float64, device=device)
             dist.all_reduce(mean, group=dist.group.WORLD)
@@ -292,7 +330,8 @@ def calibrate(args) -> tuple[Hardware, dict]:
             dist.destroy_process_group()
     gemm_rate, step_rate, other_rate, host = measured[0], measured[1] or None, measured[2] or None, measured[3]
     fsdp_overhead, replicate_overhead = tuple(measured[4:6]), tuple(measured[6:8])
-    efficiency = dict(zip(world_sizes, measured[8:]))
+    kinds = dict(zip(_hardware.WORK_RATES, measured[8:12]))
+    efficiency = dict(zip(world_sizes, measured[12:]))
     what = f"{args.model or 'default shapes'} at {tokens} tokens, {dtype}, {device.type}"
     if distributed:
         default = links["send_recv"]
@@ -308,9 +347,9 @@ def calibrate(args) -> tuple[Hardware, dict]:
         f"{'on the fake process group' if device.type == 'cpu' else 'not charged (a GPU copies on the device)'}; {link_source}",
         partial_gemm_efficiency=efficiency, ring_step_host_s=host, host_overlaps_compute=device.type != "cpu",
         links=links, gemm_flops_per_s=gemm_rate, other_flops_per_s=other_rate,
-        fsdp_overhead_s_per_byte=fsdp_overhead, replicate_overhead_s_per_byte=replicate_overhead,
+        fsdp_overhead_s_per_byte=fsdp_overhead, replicate_overhead_s_per_byte=replicate_overhead, **kinds,
     )
-    report = {"world_size": world, "gemm_flops_per_s": gemm_rate, "step_flops_per_s": step_rate, "other_flops_per_s": other_rate,
+    report = {"world_size": world, "gemm_flops_per_s": gemm_rate, "step_flops_per_s": step_rate, "other_flops_per_s": other_rate, **kinds,
               "linear_shapes": {f"{i}x{o}": n for (i, o), n in shapes.items()}, "tokens": tokens}
     return hardware, report
 

@@ -38,14 +38,19 @@ unsharded gradients and ring weight messages in ``param_dtype``, reduce-scatter 
 partials in ``reduce_dtype`` (FSDP2 casts while it copies the gradients into the reduce-scatter input).
 Activation checkpointing applied to the model is counted as it runs (what regions save, their
 recomputation in backward); rsdp units under ``ring_checkpoint_context`` also keep their ring outputs.
-The caching allocator (``CostModel.reserved_per_allocated``, a GPU preset's): every byte figure is
-scaled to what the allocator reserves for it, a fixed fraction (1 on CPU ranks: allocated bytes).
+The caching allocator (``CostModel.caching_allocator``, a GPU preset's): the count's allocation log
+is replayed through a model of PyTorch's CUDA caching allocator (``_allocator``: rounding, segment
+sizes, best fit, splitting, expandable segments), and every byte figure is scaled by its reserved peak
+over the log's allocated peak (``Counts.reserved_per_allocated``; CPU ranks: allocated bytes).
 
 Time (``_Parallelism.seconds``; the constants come from ``rsdp calibrate`` or a preset, ``_hardware``).
-Compute is the counted FLOPs (backward twice forward, plus what activation checkpointing recomputes):
-the Linears' at ``gemm_flops_per_s`` and the rest at ``other_flops_per_s`` where both were measured (a
-step's average rate is no layer's when one large GEMM, a head's, is much of the step), else all at
-``flops_per_s``. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
+Compute is the counted FLOPs (backward twice forward, plus what activation checkpointing recomputes)
+and the work outside the matrix products by kind (``Work``, counted op by op in the same run: flash
+attention's executed FLOPs, the bytes norms, elementwise ops and the loss read and write). Where
+``attention_flops_per_s`` is set, every matrix product runs at ``gemm_flops_per_s`` and each kind at its
+own rate, so the time follows the sequence length as each kind does (attention with its square, the
+rest linearly); else the Linears' FLOPs at ``gemm_flops_per_s`` and the rest at ``other_flops_per_s``
+where both were measured, else all at ``flops_per_s``. Every transfer costs ``hops x latency + bytes / bandwidth`` with its own op's fitted figures
 (``Link``; bytes as nccl-tests' busbw counts them: (W-1)/W of the whole for a ring collective).
 Overlap, per strategy, where a device computes (``host_overlaps_compute``; where the host computes, as
 on CPU ranks, it runs the transfers and its own work too, so every "longer of" below is a sum):
@@ -92,6 +97,7 @@ from torch.utils.flop_counter import flop_registry
 from .._compat import TorchDispatchMode, in_backward, tree_leaves
 from .._fully_shard._checkpoint import in_ring_checkpoint_forward
 from ..policy import Strategy
+from ._allocator import reserved_peak
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
 from ._repeated_blocks import repeated_blocks
 
@@ -106,6 +112,39 @@ class Link:
 
     def seconds(self, nbytes: float, hops: int = 1) -> float:
         return hops * self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+CACHING_ALLOCATORS = (None, "segments", "expandable_segments")
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """The work of a part's forward outside its matrix products, by kind, each timed at its own rate:
+    attention's FLOPs (``attention_flops`` as ``torch.utils.flop_counter`` counts them, every score of
+    the square; ``attention_executed_flops`` what a flash kernel runs: half of them when causal), and
+    the bytes that memory-bound ops read and write (every input and output of an op that is not a view
+    or a matrix product), in norms (inside a module whose type's name ends in ``Norm``), in the loss
+    (after the model's forward returned) and in every other elementwise op."""
+
+    attention_flops: float = 0
+    attention_executed_flops: float = 0
+    norm_bytes: float = 0
+    elementwise_bytes: float = 0
+    loss_bytes: float = 0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __sub__(self, other: "Work") -> "Work":
+        return Work(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def backward(self) -> "Work":
+        """The backward's work for this forward: a flash backward runs 2.5 times its forward's FLOPs
+        (five matrix products of the tile to the forward's two; FlashAttention-2, Dao 2023, section 3.1),
+        counted twice the forward's as every counted FLOP is; a memory-bound op's gradient reads the
+        output's gradient and what the op saved and writes the input's gradient: twice its forward's bytes."""
+        return Work(2 * self.attention_flops, 2.5 * self.attention_executed_flops,
+                    2 * self.norm_bytes, 2 * self.elementwise_bytes, 2 * self.loss_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +173,15 @@ class CostModel:
     # addcdiv_ into the parameter (4).
     memory_bandwidth_bytes_per_s: float | None = None
     optimizer_traffic_per_param_byte: float = 20.0
-    # What the caching allocator reserves per allocated byte at the peak (1: allocated bytes, as on CPU
-    # ranks; a GPU preset's figure otherwise, ``_hardware``): every byte figure is scaled by it, so the
-    # predicted peak, and what the budget is compared with, is the reserved peak.
+    # A fixed factor of reserved per allocated byte (a profile may give one; 1: none): every byte figure
+    # is scaled by it and by the caching allocator's (below), so the predicted peak, and what the budget
+    # is compared with, is the reserved peak.
     reserved_per_allocated: float = 1.0
+    # The caching allocator modelled (``_allocator``): None (CPU ranks: allocated bytes), "segments"
+    # (PyTorch's default) or "expandable_segments" (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
+    # as torchtitan runs). Its factor, from replaying the counted step, scales every byte figure beside
+    # ``reserved_per_allocated``.
+    caching_allocator: str | None = None
     # Time terms that ``rsdp calibrate`` measures (the defaults leave only the three numbers above).
     partial_gemm_efficiency: float = 1.0  # FLOP/s of 1/world_size-row GEMMs over that of whole ones
     gemm_flops_per_s: float | None = None  # whole GEMMs' rate (None: flops_per_s), for the shards' penalty
@@ -145,6 +189,14 @@ class CostModel:
     # in for the step's elementwise and normalisation work too, which the count gives no FLOPs). Then
     # the Linears' FLOPs run at ``gemm_flops_per_s`` and the rest at this; None: every FLOP at ``flops_per_s``.
     other_flops_per_s: float | None = None
+    # The work outside the matrix products by kind (``Work``), each at its own rate where
+    # ``attention_flops_per_s`` is set (then every matrix product runs at ``gemm_flops_per_s``, and
+    # ``other_flops_per_s`` is not used): flash attention's executed FLOPs, and the bytes that norms,
+    # elementwise ops and the loss move. A byte rate left None: that kind is not charged.
+    attention_flops_per_s: float | None = None
+    norm_bytes_per_s: float | None = None
+    elementwise_bytes_per_s: float | None = None
+    loss_bytes_per_s: float | None = None
     # FSDP2's own work beside the wire per stored parameter byte of a unit, (forward, backward): its
     # copies into and out of the collectives' buffers, the pre-division, its hooks (``rsdp calibrate``
     # measures them on the fake process group; 0: not modelled). It runs where the compute runs.
@@ -163,11 +215,31 @@ class CostModel:
             raise ValueError(f"rsdp plan: no optimizer {name!r} is modelled; pick one of {', '.join(OPTIMIZERS)}.")
         return dataclasses.replace(self, **OPTIMIZERS[name])
 
-    def compute_seconds(self, flops: float, linear_flops: float) -> float:
-        """``flops`` of which ``linear_flops`` are the Linears' GEMMs, at the rates that were measured."""
+    def __post_init__(self):
+        if self.caching_allocator not in CACHING_ALLOCATORS:
+            raise ValueError(
+                f"rsdp: caching_allocator {self.caching_allocator!r} is none of {CACHING_ALLOCATORS}; give one of them."
+            )
+
+    def compute_seconds(self, flops: float, linear_flops: float, work: Work = Work()) -> float:
+        """``flops`` of which ``linear_flops`` are the Linears' GEMMs and ``work`` the rest by kind, at
+        the rates that were measured."""
+        if self.attention_flops_per_s:
+            matmuls = max(flops - work.attention_flops, 0.0)  # the Linears' and any other matrix product
+            seconds = matmuls / (self.gemm_flops_per_s or self.flops_per_s)
+            seconds += work.attention_executed_flops / self.attention_flops_per_s
+            for nbytes, rate in ((work.norm_bytes, self.norm_bytes_per_s), (work.elementwise_bytes, self.elementwise_bytes_per_s),
+                                 (work.loss_bytes, self.loss_bytes_per_s)):
+                seconds += nbytes / rate if rate else 0.0
+            return seconds
         if self.gemm_flops_per_s and self.other_flops_per_s:
             return linear_flops / self.gemm_flops_per_s + (flops - linear_flops) / self.other_flops_per_s
         return flops / self.flops_per_s
+
+    @property
+    def peak_is_reserved(self) -> bool:
+        """Whether byte figures are what a caching allocator reserves (else allocated bytes)."""
+        return self.caching_allocator is not None or self.reserved_per_allocated != 1.0
 
     def link(self, op: str) -> Link:
         """The fitted cost of ``op`` (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``)."""
@@ -229,6 +301,8 @@ class PartCounts:
     recomputed_flops: int = 0  # what activation checkpointing runs again in its backward
     calls: int = 0  # its forwards in a step: 1, or a chunked loss's chunks for its head
     linear_flops: int = 0  # of them, the Linears' GEMMs (what rsdp splits into shards)
+    forward_work: Work = Work()  # its forward's attention and memory-bound work (``Work``)
+    recomputed_work: Work = Work()  # of that, what activation checkpointing runs again in backward
     itemsize: int = 0  # of its parameters as the model stores them (before a mixed-precision cast)
 
     def add_layer(self, module: nn.Module, seen: set[int]) -> None:
@@ -260,6 +334,11 @@ class Counts:
     before: PartCounts  # the root's parameters and work before the first unit
     after: PartCounts  # after the last unit: the head and the loss
     activations: StepPhases  # the step's phases, without parameters and their gradients
+    # The caching allocator's reserved peak over the allocated peak when it replays the step's log
+    # (``_allocator``), without and with expandable segments (1.0: not replayed). Of the step that ran:
+    # for a stack of alike blocks, the four counted (their pattern repeats), so it is left out of the
+    # comparison of a cut count with a whole one.
+    reserved_per_allocated: tuple[float, float] = dataclasses.field(default=(1.0, 1.0), compare=False)
 
 
 class _MetaStorages(TorchDispatchMode):
@@ -280,15 +359,18 @@ class _MetaStorages(TorchDispatchMode):
         self.allocations = 0
         self.allocation_of: dict[int, int] = {}  # live storage identity -> its allocation's number
         self.flops = 0
+        self.work = Work()  # by kind (``Work``), counted where the FLOPs are
         self.counting_flops = True
         self.recomputing = False
+        self.norm_depth = 0  # inside a norm module (``_StepCounter``'s hooks say so)
+        self.in_loss = False  # after the model's forward returned, before the backward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         counted = self.recomputing or (self.counting_flops and not in_backward())
-        if counted and func._overloadpacket in flop_registry:
-            self.flops += flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
+        if counted:
+            self._count(func, args, kwargs, out)
         if all(ret.alias_info is None for ret in func._schema.returns):
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
@@ -300,6 +382,24 @@ class _MetaStorages(TorchDispatchMode):
                     self.log.append((_ALLOCATED, self.allocations, key, storage.nbytes()))
                     self.allocations += 1
         return out
+
+    def _count(self, func, args, kwargs, out) -> None:
+        """``func``'s FLOPs, and its work by kind (``Work``)."""
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+            self.flops += flops
+            if packet in _ATTENTION:
+                executed = flops / 2 if _argument(func, args, kwargs, "is_causal") else flops
+                self.work += Work(attention_flops=flops, attention_executed_flops=executed)
+            return
+        if func.is_view or packet.__name__.startswith(_NO_TRAFFIC):
+            return
+        moved = tree_leaves(out) if packet.__name__.startswith(_LOOKUPS) else tree_leaves((args, kwargs, out))
+        nbytes = sum(t.numel() * t.element_size() for t in moved if isinstance(t, torch.Tensor))
+        nbytes *= 2 if packet.__name__.startswith(_LOOKUPS) else 1
+        kind = "loss_bytes" if self.in_loss else "norm_bytes" if self.norm_depth else "elementwise_bytes"
+        self.work += Work(**{kind: nbytes})
 
     def _freed_storage(self, key: int) -> None:
         del self.allocation_of[key]
@@ -331,6 +431,30 @@ class _MetaStorages(TorchDispatchMode):
 
 
 _ALLOCATED, _FREED, _MARKED = range(3)
+# Attention ops: their FLOPs run at their own rate (``Work``).
+_ATTENTION = {packet for packet in flop_registry if "attention" in getattr(packet, "__name__", "")}
+# Ops that allocate without reading or writing the memory.
+# (``_unsafe_view`` is a view that does not say so.)
+_NO_TRAFFIC = ("empty", "new_empty", "detach", "lift_fresh", "_local_scalar_dense", "_unsafe_view")
+# Lookups read the rows they return, not their whole table: their output's bytes twice.
+_LOOKUPS = ("embedding", "nll_loss_forward", "gather", "index_select")
+
+
+def _argument(func, args: tuple, kwargs: dict, name: str):
+    """The value of ``func``'s argument ``name`` in a call (its default when not passed)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return kwargs[name] if name in kwargs else args[index] if index < len(args) else argument.default_value
+    return None
+
+
+def work_of(fn, *inputs: torch.Tensor) -> Work:
+    """The work of ``fn(*inputs)`` as the count charges it, counted on the meta device (its memory-bound
+    bytes as elementwise ones): what ``rsdp calibrate`` divides by the time the same call takes."""
+    storages, inputs = _MetaStorages(), [tensor.to("meta") for tensor in inputs]
+    with storages:
+        fn(*inputs)
+    return storages.work
 
 
 def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, param_dtype: torch.dtype | None = None) -> Counts:
@@ -390,6 +514,7 @@ def _with_every_block(counts: Counts, units: list[str], representative) -> Count
             forward={name: phases.forward[representative(name)] for name in units},
             backward={name: phases.backward[representative(name)] for name in units},
         ),
+        counts.reserved_per_allocated,
     )
 
 
@@ -406,7 +531,19 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
         for handle in handles:
             handle.remove()
     timeline.relevel(counter.storages.levels(counter.gradients))
-    return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units))
+    reserved = tuple(_allocator_factor(counter.storages.log, counter.gradients, expandable) for expandable in (False, True))
+    return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved)
+
+
+def _allocator_factor(log: list[tuple], skipped: set[int], expandable_segments: bool) -> float:
+    """The caching allocator's reserved peak over the allocated peak for the step's allocations (without
+    the parameters' gradients, numbered in ``skipped``), as ``_allocator`` replays them."""
+    events = [
+        ("malloc", event[2], event[3]) if event[0] == _ALLOCATED else ("free", event[1])
+        for event in log if event[0] != _MARKED and not (event[0] == _ALLOCATED and event[1] in skipped)
+    ]
+    allocated, reserved = reserved_peak(events, expandable_segments)
+    return reserved / allocated if allocated else 1.0
 
 
 class _StepCounter:
@@ -424,7 +561,7 @@ class _StepCounter:
                 self.per_unit[name].add_layer(module, self.seen)
         self.unit_of = {id(m): self.per_unit[name] for name in units for m in meta.get_submodule(name).modules()}
         self.storages = _MetaStorages()
-        self.section, self.flops_at_entry, self.forward = self.before, 0, True
+        self.section, self.flops_at_entry, self.work_at_entry, self.forward = self.before, 0, Work(), True
         # rsdp rotates the Linears called on one input as one message (``_fully_shard/_fusion.py``). An
         # input is known by a serial number, dropped when it dies: a checkpointed region frees its
         # intermediates at once, and a new tensor may then get a freed one's id.
@@ -436,6 +573,7 @@ class _StepCounter:
         # Counted from the outermost such forward to its end (ops a selective policy saved are not run
         # again: the checkpoint's mode answers them before this one sees them).
         self.recompute_depth, self.recomputed_section, self.recompute_flops_at_entry = 0, None, 0
+        self.recompute_work_at_entry = Work()
         self.gradients: set[int] = set()  # the allocations of the parameters' gradients
 
     def hooks(self) -> list:
@@ -447,6 +585,9 @@ class _StepCounter:
         for module in self.meta.modules():
             handles.append(module.register_forward_pre_hook(self.recompute_begins))
             handles.append(module.register_forward_hook(self.recompute_ends))
+            if type(module).__name__.endswith("Norm"):  # its ops' bytes are norms' (``Work``)
+                handles.append(module.register_forward_pre_hook(lambda m, args: self.enter_norm(1)))
+                handles.append(module.register_forward_hook(lambda m, args, out: self.enter_norm(-1)))
             if id(module) not in self.unit_of and any(True for _ in module.parameters(recurse=False)):
                 handles.append(module.register_forward_pre_hook(self.note_root_layer))
             if isinstance(module, nn.Linear):
@@ -455,12 +596,15 @@ class _StepCounter:
                 handles.append(module.register_forward_pre_hook(self.note_embedding))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 handles.append(module.register_forward_hook(self.note_ring_output))
+        # What runs after the model's forward returned is the loss's (``Work``).
+        handles.append(self.meta.register_forward_hook(lambda m, args, out: setattr(self.storages, "in_loss", True)))
         handles += [param.register_post_accumulate_grad_hook(self.drop_gradient) for param in self.meta.parameters() if param.requires_grad]
         return handles
 
     def step(self, timeline) -> None:
         loss = self.loss_fn(self.meta, self.batch)
         self.switch_to(self.after)
+        self.storages.in_loss = False  # a recomputation in backward is no loss's
         self.forward = self.storages.counting_flops = False
         loss.backward()
         del loss  # freed before the mark, as a step that never names it frees it
@@ -468,7 +612,11 @@ class _StepCounter:
 
     def switch_to(self, section: PartCounts) -> None:
         self.section.forward_flops += self.storages.flops - self.flops_at_entry
-        self.section, self.flops_at_entry = section, self.storages.flops
+        self.section.forward_work += self.storages.work - self.work_at_entry
+        self.section, self.flops_at_entry, self.work_at_entry = section, self.storages.flops, self.storages.work
+
+    def enter_norm(self, depth: int) -> None:
+        self.storages.norm_depth += depth
 
     def enter_unit(self, name: str) -> None:
         if self.forward:  # not a recomputation
@@ -513,6 +661,7 @@ class _StepCounter:
             return
         if self.recompute_depth == 0:
             self.recomputed_section, self.recompute_flops_at_entry = self.unit_of[id(module)], self.storages.flops
+            self.recompute_work_at_entry = self.storages.work
             self.storages.recomputing = True
         self.recompute_depth += 1
 
@@ -522,6 +671,7 @@ class _StepCounter:
         self.recompute_depth -= 1
         if self.recompute_depth == 0:
             self.recomputed_section.recomputed_flops += self.storages.flops - self.recompute_flops_at_entry
+            self.recomputed_section.recomputed_work += self.storages.work - self.recompute_work_at_entry
             self.storages.recomputing = False
 
     def drop_gradient(self, param: nn.Parameter) -> None:
@@ -602,7 +752,8 @@ class _Parallelism:
         cost, world, counts = self.cost, self.cost.world_size, self.counts
         # The Linears' share of the phase's FLOPs (activation checkpointing recomputes in proportion).
         linear = counts.linear_flops * flops / counts.forward_flops if counts.forward_flops else 0.0
-        compute = cost.compute_seconds(flops, linear)
+        work = counts.forward_work.backward() + counts.recomputed_work if backward else counts.forward_work
+        compute = cost.compute_seconds(flops, linear, work)
         if world == 1 or counts.param_bytes == 0:
             return compute
         share = (world - 1) / world
@@ -708,17 +859,20 @@ def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, 
             _Parallelism(part, strategy, cost).unit(
                 phases.forward[name], phases.backward[name], below_ring_root, name == phases.called_per_chunk
             ),
-            cost,
+            cost, counts,
         )
         for name, part in counts.units.items()
     }
 
 
-def _reserved(estimate, cost: CostModel):
+def _reserved(estimate, cost: CostModel, counts: Counts):
     """``estimate`` (a ``UnitCost`` or ``RootCost`` of allocated bytes) in bytes the caching allocator
-    reserves for them: every byte figure times ``cost.reserved_per_allocated``. A plan's peak is a
-    maximum of sums of these figures, so it scales by the same factor."""
+    reserves for them: every byte figure times ``cost.reserved_per_allocated`` and the factor of the
+    allocator's replay of the counted step (``Counts.reserved_per_allocated``, with or without
+    expandable segments). A plan's peak is a maximum of sums of these figures, so it scales alike."""
     factor = cost.reserved_per_allocated
+    if cost.caching_allocator is not None:
+        factor *= counts.reserved_per_allocated[cost.caching_allocator == "expandable_segments"]
     if factor == 1.0:
         return estimate
 
@@ -791,4 +945,4 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
         carried,
         root.optimizer_step,
         int(largest_param * cost.optimizer_step_bytes_per_largest_param_byte),
-    ), cost)
+    ), cost, counts)

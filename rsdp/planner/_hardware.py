@@ -10,10 +10,17 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
 - ``fsdp_overhead_s_per_byte``, ``replicate_overhead_s_per_byte``: FSDP2's own work beside the wire per
   stored parameter byte, ``[forward, backward]`` (its copies into and out of the collectives' buffers,
   into memory just allocated; the pre-division; its hooks), measured by ``rsdp calibrate`` on the fake
-  process group; the presets leave it out (0: the GPU runs these copies at HBM speed into cached memory);
+  process group on CPU ranks; the H100 presets' FSDP figure is fitted to this project's one-GPU step
+  (below), replicate's left out;
 - ``other_flops_per_s``: with ``gemm_flops_per_s``, the rate of the FLOPs outside the Linears' GEMMs:
   a measured step's time less its Linears' FLOPs at the whole-GEMM rate, over its other FLOPs. Where
   set, the cost model charges the Linears at the GEMM rate and the rest at this one;
+- ``attention_flops_per_s``, ``norm_bytes_per_s``, ``elementwise_bytes_per_s``, ``loss_bytes_per_s``
+  (``WORK_RATES``): where the first is set, the work outside the matrix products by kind
+  (``_cost_model.Work``), each at its own rate, replaces ``other_flops_per_s``: flash attention's
+  executed FLOPs (causal: half the square), and the bytes norms, elementwise ops and the loss move.
+  ``rsdp calibrate`` times one kernel of each kind on the device (``work_rates``); the H100 presets
+  take them from published kernel measurements;
 - ``bandwidth_bytes_per_s``, ``latency_s``: the default link, per device, bytes as nccl-tests' busbw
   counts them, latency per hop;
 - ``links``: per op (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``) its own
@@ -23,9 +30,10 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
   GEMMs' rate, at which the penalty is charged on the Linears' FLOPs alone;
 - ``ring_step_host_s``, ``host_overlaps_compute``: host time per ring step, and whether a device
   computes while the host issues (False on CPU ranks, where the host computes);
-- ``reserved_per_allocated``: what the caching allocator reserves per allocated byte at the peak (1.0,
-  the default, on CPU ranks, which have no caching allocator: the prediction is then allocated bytes).
-  The GPU presets' figure is fitted to published reserved figures, not measured (below).
+- ``caching_allocator``, ``reserved_per_allocated``: the caching allocator the prediction models
+  (``_allocator``: ``"segments"``, PyTorch's default, or ``"expandable_segments"``; absent on CPU
+  ranks, which have none: the prediction is then allocated bytes) and a fixed factor beside it (1.0
+  unless a profile gives one). The GPU presets model expandable segments, as torchtitan runs.
 
 Pitfalls: a preset's datasheet peak is not what training reaches, so the H100 preset's achieved rate
 comes from this project's own measured step (docs/benchmarks.md, GPU section), at Llama 3 8B's shapes
@@ -45,6 +53,8 @@ import torch
 from ._cost_model import CostModel, Link
 
 LINK_OPS = ("send_recv", "all_gather", "reduce_scatter", "all_reduce")
+# The rates of the work outside the matrix products (``_cost_model.Work``), as CostModel names them.
+WORK_RATES = ("attention_flops_per_s", "norm_bytes_per_s", "elementwise_bytes_per_s", "loss_bytes_per_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +68,18 @@ class Hardware:
     host_overlaps_compute: bool = True
     links: dict[str, Link] = dataclasses.field(default_factory=dict)
     gemm_flops_per_s: float | None = None
-    reserved_per_allocated: float = 1.0  # the caching allocator's reserved peak per allocated byte
+    reserved_per_allocated: float = 1.0  # a fixed reserved per allocated factor (CostModel's)
+    caching_allocator: str | None = None  # the caching allocator modelled (CostModel's; None: allocated bytes)
     memory_bandwidth_bytes_per_s: float | None = None  # the device memory's: the optimizer step's time
     other_flops_per_s: float | None = None  # the FLOPs outside the Linears' GEMMs (CostModel's)
     # FSDP2's own work per stored parameter byte beside the wire, forward and backward (CostModel's).
     fsdp_overhead_s_per_byte: tuple[float, float] = (0.0, 0.0)
     replicate_overhead_s_per_byte: tuple[float, float] = (0.0, 0.0)
+    # The work outside the matrix products by kind, each at its own rate (CostModel's; ``WORK_RATES``).
+    attention_flops_per_s: float | None = None
+    norm_bytes_per_s: float | None = None
+    elementwise_bytes_per_s: float | None = None
+    loss_bytes_per_s: float | None = None
 
     def efficiency_at(self, world_size: int) -> float:
         """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
@@ -89,14 +105,16 @@ class Hardware:
             param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             partial_gemm_efficiency=self.efficiency_at(world_size), ring_step_host_s=self.ring_step_host_s,
             host_overlaps_compute=self.host_overlaps_compute, gemm_flops_per_s=self.gemm_flops_per_s,
-            reserved_per_allocated=self.reserved_per_allocated,
+            reserved_per_allocated=self.reserved_per_allocated, caching_allocator=self.caching_allocator,
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s, other_flops_per_s=self.other_flops_per_s,
             fsdp_overhead_s_per_byte=self.fsdp_overhead_s_per_byte,
             replicate_overhead_s_per_byte=self.replicate_overhead_s_per_byte, **self.links,
+            **{rate: getattr(self, rate) for rate in WORK_RATES},
         )
         fields.update({name: value for name, value in overrides.items() if value is not None})
         if overrides.get("flops_per_s") is not None:  # one given rate for every FLOP replaces the measured split
             fields["other_flops_per_s"] = None
+            fields.update(dict.fromkeys(WORK_RATES))
         if {"bandwidth_bytes_per_s", "latency_s"} & {k for k, v in overrides.items() if v is not None}:
             for op in LINK_OPS:  # an overridden default link replaces the fitted ones
                 fields.pop(op, None)
@@ -110,9 +128,11 @@ class Hardware:
             "ring_step_host_s": self.ring_step_host_s, "host_overlaps_compute": self.host_overlaps_compute,
             "links": {op: dataclasses.asdict(link) for op, link in self.links.items()},
             "gemm_flops_per_s": self.gemm_flops_per_s, "reserved_per_allocated": self.reserved_per_allocated,
+            "caching_allocator": self.caching_allocator,
             "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s, "other_flops_per_s": self.other_flops_per_s,
             "fsdp_overhead_s_per_byte": list(self.fsdp_overhead_s_per_byte),
             "replicate_overhead_s_per_byte": list(self.replicate_overhead_s_per_byte),
+            **{rate: getattr(self, rate) for rate in WORK_RATES},
         }
 
 
@@ -127,23 +147,36 @@ _CHIPS = {  # dense BF16 peak FLOP/s, memory bandwidth, and their source
 _ACHIEVED = {
     "h100-sxm": dict(
         step_flops=53.86e12,
-        step_linear_flops=47.26e12,
         step_seconds=120.4e-3,
         gemm_flops_per_s=743e12,
         partial_gemm_efficiency={2: 0.96, 4: 0.90, 8: 0.80},
         ring_step_host_s=140e-6,
+        fsdp_overhead_s_per_byte=(1.70e-12, 1.08e-12),
         source=(
             "achieved: this project's H100 SXM 80GB run (docs/benchmarks.md, GPU section; torch 2.11, bf16, "
             "FlashAttention): one rank's FSDP2 step of 2 Llama 3 8B layers + head at sequence 8192, "
             "53.9 TFLOP as the cost model counts them (47.3 of them the Linears') in 120.4 ms (W=8; 120.5 and "
-            "120.9 at W=4 and 2) = 447 TFLOP/s = 45.2% of peak; whole GEMMs alone: 743 TFLOP/s, so the Linears "
-            "take 63.6 ms and the other 6.6 TFLOP (attention, standing in for the elementwise work) 56.8 ms: "
-            "116 TFLOP/s; partial GEMMs: that run's split-GEMM table at 8192 tokens, "
+            "120.9 at W=4 and 2) = 447 TFLOP/s = 45.2% of peak; whole GEMMs alone: 743 TFLOP/s; "
+            "FSDP2's own work on the device per stored parameter byte, 1.70 / 1.08 ps forward / backward: FITTED to "
+            "that run at W=8 (forward 18.2 and 44.2 ms, backward 22.9 and 76.2 ms at sequence 2048 and 8192), "
+            "what the step takes beyond this cost model's compute for it (forward 10.3 and 9.9 ms, backward 6.9 and "
+            "6.0: the same at both lengths, so per step, not per token), over its 5.95 GB of stored parameters; "
+            "partial GEMMs: that run's split-GEMM table at 8192 tokens, "
             "FLOP-weighted over 32 layers and the head (0.96, 0.90, 0.80 at W = 2, 4, 8); host per ring step: "
             "rsdp's host issue time over FSDP2's at W=8, seq 2048 (46.5 - 28.3 ms) over its 132 exchanges"
         ),
     ),
 }
+# The work outside the matrix products on an H100 SXM, each rate from a published measurement of that
+# kind of kernel, none fitted to a training run.
+_H100_WORK = (
+    dict(attention_flops_per_s=333e12, norm_bytes_per_s=2.8e12, elementwise_bytes_per_s=2.8e12, loss_bytes_per_s=2.8e12),
+    "attention 333 TFLOP/s: FlashAttention-2's causal forward at head dim 128, sequence 8k on an H100 80GB SXM5 "
+    "(FlashAttention-3 paper, Shah et al. 2024, arXiv 2407.08608, forward-speed figure: 298 at 2k, 335 at 16k), its "
+    "causal FLOPs counted as half the square's, the backward (2.5x the forward's FLOPs) assumed at the same rate; "
+    "norms, elementwise ops and the loss 2.8 TB/s each: coalesced HBM3 reads measured at 84% of the 3.35 TB/s "
+    "datasheet figure under Nsight Compute (mikamirai.com/blog/gpu-memory-bandwidth); `rsdp calibrate` measures each",
+)
 _LINKS = {  # bytes/s per GPU each way and its source
     ("h100-sxm", "nvlink"): (450e9, "NVLink 4: 900 GB/s per GPU, both directions together (450 GB/s each way)"),
     ("h100-sxm", "infiniband"): (50e9, "one 400 Gb/s NDR InfiniBand link (ConnectX-7) per GPU = 50 GB/s"),
@@ -162,14 +195,11 @@ _NCCL_H100_NVLINK = (
     "used for every op; send/recv latency ~3 us between two NVLink H100s (NVIDIA/nccl#1487); collective latency "
     "10 us for 8 ranks' 7 hops: an assumption, not published",
 )
-# The caching allocator's reserved peak per allocated byte on a GPU, for FSDP2 training steps. Fitted,
-# not measured: torchtitan publishes reserved memory only, so this is the mean of its published 8B
-# figures over this cost model's allocated predictions for the same runs (docs/planner.md).
-_RESERVED_PER_ALLOCATED = (
-    1.18,
-    "reserved per allocated byte 1.18: fitted to torchtitan's published Llama 3.1 8B FSDP memory "
-    "(benchmarks/llama3_h100_202412_torchtitan.md, reserved: 82.4 GiB at 8 GPUs, 67.0 at 128) over this cost "
-    "model's allocated predictions for them (68.37 and 57.85 GiB: 1.205 and 1.158); not an allocator measurement",
+# The GPU presets model PyTorch's caching allocator with expandable segments, as torchtitan runs it.
+_ALLOCATOR = (
+    "expandable_segments",
+    "reserved memory: PyTorch's caching allocator with expandable segments replayed over the counted step "
+    "(_allocator; torchtitan's launcher sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); nothing fitted",
 )
 _LATENCY_S = 5e-6
 _LATENCY = "latency 5 us: assumed (NCCL small-message order of magnitude), not from a datasheet"
@@ -179,19 +209,19 @@ def _preset(chip: str, link: str, rate: float, link_source: str) -> Hardware:
     peak, memory_bandwidth, peak_source = _CHIPS[chip]
     achieved = _ACHIEVED.get(chip)
     links, links_source = _NCCL_H100_NVLINK if (chip, link) == ("h100-sxm", "nvlink") else ({}, _LATENCY)
-    reserved, reserved_source = _RESERVED_PER_ALLOCATED
+    allocator, reserved_source = _ALLOCATOR
     if achieved is None:
         return Hardware(peak, rate, _LATENCY_S, f"{peak_source} (no achieved rate measured: step times are lower bounds); "
-                        f"{link_source}; {links_source}; {reserved_source}", links=links, reserved_per_allocated=reserved,
+                        f"{link_source}; {links_source}; {reserved_source}", links=links, caching_allocator=allocator,
                         memory_bandwidth_bytes_per_s=memory_bandwidth)
-    gemm_seconds = achieved["step_linear_flops"] / achieved["gemm_flops_per_s"]
-    other_flops_per_s = (achieved["step_flops"] - achieved["step_linear_flops"]) / (achieved["step_seconds"] - gemm_seconds)
+    work_rates, work_source = _H100_WORK
     return Hardware(
         achieved["step_flops"] / achieved["step_seconds"], rate, _LATENCY_S,
-        f"{peak_source}; {achieved['source']}; {link_source}; {links_source}; {reserved_source}",
+        f"{peak_source}; {achieved['source']}; {work_source}; {link_source}; {links_source}; {reserved_source}",
         partial_gemm_efficiency=achieved["partial_gemm_efficiency"], ring_step_host_s=achieved["ring_step_host_s"],
-        links=links, gemm_flops_per_s=achieved["gemm_flops_per_s"], reserved_per_allocated=reserved,
-        memory_bandwidth_bytes_per_s=memory_bandwidth, other_flops_per_s=other_flops_per_s,
+        links=links, gemm_flops_per_s=achieved["gemm_flops_per_s"], caching_allocator=allocator,
+        memory_bandwidth_bytes_per_s=memory_bandwidth, fsdp_overhead_s_per_byte=achieved["fsdp_overhead_s_per_byte"],
+        **work_rates,
     )
 
 
@@ -242,10 +272,12 @@ def from_json(values: dict, source: str) -> Hardware:
                for op, link in values.get("links", {}).items()},
         gemm_flops_per_s=float(values["gemm_flops_per_s"]) if values.get("gemm_flops_per_s") else None,
         reserved_per_allocated=float(values.get("reserved_per_allocated", 1.0)),
+        caching_allocator=values.get("caching_allocator"),
         memory_bandwidth_bytes_per_s=float(values["memory_bandwidth_bytes_per_s"]) if values.get("memory_bandwidth_bytes_per_s") else None,
         other_flops_per_s=float(values["other_flops_per_s"]) if values.get("other_flops_per_s") else None,
         fsdp_overhead_s_per_byte=_pair(values.get("fsdp_overhead_s_per_byte")),
         replicate_overhead_s_per_byte=_pair(values.get("replicate_overhead_s_per_byte")),
+        **{rate: float(values[rate]) if values.get(rate) else None for rate in WORK_RATES},
     )
 
 

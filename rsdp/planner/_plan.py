@@ -239,7 +239,7 @@ class _EstimatedChoice:
     """Plans from the cost model's estimates: the fastest predicted to fit is chosen, unverified."""
 
     def __init__(self, counted: dict[int, Counts], units: list[str], cost_model: CostModel, strategies: Sequence[Strategy]):
-        self._peak_is_reserved = cost_model.reserved_per_allocated != 1
+        self._peak_is_reserved = cost_model.peak_is_reserved
         self._candidates = _candidates(
             units, list(counted), strategies,
             lambda size, root: _estimated_costs(counted[size], strategies, root, cost_model),

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         "lora_targets": args.lora_targets, "frozen": args.frozen,
         "loss_chunks": args.loss_chunks,
         "budget_bytes": args.budget, "cost_model": {k: str(v) for k, v in vars(cost_model).items()},
-        "peak_bytes_are": "reserved" if cost_model.reserved_per_allocated != 1 else "allocated",
+        "peak_bytes_are": "reserved" if cost_model.peak_is_reserved else "allocated",
         "strategies": uniform,
         "plan": None if chosen is None else {
             "local_batch_size": chosen.batch_size,
