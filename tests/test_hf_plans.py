@@ -229,3 +229,20 @@ def test_a_norm_over_all_heads_inside_a_planned_attention_is_refused_naming_the_
     with pytest.raises(ValueError, match=r"\['self_attn.q_norm.weight', 'self_attn.k_norm.weight'\] span a colwise Linear's whole output") as refused:
         plan_sub_blocks(_decoder_layers(model)[0], plan, 2)
     assert _entries_to_drop(refused.value, plan) == sorted(key for key in plan if ".self_attn." in key)
+
+
+def test_lora_on_a_planned_linear_is_refused_naming_the_entries_and_the_rest_still_plans():
+    """peft's LoRA on q/v: the attention is refused, naming its plan entries; without them the MLP is
+    still one ring."""
+    peft = pytest.importorskip("peft")
+    from rsdp._fully_shard._sub_block import plan_sub_blocks
+
+    model = tiny_model("llama")
+    plan = dict(model.config.base_model_tp_plan)
+    layer = _decoder_layers(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])))[0]
+    with pytest.raises(ValueError, match=r"sub-block 'self_attn': planned modules must be plain nn.Linear .*peft's LoRA") as refused:
+        plan_sub_blocks(layer, plan, 2)
+    entries = _entries_to_drop(refused.value, plan)
+    assert entries == sorted(key for key in plan if ".self_attn." in key)
+    kept = {key: style for key, style in plan.items() if key not in entries}
+    assert [block.name for block in plan_sub_blocks(layer, kept, 2)] == ["mlp"]

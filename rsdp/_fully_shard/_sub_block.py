@@ -197,8 +197,8 @@ def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict,
     if any(type(linear) is not nn.Linear for linear in linears):
         found = [f"{type(m).__module__}.{type(m).__qualname__}" for m in linears]
         raise ValueError(
-            f"{where}: planned modules must be plain nn.Linear (found {found}); leave the others out of ring_plan "
-            "(Linears wrapped with LoRA adapters, for one)."
+            f"{where}: planned modules must be plain nn.Linear (found {found}); a Linear wrapped with adapters "
+            f"(peft's LoRA) cannot share a ring yet.{advice}"
         )
     uneven = [n for n in [row.in_features] + [c.out_features for c in columns] if n % world]
     if uneven:
