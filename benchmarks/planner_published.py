@@ -43,7 +43,7 @@ GiB = 2**30
 @dataclasses.dataclass(frozen=True)
 class Row:
     source: str  # where it is published (benchmarks/published_fsdp_runs.md names the file and commit)
-    model: str  # rsdp plan --model
+    model: str  # rsdp plan --model, or mpt:<size> (tests/data/configs/mpt-<size>-shaped, positions per row)
     hardware: str  # a preset
     world_size: int
     seq_len: int
@@ -63,16 +63,12 @@ class Row:
         return self.model == "mpt:7b"
 
 
-def _mpt(size: str) -> str:
-    return f"mpt:{size}"
-
-
 ROWS = [
     # torchtitan, Llama 3.1 8B, H100 96 GB HBM2e at 500 W (benchmarks/llama3_h100_202412_torchtitan.md).
     Row("torchtitan Dec 2024, Table 1", "torchtitan:llama3:8B", "h100-hbm2e-500w-nvlink", 8, 8192, 2, 1, "selective", 5762, 82.4),
     Row("torchtitan Dec 2024, Table 3", "torchtitan:llama3:8B", "h100-hbm2e-500w-infiniband", 128, 8192, 2, 1, "selective", 5605, 67.0),
     # llm-foundry, MPT, H100 80GB SXM, 8 GPUs on NVLink (scripts/train/benchmarking/README.md).
-    *(Row("llm-foundry H100 BF16", _mpt(size), "h100-sxm-nvlink", 8, seq, mb, ga, ac, tps)
+    *(Row("llm-foundry H100 BF16", f"mpt:{size}", "h100-sxm-nvlink", 8, seq, mb, ga, ac, tps)
       for size, seq, mb, ga, ac, tps in [
           ("7b", 1024, 64, 2, "full", 10203), ("7b", 2048, 6, 1, "none", 10643), ("7b", 4096, 16, 2, "full", 8611),
           ("7b", 8192, 8, 2, "full", 6935), ("7b", 32768, 2, 2, "full", 3318),
