@@ -37,7 +37,9 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
 
 Pitfalls: a preset's datasheet peak is not what training reaches, so the H100 preset's achieved rate
 comes from this project's own measured step (docs/benchmarks.md, GPU section), at Llama 3 8B's shapes
-and sequence 8192: other shapes run at other rates. Between the world sizes a profile measured, the
+and sequence 8192: other shapes run at other rates. The ``h100-hbm2e-500w-*`` presets (torchtitan's
+published runs' GPUs) are the SXM ones scaled, not measured: compute-bound rates by an assumed peak
+(the middle of the range torchtitan states), memory-bound ones by the published memory bandwidth. Between the world sizes a profile measured, the
 partial efficiency is interpolated in log W; beyond the largest, it falls as 1/W (the partial GEMMs
 are then assumed to take as long as the largest measured world's: small GEMMs are bound by their
 launch, not their FLOPs), which is a guess, stated as one.
