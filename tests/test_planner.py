@@ -492,3 +492,23 @@ def test_only_a_chunked_losss_head_may_run_twice_in_a_step():
     plain = untied_lm(vocab=64, dim=16, hidden=32, layers=2)
     with pytest.raises(ValueError, match="a chunked loss needs a torchtitan decoder .* TinyLM is not one"):
         count(plain, find_units(plain), tokens, chunked_next_token_loss(4))
+
+
+def test_activation_checkpointing_wraps_the_blocks_of_a_stack_not_named_layers(tmp_path):
+    """The GPT-2 family keeps its blocks in ``transformer.h``: checkpointing wraps each of them (the
+    longest list of blocks of one type), and the count recomputes a whole block's forward."""
+    import json
+
+    from rsdp.planner import _models
+    from rsdp.planner._cost_model import count
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt_bigcode", "multi_query": False, "n_embd": 32, "n_head": 4,
+                                  "n_layer": 3, "n_positions": 16, "vocab_size": 64, "bos_token_id": 0,
+                                  "eos_token_id": 0}))
+    model, loss_fn, _ = _models.build(f"hf:{config}", {})
+    _models.apply_activation_checkpointing(model, "full")
+    assert all("Checkpoint" in type(block).__name__ for block in model.transformer.h)
+    counts = count(model, find_units(model), torch.zeros(2, 17, dtype=torch.long, device="meta"), loss_fn)
+    block = counts.units["transformer.h.1"]
+    assert block.recomputed_flops == block.forward_flops > 0

@@ -37,7 +37,9 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
 
 Pitfalls: a preset's datasheet peak is not what training reaches, so the H100 preset's achieved rate
 comes from this project's own measured step (docs/benchmarks.md, GPU section), at Llama 3 8B's shapes
-and sequence 8192: other shapes run at other rates. Between the world sizes a profile measured, the
+and sequence 8192: other shapes run at other rates. The ``h100-hbm2e-500w-*`` presets (torchtitan's
+published runs' GPUs) are the SXM ones scaled, not measured: compute-bound rates by an assumed peak
+(the middle of the range torchtitan states), memory-bound ones by the published memory bandwidth. Between the world sizes a profile measured, the
 partial efficiency is interpolated in log W; beyond the largest, it falls as 1/W (the partial GEMMs
 are then assumed to take as long as the largest measured world's: small GEMMs are bound by their
 launch, not their FLOPs), which is a guess, stated as one.
@@ -241,6 +243,41 @@ _CPU_GLOO = Hardware(
 )
 
 PRESETS = {f"{chip}-{link}": _preset(chip, link, rate, source) for (chip, link), (rate, source) in _LINKS.items()}
+
+# torchtitan's published runs' GPUs (its benchmarks/llama3_h100_202412_torchtitan.md): H100 SXM boards with
+# 96 GB of HBM2e at 2.4 TB/s, run at a 500 W power limit, whose dense BF16 peak torchtitan puts "between SXM
+# and NVL" (989 and 835 TFLOP/s: the H100 SXM and H100 NVL datasheets). Each rate of the SXM preset is scaled
+# by what bounds it: the matrix products and attention by the peak (the middle of that range, 912 TFLOP/s, over
+# 989), the memory-bound work, the optimizer step and FSDP2's copies by the memory bandwidth (2.4 over 3.35
+# TB/s). Links as the SXM presets' (8 per host on NVLink, 400 Gb/s RDMA per GPU, as torchtitan states).
+_HBM2E_500W = dict(compute=912e12 / 989e12, memory=2.4e12 / 3.35e12)
+_HBM2E_500W_SOURCE = (
+    "H100 SXM with 96 GB HBM2e (2.4 TB/s) at a 500 W power limit, as torchtitan's published runs "
+    "(benchmarks/llama3_h100_202412_torchtitan.md: peak 'between SXM and NVL'): the h100-sxm preset's matrix and "
+    "attention rates x 912/989 (the middle of 835, H100 NVL datasheet, and 989), its memory-bound rates, optimizer "
+    "bandwidth and FSDP2 copy cost x 2.4/3.35 (memory bandwidth)"
+)
+
+
+def _scaled(base: Hardware, compute: float, memory: float, source: str) -> Hardware:
+    """``base`` on a device whose compute-bound rates are ``compute`` times its and memory-bound ones ``memory``
+    times."""
+    return dataclasses.replace(
+        base,
+        flops_per_s=base.flops_per_s * compute, gemm_flops_per_s=base.gemm_flops_per_s * compute,
+        attention_flops_per_s=base.attention_flops_per_s * compute,
+        norm_bytes_per_s=base.norm_bytes_per_s * memory, elementwise_bytes_per_s=base.elementwise_bytes_per_s * memory,
+        loss_bytes_per_s=base.loss_bytes_per_s * memory,
+        memory_bandwidth_bytes_per_s=base.memory_bandwidth_bytes_per_s * memory,
+        fsdp_overhead_s_per_byte=tuple(seconds / memory for seconds in base.fsdp_overhead_s_per_byte),
+        source=f"{source}; from: {base.source}",
+    )
+
+
+PRESETS.update({
+    f"h100-hbm2e-500w-{link}": _scaled(PRESETS[f"h100-sxm-{link}"], **_HBM2E_500W, source=_HBM2E_500W_SOURCE)
+    for link in ("nvlink", "infiniband")
+})
 PRESETS["cpu-gloo"] = _CPU_GLOO
 GPUS_PER_HOST = 8  # the presets' hosts: NVLink within one, InfiniBand between them
 

@@ -273,13 +273,21 @@ def flash_attention_for_counting(model: nn.Module) -> nn.Module:
 
 
 def _block_stack(model: nn.Module) -> tuple[nn.Module, str]:
-    """The module holding the transformer blocks (``layers``, a ModuleList or ModuleDict), and its name."""
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+    """The module holding the transformer blocks, and its name: a ModuleList or ModuleDict named
+    ``layers`` (torchtitan's, most of Hugging Face's), else the longest one whose children are all of one
+    type (the GPT-2 family's ``h``)."""
+    stacks = [(name, module) for name, module in model.named_modules() if isinstance(module, (nn.ModuleList, nn.ModuleDict))]
+    for name, module in stacks:
+        if name.rsplit(".", 1)[-1] == "layers":
             return module, name
+    alike = [(len(module), name, module) for name, module in stacks
+             if len(module) > 1 and len({type(child) for child in module.children()}) == 1]
+    if alike:
+        _, name, module = max(alike, key=lambda entry: entry[0])
+        return module, name
     raise ValueError(
         f"rsdp plan: activation checkpointing wraps each transformer block, but {type(model).__name__} has no "
-        "'layers' ModuleList or ModuleDict; pass --activation-checkpoint none."
+        "'layers' ModuleList or ModuleDict, nor another list of blocks of one type; pass --activation-checkpoint none."
     )
 
 
@@ -291,6 +299,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"rsdp plan: --activation-checkpoint must be one of {', '.join(AC_MODES)}, got {mode!r}")
     if mode == "none":
         return model
+    _prepare_torchtitan_imports()
     try:
         from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     except ImportError as error:
@@ -306,11 +315,17 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def _torchtitan_model(family: str, flavor: str) -> nn.Module:
+def _prepare_torchtitan_imports() -> None:
+    """Before the first import of torchtitan on a machine without triton: its model modules import triton
+    kernels (``rsdp.torchtitan._cpu`` stands in for them)."""
     if "torchtitan" not in sys.modules and importlib.util.find_spec("triton") is None:
-        from ..torchtitan import _cpu  # torchtitan's model modules import triton kernels
+        from ..torchtitan import _cpu
 
         _cpu.prepare_imports()
+
+
+def _torchtitan_model(family: str, flavor: str) -> nn.Module:
+    _prepare_torchtitan_imports()
     try:
         registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
     except ModuleNotFoundError as error:

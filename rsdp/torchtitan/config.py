@@ -52,9 +52,10 @@ class ParallelismConfig(TorchTitanParallelismConfig):
     """Bytes per rank for dp_strategy=auto: parameters, gradients, optimizer state and activations ("60GiB")."""
 
     dp_hardware: str = ""
-    """auto's cost model: a hardware preset (h100-sxm-nvlink, h100-sxm-infiniband, a100-sxm-nvlink,
-    a100-sxm-infiniband, cpu-gloo) or a profile JSON from `rsdp calibrate`; empty: the preset matching the
-    device (an H100's or A100's, NVLink up to 8 ranks, InfiniBand beyond; cpu-gloo on CPU ranks)."""
+    """auto's cost model: a hardware preset (h100-sxm-nvlink, h100-sxm-infiniband, h100-hbm2e-500w-nvlink,
+    h100-hbm2e-500w-infiniband, a100-sxm-nvlink, a100-sxm-infiniband, cpu-gloo) or a profile JSON from
+    `rsdp calibrate`; empty: the preset matching the device (an H100's or A100's, NVLink up to 8 ranks,
+    InfiniBand beyond; cpu-gloo on CPU ranks)."""
 
     dp_flops_per_s: float | None = None
     """auto's cost model: achieved FLOP/s per device, overriding dp_hardware's."""
