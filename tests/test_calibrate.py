@@ -1,25 +1,15 @@
-"""``rsdp calibrate`` on 2 gloo ranks (torchrun) writes a profile that ``rsdp plan --hardware`` loads."""
+"""``rsdp calibrate`` on 2 gloo ranks (as ``torchrun --nproc-per-node 2 -m rsdp calibrate`` starts them,
+from the preloaded fork server: ``forked_scripts``) writes a profile that ``rsdp plan --hardware`` loads."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from rsdp.planner import _hardware
 from rsdp.planner.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-def test_calibrate_on_two_gloo_ranks_writes_a_profile_the_planner_loads(tmp_path, capsys):
+def test_calibrate_on_two_gloo_ranks_writes_a_profile_the_planner_loads(tmp_path, capsys, scripts):
     profile = tmp_path / "profile.json"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "rsdp", "calibrate",
-         "--seq-len", "8", "--out", str(profile)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
-    )
+    done = scripts.run_ranks(2, ["-m", "rsdp", "calibrate", "--seq-len", "8", "--out", profile], cwd=tmp_path, timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     values = json.loads(profile.read_text())
     hardware = _hardware.load(str(profile))

@@ -360,7 +360,9 @@ def test_bad_input(ranks, world, case):
     ranks.run(world, case)
 
 
-PEER_TIMEOUT_S = 5
+# Short, as every test below waits it out in full; the steps before the timeout take milliseconds, and
+# the bounds are fractions and multiples of it.
+PEER_TIMEOUT_S = 2
 
 
 def run_with_short_timeout(world_size, case, *args):

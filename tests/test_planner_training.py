@@ -85,12 +85,13 @@ def fine_tuning_case(build_name: str) -> list[tuple[str, float, float]]:
     names = ["", *find_units(model)]
     order = list(Strategy)
     plans = [dict.fromkeys(names, s) for s in order] + [{name: order[i % 3] for i, name in enumerate(names)}]
+    counts = count(counted_as_planned(model), names[1:], tokens, next_token_loss)  # the same whatever the plan
     results = []
     for policy in plans:
         trained = parallelize(copy.deepcopy(model), policy)
         measured = measure_peak(trained, tokens, next_token_loss, lambda params: torch.optim.AdamW([p for p in params if p.requires_grad]))
         label = ", ".join(f"{name or '(root)'}={s.value}" for name, s in policy.items())
-        results.append((label, predicted(model, policy, tokens, cluster(dist.get_world_size())), measured))
+        results.append((label, predicted(model, policy, tokens, cluster(dist.get_world_size()), counts), measured))
     return results
 
 
