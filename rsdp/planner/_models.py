@@ -342,7 +342,12 @@ def _torchtitan_model(family: str, flavor: str) -> nn.Module:
     except KeyError:
         raise ValueError(f"rsdp plan: torchtitan's {family} has no flavor {flavor!r}.") from None
     with torch.device("meta"):
-        model = flash_attention_for_counting(config.build())
+        return torchtitan_moe_for_counting(flash_attention_for_counting(config.build()))
+
+
+def torchtitan_moe_for_counting(model: nn.Module) -> nn.Module:
+    """``model`` with torchtitan's experts' grouped GEMMs counted (:func:`grouped_mm`) and its routers'
+    autocast run on the meta device (:class:`_MetaAutocast`); a model without MoE layers is unchanged."""
     from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
 
     for module in model.modules():
