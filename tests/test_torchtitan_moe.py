@@ -16,13 +16,11 @@ from test_torchtitan import assert_losses_match, launch_training, logged_losses,
 from torchtitan.distributed import ParallelDims  # noqa: E402  (test_torchtitan put the CPU shims in first)
 from torchtitan.models.common.moe import MoE  # noqa: E402
 from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_model  # noqa: E402
-from torchtitan.models.gpt_oss import model_registry as gpt_oss_model  # noqa: E402
 from torchtitan.models.qwen3 import model_registry as qwen3_model  # noqa: E402
 
-from rsdp import Strategy  # noqa: E402
 from rsdp.torchtitan import config_registry  # noqa: E402
 from rsdp.torchtitan.config import ParallelismConfig  # noqa: E402
-from rsdp.torchtitan.parallelize import _check_supported, data_parallel_rules  # noqa: E402
+from rsdp.torchtitan.parallelize import _check_supported  # noqa: E402
 
 STEPS = 3
 RTOL = 2e-4  # as test_torchtitan's: 5 printed digits of fp32 runs that differ only in sharding
@@ -165,17 +163,6 @@ def test_rsdp_configs_train_experts_by_data_parallelism():
     for name in ("qwen3_30b_a3b_rsdp", "deepseek_v3_16b_rsdp", "deepseek_v3_671b_rsdp", "gpt_oss_20b_rsdp", "gpt_oss_120b_rsdp"):
         config = getattr(config_registry, name)()
         assert config.parallelism.dp_strategy == "rsdp" and config.parallelism.expert_parallel_degree == 1, name
-
-
-def test_gpt_oss_experts_are_fsdp_units_inside_rsdp_blocks_only():
-    model = meta_model(gpt_oss_model)
-    experts = [f"layers.{i}.moe.routed_experts.inner_experts" for i in range(len(model.layers))]
-    rules = data_parallel_rules(model, None, None, parallelism(dp_overrides="layers.0=replicate"))
-    assert [name for name, s in rules.items() if "experts" in name] == experts[1:]
-    assert all(rules[name] is Strategy.FSDP for name in experts[1:])
-    assert not any("experts" in name for name in data_parallel_rules(model, None, None, parallelism(dp_strategy="replicate")))
-    with pytest.raises(ValueError, match=r"layers.0.moe.routed_experts.inner_experts \(gpt-oss's experts\) cannot be rsdp yet"):
-        data_parallel_rules(model, None, None, parallelism(dp_overrides=f"{experts[0]}=rsdp"))
 
 
 def test_cpu_varlen_attention_masks_documents_and_windows_and_returns_the_lse():

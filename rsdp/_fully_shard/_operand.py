@@ -52,7 +52,14 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from .._compat import DisableTorchFunctionSubclass, all_gather_flat, make_wrapper_subclass, reduce_scatter_flat
+from .._compat import (
+    DisableTorchFunctionSubclass,
+    all_gather_flat,
+    make_wrapper_subclass,
+    reduce_scatter_flat,
+    tree_flatten,
+    tree_unflatten,
+)
 from ._embedding import RingEmbeddingFunction
 from ._linear import LinearMember, RingInputSplitFunction, RingLinearFunction
 from ._param import shard_layout
@@ -188,7 +195,9 @@ def _full_weight(operand: RingOperand) -> torch.Tensor:
 def _on_full_weights(func, args, kwargs):
     """An op with no ring form: run it on the gathered weights inside a checkpoint, so that backward
     gathers them again instead of keeping them."""
-    for operand in (a for a in (*args, *kwargs.values()) if isinstance(a, RingOperand)):
+    # Operands may sit inside lists (``torch.cat([bias, ...])``, gpt-oss's experts): fill every leaf.
+    leaves, spec = tree_flatten((args, kwargs))
+    for operand in (a for a in leaves if isinstance(a, RingOperand)):
         name = getattr(func, "__name__", str(func))
         if (id(operand.sharded_param), name) not in _warned:
             _warned.add((id(operand.sharded_param), name))
@@ -199,8 +208,8 @@ def _on_full_weights(func, args, kwargs):
             )
 
     def run():
-        fill = lambda a: _full_weight(a) if isinstance(a, RingOperand) else a  # noqa: E731
-        return func(*(fill(a) for a in args), **{k: fill(v) for k, v in kwargs.items()})
+        full_args, full_kwargs = tree_unflatten([_full_weight(a) if isinstance(a, RingOperand) else a for a in leaves], spec)
+        return func(*full_args, **full_kwargs)
 
     if not torch.is_grad_enabled():
         return run()

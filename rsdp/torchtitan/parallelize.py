@@ -86,8 +86,7 @@ def data_parallel_rules(
     ``set_reshard_after_forward``/``unshard`` on it when it is an FSDP module, which torch's replicate
     module is but does not implement. So a replicated ``lm_head`` joins the root, as does a tied one
     (it must stay with its embedding; torchtitan groups them too), and the root takes the head's
-    strategy: only FSDP's and replicate's root parameters stay usable after the forward. gpt-oss's
-    experts inside an rsdp unit become FSDP units of their own (:func:`_experts_fsdp_inside_rsdp`).
+    strategy: only FSDP's and replicate's root parameters stay usable after the forward.
     """
     if parallelism.dp_strategy == "auto":
         chosen = _plan(model, parallel_dims, training, parallelism, ac_config, dump_folder)
@@ -105,7 +104,7 @@ def data_parallel_rules(
 
     head = next(s for name, s in rules.items() if name_matches(name, "lm_head"))
     if not model.enable_weight_tying and head is not Strategy.REPLICATE:
-        return _experts_fsdp_inside_rsdp(model, rules)
+        return rules
     if model.enable_weight_tying and head is Strategy.RSDP:
         head = Strategy.FSDP
     in_root = ["lm_head", "tok_embeddings"] if model.enable_weight_tying else ["lm_head"]
@@ -116,44 +115,7 @@ def data_parallel_rules(
         )
     root = overrides.get("", head if rules[""] is Strategy.RSDP else rules[""])
     kept = {name: s for name, s in rules.items() if name and not any(name_matches(name, m) for m in in_root)}
-    return _experts_fsdp_inside_rsdp(model, {"": root, **kept})
-
-
-def _experts_fsdp_inside_rsdp(model: nn.Module, rules: dict[str, Strategy]) -> dict[str, Strategy]:
-    """``rules`` with each gpt-oss experts module that would run inside an rsdp unit made an FSDP unit.
-
-    gpt-oss's experts concatenate their 2-D bias parameters with ``torch.cat``, which rsdp's op-by-op
-    path (``rsdp/_fully_shard/_operand.py``) cannot yet run on a sharded weight (one inside a list).
-    Nothing is lost today: without the expert ring that path gathers every expert weight for its op,
-    as FSDP does. The other families' experts run under rsdp.
-    """
-    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
-
-    names = [name for name, module in model.named_modules() if isinstance(module, GptOssGroupedExperts)]
-    inside_rsdp = [name for name in names if _unit_strategy(rules, name) is Strategy.RSDP]
-    if not inside_rsdp:
-        return rules
-    named = [name for name in inside_rsdp if any(pattern and name_matches(pattern, name) for pattern in rules)]
-    if named:
-        raise ValueError(
-            f"rsdp.torchtitan: {named[0]} (gpt-oss's experts) cannot be rsdp yet: its forward concatenates its "
-            "bias parameters with torch.cat, which rsdp's op-by-op path does not run; drop it from "
-            "--parallelism.dp_overrides (it becomes an FSDP unit inside its rsdp block)."
-        )
-    log_once(f"rsdp: gpt-oss's experts are FSDP units inside their rsdp blocks ({', '.join(inside_rsdp)}): see docs/torchtitan.md")
-    return {**rules, **dict.fromkeys(inside_rsdp, Strategy.FSDP)}
-
-
-def _unit_strategy(rules: dict[str, Strategy], name: str) -> Strategy:
-    """The strategy of the unit that runs module ``name``: the first rule naming it or, failing that, its
-    nearest ancestor that a rule names; the root's otherwise (as ``rsdp.parallelize`` builds units)."""
-    parts = name.split(".")
-    for depth in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:depth])
-        strategy = next((s for pattern, s in rules.items() if pattern and name_matches(pattern, prefix)), None)
-        if strategy is not None:
-            return strategy
-    return rules.get("", Strategy.RSDP)
+    return {"": root, **kept}
 
 
 def apply_data_parallel(
