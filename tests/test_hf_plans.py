@@ -259,6 +259,21 @@ def test_lora_on_every_planned_linear_trains_exactly_as_a_ring_plan(ranks, model
         assert dropped == [] and sub_blocks == 4, (dropped, sub_blocks)
 
 
+def float32_adapters_on_a_bfloat16_model_case():
+    """peft's default on a bf16 model: float32 adapters, which a planned sub-block gathers with the bf16 norms."""
+    import peft
+
+    model = peft.get_peft_model(copy.deepcopy(tiny_model("llama")).to(torch.bfloat16), peft.LoraConfig(r=2, target_modules="all-linear"))
+    with pytest.raises(ValueError, match=r"must share a dtype.*autocast_adapter_dtype=False"):
+        rsdp_shard(_decoder_layers(model)[0], ring_plan=model.config.base_model_tp_plan)
+    return True
+
+
+def test_float32_adapters_on_a_bfloat16_model_with_a_plan_are_refused_naming_the_fix(ranks):
+    pytest.importorskip("peft")
+    assert all(ranks.run(2, float32_adapters_on_a_bfloat16_model_case))
+
+
 @pytest.mark.parametrize(
     "lora_config, target, message",
     [

@@ -201,7 +201,7 @@ def _install_parameters(
             gathered_index[id(sharded)] = len(gathered_params)
             gathered_params.append(sharded)
         gathered_slots.append((owner, name, gathered_index[id(sharded)]))
-    _check_one_dtype(gathered_params)
+    _check_one_dtype(gathered_params, bool(adapter_linears))
     state.set_gathered(gathered_params, gathered_slots, reshard_after_forward)
     state.operand_slots = operand_slots
 
@@ -397,12 +397,18 @@ def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner:
     return sharded
 
 
-def _check_one_dtype(params: list[nn.Parameter]) -> None:
+def _check_one_dtype(params: list[nn.Parameter], has_planned_adapters: bool) -> None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
+        # A planned sub-block's LoRA adapters are gathered with the norms; peft keeps them in float32 on a
+        # bf16 or fp16 model by default.
+        lora = (
+            " LoRA adapters on planned Linears are gathered with the module's norms: keep them in the model's dtype "
+            "(peft.get_peft_model(..., autocast_adapter_dtype=False))." if has_planned_adapters else ""
+        )
         raise ValueError(
             f"rsdp_shard: the gathered parameters of one module must share a dtype, found {sorted(map(str, dtypes))}; "
-            "cast the module (module.to(dtype)) or shard the odd submodule with its own rsdp_shard call."
+            f"cast the module (module.to(dtype)) or shard the odd submodule with its own rsdp_shard call.{lora}"
         )
 
 

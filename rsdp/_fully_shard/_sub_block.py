@@ -18,6 +18,16 @@ every step, as on every tensor-parallel rank, and their gradient is summed over 
 the ring function as inputs, and each step installs its own leaf of them. The rowwise weight is stored as a ``Shard(1)`` DTensor
 (its columns), the colwise ones as ``Shard(0)``; the rowwise bias is gathered and added once.
 
+A planned Linear may be peft's LoRA Linear (``lora.Linear``): its base layer is the Linear that
+rotates, and its adapters (``lora_A``/``lora_B``, small) are gathered whole and go to the ring function
+like the per-head norms, but each step installs only the part its shard needs (``_lora_base``): a
+colwise shard, rows ``r0:r1`` of the output, takes rows ``r0:r1`` of ``lora_B`` (``lora_A`` whole); a
+rowwise shard, input columns ``c0:c1``, takes columns ``c0:c1`` of ``lora_A`` (``lora_B`` whole), so its
+``B A x`` is a partial output summed over the steps like the base's. peft's own forward runs around the
+base's product, so scaling, the active adapters and ``disable_adapter()`` are peft's; the partial output
+is the LoRA Linear's (``SubBlock.row_output``). Each adapter's gradient is the sum over the steps of
+gradients that are zero outside its shard's rows or columns.
+
 - **Forward**: W steps; at step k the sub-block's own forward runs on the shards held (installed as
   plain tensors in its Linears) while the next shards travel, and its output is added to the total.
 - **Backward**: the weights rotate again. At each step the rank backpropagates through the sub-block
@@ -45,8 +55,11 @@ Pitfalls:
   the head count (read it from the shapes, as tensor parallelism already requires: ``view(..., -1, hd)``).
 - Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
-- The sub-block may hold no parameters besides its plan's Linears and its per-shard vectors, and no
-  other Linears. A norm over all heads (OLMo2's full-width ``q_norm``) cannot act on a shard of heads:
+- The sub-block may hold no parameters besides its plan's Linears (with their LoRA adapters) and its
+  per-shard vectors, and no other Linears. What a shard cannot compute alone is refused: DoRA and peft's
+  other LoRA variants (their forward reads the whole base weight), a rowwise adapter's bias (added once
+  per step), adapters merged into the base weight, LoRA dropout (as all dropout). The adapters are
+  gathered with the module's norms, so they must share their dtype (``_api._check_one_dtype``). A norm over all heads (OLMo2's full-width ``q_norm``) cannot act on a shard of heads:
   Hugging Face's plans gather such a projection's output instead (``colwise_gather_output``), which
   leaves its Linears out of any sub-block. Every refusal names the plan entries to drop.
 - Its arguments are tensors, plain values (functions, flex attention's BlockMask), and at most one
