@@ -259,6 +259,40 @@ def test_lora_on_every_planned_linear_trains_exactly_as_a_ring_plan(ranks, model
         assert dropped == [] and sub_blocks == 4, (dropped, sub_blocks)
 
 
+def second_adapter_and_disabled_adapters_case():
+    """Two adapters on every planned Linear, the second active (the first frozen, unused), then a forward
+    under ``disable_adapter()`` (the base alone): as the unsharded fp64 model computes them."""
+    import peft
+
+    rank, world = rank_and_world()
+    model = copy.deepcopy(tiny_lora_model("llama"))
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=6, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B.second" in name:
+                param.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    model.set_adapter("second")
+    reference = copy.deepcopy(model)
+    for layer in _decoder_layers(model):
+        rsdp_shard(layer, ring_plan=model.config.base_model_tp_plan)
+    rsdp_shard(model)
+    torch.manual_seed(1)
+    tokens = torch.randint(3, VOCAB, (world * 2, 6))
+    loss = _step(model, local_rows(tokens, rank, world))
+    torch.distributed.all_reduce(loss)
+    assert_close(loss / world, _step(reference, tokens), what="loss with the second adapter", **TOLERANCE)
+    assert_param_grads_match(model, reference, 1.0, **TOLERANCE)
+    with torch.no_grad(), model.disable_adapter(), reference.disable_adapter():
+        logits = model(input_ids=local_rows(tokens, rank, world)).logits
+        assert_close(logits, local_rows(reference(input_ids=tokens).logits, rank, world), what="logits, adapters disabled", **TOLERANCE)
+    return True
+
+
+def test_a_second_adapter_and_disabled_adapters_under_a_plan_are_exact(ranks):
+    pytest.importorskip("peft")
+    assert all(ranks.run(2, second_adapter_and_disabled_adapters_case))
+
+
 def float32_adapters_on_a_bfloat16_model_case():
     """peft's default on a bf16 model: float32 adapters, which a planned sub-block gathers with the bf16 norms."""
     import peft
