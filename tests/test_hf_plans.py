@@ -260,16 +260,18 @@ def test_lora_on_every_planned_linear_trains_exactly_as_a_ring_plan(ranks, model
 
 
 def second_adapter_and_disabled_adapters_case():
-    """Two adapters on every planned Linear, the second active (the first frozen, unused), then a forward
-    under ``disable_adapter()`` (the base alone): as the unsharded fp64 model computes them."""
+    """A second adapter, with a bias, on the colwise Linears (a rowwise one's bias is refused), active (the
+    first frozen, unused), then a forward under ``disable_adapter()`` (the base alone): as the unsharded
+    fp64 model computes them."""
     import peft
 
     rank, world = rank_and_world()
     model = copy.deepcopy(tiny_lora_model("llama"))
-    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=6, target_modules="all-linear"))
+    columns = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=6, target_modules=columns, lora_bias=True))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_B.second" in name:
+            if "lora_B.second" in name:  # its weight and bias
                 param.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
     model.set_adapter("second")
     reference = copy.deepcopy(model)

@@ -59,8 +59,8 @@ Pitfalls:
   per-shard vectors, and no other Linears. What a shard cannot compute alone is refused: DoRA and peft's
   other LoRA variants (their forward reads the whole base weight), a rowwise adapter's bias (added once
   per step), adapters merged into the base weight, LoRA dropout (as all dropout). The adapters are
-  gathered with the module's norms, so they must share their dtype (``_api._check_one_dtype``). A norm over all heads (OLMo2's full-width ``q_norm``) cannot act on a shard of heads:
-  Hugging Face's plans gather such a projection's output instead (``colwise_gather_output``), which
+  gathered with the module's norms, so they must share their dtype (``_api._check_one_dtype``). A norm
+  over all heads (OLMo2's full-width ``q_norm``) cannot act on a shard of heads: Hugging Face's plans gather such a projection's output instead (``colwise_gather_output``), which
   leaves its Linears out of any sub-block. Every refusal names the plan entries to drop.
 - Its arguments are tensors, plain values (functions, flex attention's BlockMask), and at most one
   key/value cache: Hugging Face's attention updates its cache inside, so each shard's run gets a view
@@ -295,9 +295,9 @@ def _lora_base(module: nn.Module, kind: str, name: str, world: int, adapters: li
     else:
         sliced, part = list(module.lora_A.values()), functools.partial(_columns_of, shard_layout(base.in_features, world))
     adapters.extend(
-        (linear, name, part if linear in sliced else None)
+        (linear, param_name, part if linear in sliced else None)
         for linear in adapter_linears
-        for name, value in linear._parameters.items()
+        for param_name, value in linear._parameters.items()
         if value is not None
     )
     return base
