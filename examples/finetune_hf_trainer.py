@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trainer", choices=["trainer", "sft"], default="trainer")
     parser.add_argument("--strategy", nargs="+", choices=["rsdp", "fsdp", "ddp"], default=["rsdp"])
     parser.add_argument("--model-path", help="a local Hugging Face causal LM directory (config, weights, tokenizer)")
-    parser.add_argument("--lora", action="store_true", help="train LoRA adapters on the attention projections")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters on every Linear but the LM head")
     parser.add_argument("--ring-plan", action="store_true", help="rotate each attention and MLP as one ring")
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank and micro-step")
@@ -57,8 +57,6 @@ def parse_args() -> argparse.Namespace:
 SMALL_QWEN2 = dict(vocab_size=8000, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
 
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def build_model(args: argparse.Namespace):
@@ -75,7 +73,8 @@ def build_model(args: argparse.Namespace):
     if args.lora:
         import peft
 
-        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        # Every Linear but the LM head; with --ring-plan they sit inside the planned attention and MLP.
+        lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
         model = peft.get_peft_model(model, lora)
     return model
 
@@ -92,12 +91,8 @@ def shard(model, strategy: str, ring_plan: dict | None):
 
 
 def ring_plan(args: argparse.Namespace, model) -> dict | None:
-    """The model's tensor-parallel plan, less the Linears that LoRA wraps: a planned module must be a plain
-    nn.Linear, so with adapters on the attention only the MLP rotates as one ring."""
-    if not args.ring_plan:
-        return None
-    plan = base_config(model).base_model_tp_plan
-    return {key: style for key, style in plan.items() if key.rpartition(".")[2] not in (LORA_TARGETS if args.lora else ())}
+    """The model's tensor-parallel plan, as it is (LoRA adapters on planned Linears run per shard)."""
+    return base_config(model).base_model_tp_plan if args.ring_plan else None
 
 
 def tokenizer_for(args: argparse.Namespace, vocab_size: int):

@@ -107,6 +107,22 @@ def tiny_model(model_type: str):
     return model
 
 
+@functools.cache
+def tiny_lora_model(model_type: str):
+    """The tiny ``model_type`` with peft's LoRA on every Linear but the LM head ("all-linear": q/k/v/o and
+    gate/up/down), its ``lora_B`` made non-zero (peft starts it at zero, which would leave ``lora_A``
+    without a gradient)."""
+    import peft
+
+    model = peft.get_peft_model(copy.deepcopy(tiny_model(model_type)), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    return model
+
+
 def _decoder_layers(model) -> list:
     """The decoder layers the plan's per-layer keys start from (``layers.*.``, ``h.*.``,
     ``L_module.layers.*.``); none where the plan names no layer's modules (an Embedding only)."""
@@ -143,13 +159,14 @@ def _step(model, tokens):
     return loss.detach()
 
 
-def plan_step_case(model_type: str, checkpointing: bool = False):
+def plan_step_case(model_type: str, checkpointing: bool = False, lora: bool = False):
     """One step of the tiny ``model_type`` under its own plan against fp64: a refusal (when sharding or at
     the first forward) drops the entries it names, and the step starts again on a fresh copy. Returns the
     entries dropped and how many sub-blocks rotate as one ring. ``checkpointing``: with gradient
-    checkpointing on both models (each sub-block recomputed in backward)."""
+    checkpointing on both models (each sub-block recomputed in backward); ``lora``: with LoRA on every
+    Linear (``tiny_lora_model``), only the adapters trained."""
     rank, world = rank_and_world()
-    original = tiny_model(model_type)
+    original = tiny_lora_model(model_type) if lora else tiny_model(model_type)
     plan, dropped = dict(original.config.base_model_tp_plan), []
     torch.manual_seed(1)
     tokens = torch.randint(3, VOCAB, (world * 2, 6))
@@ -231,16 +248,86 @@ def test_a_norm_over_all_heads_inside_a_planned_attention_is_refused_naming_the_
     assert _entries_to_drop(refused.value, plan) == sorted(key for key in plan if ".self_attn." in key)
 
 
-def test_lora_on_a_planned_linear_is_refused_naming_the_entries_and_the_rest_still_plans():
-    """peft's LoRA on q/v: the attention is refused, naming its plan entries; without them the MLP is
-    still one ring."""
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model_type, checkpointing", [("llama", False), ("qwen3", True)])
+def test_lora_on_every_planned_linear_trains_exactly_as_a_ring_plan(ranks, model_type, world, checkpointing):
+    """peft's LoRA on q/k/v/o and gate/up/down: both sub-blocks still rotate as one ring each (Qwen3's
+    per-head norms with them), the adapters used whole at each step but for the shard's rows of a colwise
+    ``lora_B`` and columns of a rowwise ``lora_A``; loss and every adapter gradient exact against fp64."""
+    pytest.importorskip("peft")
+    for dropped, sub_blocks in ranks.run(world, plan_step_case, model_type, checkpointing, True):
+        assert dropped == [] and sub_blocks == 4, (dropped, sub_blocks)
+
+
+def second_adapter_and_disabled_adapters_case():
+    """A second adapter, with a bias, on the colwise Linears (a rowwise one's bias is refused), active (the
+    first frozen, unused), then a forward under ``disable_adapter()`` (the base alone): as the unsharded
+    fp64 model computes them."""
+    import peft
+
+    rank, world = rank_and_world()
+    model = copy.deepcopy(tiny_lora_model("llama"))
+    columns = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=6, target_modules=columns, lora_bias=True))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B.second" in name:  # its weight and bias
+                param.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    model.set_adapter("second")
+    reference = copy.deepcopy(model)
+    for layer in _decoder_layers(model):
+        rsdp_shard(layer, ring_plan=model.config.base_model_tp_plan)
+    rsdp_shard(model)
+    torch.manual_seed(1)
+    tokens = torch.randint(3, VOCAB, (world * 2, 6))
+    loss = _step(model, local_rows(tokens, rank, world))
+    torch.distributed.all_reduce(loss)
+    assert_close(loss / world, _step(reference, tokens), what="loss with the second adapter", **TOLERANCE)
+    assert_param_grads_match(model, reference, 1.0, **TOLERANCE)
+    with torch.no_grad(), model.disable_adapter(), reference.disable_adapter():
+        logits = model(input_ids=local_rows(tokens, rank, world)).logits
+        assert_close(logits, local_rows(reference(input_ids=tokens).logits, rank, world), what="logits, adapters disabled", **TOLERANCE)
+    return True
+
+
+def test_a_second_adapter_and_disabled_adapters_under_a_plan_are_exact(ranks):
+    pytest.importorskip("peft")
+    assert all(ranks.run(2, second_adapter_and_disabled_adapters_case))
+
+
+def float32_adapters_on_a_bfloat16_model_case():
+    """peft's default on a bf16 model: float32 adapters, which a planned sub-block gathers with the bf16 norms."""
+    import peft
+
+    model = peft.get_peft_model(copy.deepcopy(tiny_model("llama")).to(torch.bfloat16), peft.LoraConfig(r=2, target_modules="all-linear"))
+    with pytest.raises(ValueError, match=r"must share a dtype.*autocast_adapter_dtype=False"):
+        rsdp_shard(_decoder_layers(model)[0], ring_plan=model.config.base_model_tp_plan)
+    return True
+
+
+def test_float32_adapters_on_a_bfloat16_model_with_a_plan_are_refused_naming_the_fix(ranks):
+    pytest.importorskip("peft")
+    assert all(ranks.run(2, float32_adapters_on_a_bfloat16_model_case))
+
+
+@pytest.mark.parametrize(
+    "lora_config, target, message",
+    [
+        (dict(use_dora=True), "q_proj", r"'self_attn.q_proj' carries a LoRA variant \(\['DoraLinearVariant'\]\).*use_dora=False"),
+        (dict(lora_bias=True), "o_proj", r"'self_attn.o_proj' is rowwise and its LoRA adapter has a bias.*without lora_bias"),
+        (dict(lora_dropout=0.1), "q_proj", r"sub-block 'self_attn' has dropout"),
+    ],
+)
+def test_what_a_ring_step_cannot_compute_of_lora_is_refused_naming_the_entries(lora_config, target, message):
+    """DoRA's weight norm, a rowwise adapter's bias and LoRA dropout: refused, naming the attention's plan
+    entries; without them the MLP is still one ring."""
     peft = pytest.importorskip("peft")
     from rsdp._fully_shard._sub_block import plan_sub_blocks
 
-    model = tiny_model("llama")
+    model = copy.deepcopy(tiny_model("llama"))
     plan = dict(model.config.base_model_tp_plan)
-    layer = _decoder_layers(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])))[0]
-    with pytest.raises(ValueError, match=r"sub-block 'self_attn': planned modules must be plain nn.Linear .*peft's LoRA") as refused:
+    layer = _decoder_layers(peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=[target], **lora_config)))[0]
+    with pytest.raises(ValueError, match=message) as refused:
         plan_sub_blocks(layer, plan, 2)
     entries = _entries_to_drop(refused.value, plan)
     assert entries == sorted(key for key in plan if ".self_attn." in key)

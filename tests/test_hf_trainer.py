@@ -57,7 +57,9 @@ def build_model(name: str, lora: bool, dropout: float = 0.0):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(name, dropout), dtype=torch.float64)
     if lora:
-        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+        # With a ring plan, the usual recipe: adapters on every Linear but the LM head, all inside planned sub-blocks.
+        targets = "all-linear" if name.endswith("-ring") else ["q_proj", "v_proj", "down_proj"]
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
         model = peft.get_peft_model(model, config)
         with torch.no_grad():  # peft starts B at zero: give the adapters a non-trivial start
             for param_name, param in model.named_parameters():
@@ -228,7 +230,7 @@ def reloaded_reference(runs, name: str, lora: bool):
 @pytest.mark.parametrize(
     "name, world, lora, checkpointing",
     [("tied", 2, False, False), ("qwen2", 4, False, False), ("qwen2-ring", 2, False, False), ("llama-ring", 4, False, False),
-     ("llama", 4, True, True)],  # fmt: skip
+     ("llama", 4, True, True), ("qwen2-ring", 2, True, False)],  # fmt: skip
 )
 def test_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora, checkpointing):
     """Gradient accumulation without reduction on the first micro-step, clipping, evaluate(), and
@@ -237,9 +239,10 @@ def test_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora, check
     assert all(ranks.run(world, trainer_matches_fsdp2_and_ddp_case, name, "trainer", lora, str(tmp_path), checkpointing))
 
 
-@pytest.mark.parametrize("name, world, lora", [("qwen2", 2, True), ("llama-ring", 4, False)])
+@pytest.mark.parametrize("name, world, lora", [("qwen2", 2, True), ("llama-ring", 4, True)])
 def test_sft_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora):
-    """SFTTrainer as a user runs it: its fused LM-head loss and SFTConfig's gradient checkpointing."""
+    """SFTTrainer as a user runs it: its fused LM-head loss and SFTConfig's gradient checkpointing; LoRA
+    on every Linear with the model's plan as ring plan."""
     pytest.importorskip("trl")
     assert all(ranks.run(world, trainer_matches_fsdp2_and_ddp_case, name, "sft", lora, str(tmp_path)))
 

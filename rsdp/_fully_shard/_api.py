@@ -77,6 +77,8 @@ def rsdp_shard(
     managed, nested = _managed_and_nested_modules(module)
     sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
     column_split = {id(block.row.weight) for block in sub_blocks}
+    # A planned sub-block's LoRA adapters are used whole at every ring step: gathered, matrices too.
+    adapter_linears = {id(linear) for block in sub_blocks for linear in block.adapter_linears}
     slots = [(owner, name, param) for owner in managed for name, param in owner._parameters.items() if param is not None]
     key_prefixes = {id(submodule): f"{name}." if name else "" for name, submodule in module.named_modules()}
     newly_sharded = _newly_sharded(slots, key_prefixes)
@@ -85,8 +87,8 @@ def rsdp_shard(
     for name, param in newly_sharded:
         record_replacement(param, replacement[id(param)], f"{type(module).__qualname__}.{name}")
     names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
-    ring_slots = _make_ring_layers(state, managed, sub_blocks, names)
-    _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward)
+    ring_slots = _make_ring_layers(state, managed, sub_blocks, names, adapter_linears)
+    _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward, adapter_linears)
 
     insert_module_state(module, state)
     # A root over rsdp modules sharded before it: one context of their own for the model.
@@ -143,14 +145,17 @@ def _sharded_parameters(slots: list, nested: list[nn.Module], mesh: DeviceMesh, 
     return replacement
 
 
-def _make_ring_layers(state: RSDPState, managed: list[nn.Module], sub_blocks: list, names: dict[int, str]) -> set[tuple[int, str]]:
+def _make_ring_layers(
+    state: RSDPState, managed: list[nn.Module], sub_blocks: list, names: dict[int, str], adapter_linears: set[int]
+) -> set[tuple[int, str]]:
     """Give every ring module (Linear, Embedding, Conv1D) and planned sub-block its ring layer and
-    class; returns the (id(module), parameter name) slots whose weights those rings rotate."""
+    class; returns the (id(module), parameter name) slots whose weights those rings rotate. The LoRA
+    adapters of a planned sub-block (``adapter_linears``) rotate with none: their sub-block uses them whole."""
     parents = {id(child): parent for parent in managed for child in parent.children()}
     rows = {id(block.row): block for block in sub_blocks}
     ring_slots = set()
     for owner in managed:
-        mixin = ring_mixin_for(owner, parents.get(id(owner)))
+        mixin = None if id(owner) in adapter_linears else ring_mixin_for(owner, parents.get(id(owner)))
         if mixin is None:
             continue
         # A rowwise Linear's bias is added once to the summed partial outputs: it is gathered.
@@ -169,11 +174,12 @@ def _make_ring_layers(state: RSDPState, managed: list[nn.Module], sub_blocks: li
 
 def _install_parameters(
     state: RSDPState, slots: list, replacement: dict[int, nn.Parameter], ring_slots: set[tuple[int, str]],
-    column_split: set[int], names: dict[int, str], reshard_after_forward: bool,
+    column_split: set[int], names: dict[int, str], reshard_after_forward: bool, adapter_linears: set[int],
 ) -> None:
     """Put the sharded parameters in place and sort them: rotated by their module's ring, rotated op by
     op (``_operand.py``: every Shard(0) ring weight, so code outside its module's forward can use it
-    too, and every other matrix), or gathered whole (vectors)."""
+    too, and every other matrix), or gathered whole (vectors, and the LoRA adapters of planned
+    sub-blocks, ``adapter_linears``)."""
     gathered_params: list[nn.Parameter] = []
     gathered_index: dict[int, int] = {}
     gathered_slots = []
@@ -186,7 +192,7 @@ def _install_parameters(
             if id(param) not in column_split:
                 operand_slots.append((owner, name, owner._rsdp_ring))
             continue
-        if sharded.dim() >= 2:
+        if sharded.dim() >= 2 and id(owner) not in adapter_linears:
             if id(sharded) not in operand_layers:
                 operand_layers[id(sharded)] = RingLayer(state, new_layer_tags(), f"{names.get(id(owner))}.{name}")
             operand_slots.append((owner, name, operand_layers[id(sharded)]))
@@ -195,7 +201,7 @@ def _install_parameters(
             gathered_index[id(sharded)] = len(gathered_params)
             gathered_params.append(sharded)
         gathered_slots.append((owner, name, gathered_index[id(sharded)]))
-    _check_one_dtype(gathered_params)
+    _check_one_dtype(gathered_params, bool(adapter_linears))
     state.set_gathered(gathered_params, gathered_slots, reshard_after_forward)
     state.operand_slots = operand_slots
 
@@ -391,12 +397,18 @@ def _sharded(param: nn.Parameter, mesh: DeviceMesh, device: torch.device, owner:
     return sharded
 
 
-def _check_one_dtype(params: list[nn.Parameter]) -> None:
+def _check_one_dtype(params: list[nn.Parameter], has_planned_adapters: bool) -> None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
+        # A planned sub-block's LoRA adapters are gathered with the norms; peft keeps them in float32 on a
+        # bf16 or fp16 model by default.
+        lora = (
+            " LoRA adapters on planned Linears are gathered with the module's norms: keep them in the model's dtype "
+            "(peft.get_peft_model(..., autocast_adapter_dtype=False))." if has_planned_adapters else ""
+        )
         raise ValueError(
             f"rsdp_shard: the gathered parameters of one module must share a dtype, found {sorted(map(str, dtypes))}; "
-            "cast the module (module.to(dtype)) or shard the odd submodule with its own rsdp_shard call."
+            f"cast the module (module.to(dtype)) or shard the odd submodule with its own rsdp_shard call.{lora}"
         )
 
 

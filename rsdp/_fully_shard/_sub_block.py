@@ -18,6 +18,16 @@ every step, as on every tensor-parallel rank, and their gradient is summed over 
 the ring function as inputs, and each step installs its own leaf of them. The rowwise weight is stored as a ``Shard(1)`` DTensor
 (its columns), the colwise ones as ``Shard(0)``; the rowwise bias is gathered and added once.
 
+A planned Linear may be peft's LoRA Linear (``lora.Linear``): its base layer is the Linear that
+rotates, and its adapters (``lora_A``/``lora_B``, small) are gathered whole and go to the ring function
+like the per-head norms, but each step installs only the part its shard needs (``_lora_base``): a
+colwise shard, rows ``r0:r1`` of the output, takes rows ``r0:r1`` of ``lora_B`` (``lora_A`` whole); a
+rowwise shard, input columns ``c0:c1``, takes columns ``c0:c1`` of ``lora_A`` (``lora_B`` whole), so its
+``B A x`` is a partial output summed over the steps like the base's. peft's own forward runs around the
+base's product, so scaling, the active adapters and ``disable_adapter()`` are peft's; the partial output
+is the LoRA Linear's (``SubBlock.row_output``). Each adapter's gradient is the sum over the steps of
+gradients that are zero outside its shard's rows or columns.
+
 - **Forward**: W steps; at step k the sub-block's own forward runs on the shards held (installed as
   plain tensors in its Linears) while the next shards travel, and its output is added to the total.
 - **Backward**: the weights rotate again. At each step the rank backpropagates through the sub-block
@@ -45,9 +55,12 @@ Pitfalls:
   the head count (read it from the shapes, as tensor parallelism already requires: ``view(..., -1, hd)``).
 - Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
-- The sub-block may hold no parameters besides its plan's Linears and its per-shard vectors, and no
-  other Linears. A norm over all heads (OLMo2's full-width ``q_norm``) cannot act on a shard of heads:
-  Hugging Face's plans gather such a projection's output instead (``colwise_gather_output``), which
+- The sub-block may hold no parameters besides its plan's Linears (with their LoRA adapters) and its
+  per-shard vectors, and no other Linears. What a shard cannot compute alone is refused: DoRA and peft's
+  other LoRA variants (their forward reads the whole base weight), a rowwise adapter's bias (added once
+  per step), adapters merged into the base weight, LoRA dropout (as all dropout). The adapters are
+  gathered with the module's norms, so they must share their dtype (``_api._check_one_dtype``). A norm
+  over all heads (OLMo2's full-width ``q_norm``) cannot act on a shard of heads: Hugging Face's plans gather such a projection's output instead (``colwise_gather_output``), which
   leaves its Linears out of any sub-block. Every refusal names the plan entries to drop.
 - Its arguments are tensors, plain values (functions, flex attention's BlockMask), and at most one
   key/value cache: Hugging Face's attention updates its cache inside, so each shard's run gets a view
@@ -126,14 +139,24 @@ class SubBlock:
     """One planned sub-block: its module, colwise Linears, rowwise Linear, and its ring."""
 
     def __init__(
-        self, module: nn.Module, name: str, columns: list[nn.Linear], row: nn.Linear, per_shard: list[tuple[nn.Module, str]],
-        advice: str,
+        self, module: nn.Module, name: str, columns: list[nn.Linear], row: nn.Linear, per_shard: list[tuple[nn.Module, str, object]],
+        adapter_linears: list[nn.Linear], advice: str, row_output: nn.Module,
     ):
         self.module, self.name, self.columns, self.row = module, name, columns, row
+        # The module whose output is the partial output: the rowwise Linear, or peft's LoRA Linear around
+        # it (base plus adapter), with its own forward.
+        self.row_output = row_output
+        self.row_output_forward = None if row_output is row else functools.partial(type(row_output).forward, row_output)
         self.advice = advice  # which ring_plan entries to drop, for a refusal at its first call
-        # (module, parameter name) of each parameter used whole at every step (a per-head norm's weight):
-        # handed to the ring function as an input, so that its gradient, summed over the steps, reaches it.
-        self.per_shard = per_shard
+        # (module, parameter name) of each parameter used whole at every step (a per-head norm's weight, a
+        # LoRA adapter's): handed to the ring function as an input, so that its gradient, summed over the
+        # steps, reaches it.
+        self.per_shard = [(owner, name) for owner, name, _ in per_shard]
+        # Per per-shard parameter: how a step takes the part the shard held needs (a LoRA adapter's rows or
+        # columns, ``_lora_base``), or None: all of it.
+        self.shard_parts = [part for _, _, part in per_shard]
+        # The LoRA adapters' Linears (``lora_A``/``lora_B``): their weights are gathered whole, not rotated.
+        self.adapter_linears = adapter_linears
         self.forward = type(module).forward  # the original forward, run once per shard
         self.ring: RingLayer | None = None
         # (Linear, attribute) of each parameter the ring function takes, in its order; a column
@@ -183,7 +206,8 @@ def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict,
     parent = root.get_submodule(parent_name)
     prefix = f"{parent_name}." if parent_name else ""
     inside = {name: value for name, value in styles.items() if name.startswith(prefix) and name != parent_name}
-    columns = [module for name, (kind, module, _) in inside.items() if kind == "colwise" and name.rpartition(".")[0] == parent_name]
+    column_names = [name for name, (kind, _, _) in inside.items() if kind == "colwise" and name.rpartition(".")[0] == parent_name]
+    columns = [inside[name][1] for name in column_names]
     per_shard_modules = [module for kind, module, _ in inside.values() if kind == "per_shard"]
     drop = sorted({key for kind, _, key in inside.values() if kind is not None})
     where = f"ring_plan: sub-block {parent_name or type(root).__qualname__!r}"
@@ -193,12 +217,14 @@ def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict,
     row = styles[rows[0]][1]
     if not columns:
         raise ValueError(f"{where} has a rowwise Linear {rows[0]!r} but no colwise sibling to pair it with.{advice}")
+    adapters = []  # (module, parameter name, its part per shard) of every LoRA adapter on a planned Linear
+    row_output, row = row, _lora_base(row, "rowwise", rows[0], world, adapters, where, advice)
+    columns = [_lora_base(column, "colwise", name, world, adapters, where, advice) for column, name in zip(columns, column_names)]
     linears = [row, *columns]
     if any(type(linear) is not nn.Linear for linear in linears):
         found = [f"{type(m).__module__}.{type(m).__qualname__}" for m in linears]
         raise ValueError(
-            f"{where}: planned modules must be plain nn.Linear (found {found}); a Linear wrapped with adapters "
-            f"(peft's LoRA) cannot share a ring yet.{advice}"
+            f"{where}: planned modules must be plain nn.Linear or peft's LoRA Linear around one (found {found}).{advice}"
         )
     uneven = [n for n in [row.in_features] + [c.out_features for c in columns] if n % world]
     if uneven:
@@ -207,10 +233,12 @@ def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict,
             f"ranks of the shard group, as with tensor parallelism; found {uneven}.{advice}"
         )
     planned = {id(p) for linear in linears for p in linear.parameters()}
-    per_shard = [(module, name) for module in per_shard_modules for name, p in module.named_parameters(recurse=False) if id(p) not in planned]
-    per_shard_ids = {id(getattr(module, name)) for module, name in per_shard}
-    others = [n for n, p in parent.named_parameters() if id(p) not in planned and id(p) not in per_shard_ids]
-    other_linears = [n for n, m in parent.named_modules() if isinstance(m, nn.Linear) and m not in linears]
+    per_shard = [(module, name, None) for module in per_shard_modules for name, p in module.named_parameters(recurse=False) if id(p) not in planned]
+    per_shard_ids = {id(getattr(module, name)) for module, name, _ in per_shard}
+    adapter_ids = {id(getattr(module, name)) for module, name, _ in adapters}
+    adapter_linears = [module for module, _, _ in adapters]
+    others = [n for n, p in parent.named_parameters() if id(p) not in planned | per_shard_ids | adapter_ids]
+    other_linears = [n for n, m in parent.named_modules() if isinstance(m, nn.Linear) and m not in linears and m not in adapter_linears]
     if others or other_linears:
         raise ValueError(
             f"{where} holds parameters or Linears besides its plan's ({others or other_linears}); its forward "
@@ -232,7 +260,57 @@ def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict,
         )
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in parent.modules()):
         raise ValueError(f"{where} has dropout; a ring sub-block runs once per shard and must be deterministic.{advice}")
-    return SubBlock(parent, parent_name, columns, row, per_shard, advice)
+    return SubBlock(parent, parent_name, columns, row, per_shard + adapters, adapter_linears, advice, row_output)
+
+
+def _lora_base(module: nn.Module, kind: str, name: str, world: int, adapters: list, where: str, advice: str) -> nn.Module:
+    """A planned module as the Linear that rotates: itself, or, for peft's LoRA Linear, its base layer,
+    whose adapters are then added to ``adapters`` as per-shard parameters: used whole at every step but
+    for the part the shard held needs. A colwise shard (rows ``r0:r1`` of the output) takes rows ``r0:r1``
+    of ``lora_B`` (and of its bias), ``lora_A`` whole; a rowwise one (input columns ``c0:c1``) takes
+    columns ``c0:c1`` of ``lora_A``, ``lora_B`` whole, so its ``B A x`` is a partial output summed over the
+    steps like the base's. Anything a shard cannot compute alone is refused, naming the fix."""
+    base = getattr(module, "base_layer", None)
+    if not (isinstance(base, nn.Linear) and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)):
+        return module
+    variants = sorted({type(v).__name__ for v in getattr(module, "lora_variant", {}).values()})
+    if variants or any(getattr(module, "use_dora", {}).values()):
+        raise ValueError(
+            f"{where}: {name!r} carries a LoRA variant ({variants or ['DoRA']}), whose forward reads the whole base "
+            f"weight (DoRA's weight norm), which no ring step holds; use plain LoRA (LoraConfig(use_dora=False)).{advice}"
+        )
+    if module.merged:
+        raise ValueError(f"{where}: {name!r} has merged adapters {module.merged_adapters}; unmerge them (unmerge_adapter()) before rsdp_shard.{advice}")
+    if kind == "rowwise" and any(module.lora_bias.values()):
+        raise ValueError(
+            f"{where}: {name!r} is rowwise and its LoRA adapter has a bias (LoraConfig(lora_bias=True)), which a "
+            f"partial output would add once per ring step; train without lora_bias.{advice}"
+        )
+    adapter_linears = [*module.lora_A.values(), *module.lora_B.values()]
+    if any(type(linear) is not nn.Linear for linear in adapter_linears):
+        found = sorted({type(linear).__qualname__ for linear in adapter_linears})
+        raise ValueError(f"{where}: {name!r} has LoRA adapters that are not plain nn.Linear ({found}).{advice}")
+    if kind == "colwise":
+        sliced, part = list(module.lora_B.values()), functools.partial(_rows_of, shard_layout(base.out_features, world))
+    else:
+        sliced, part = list(module.lora_A.values()), functools.partial(_columns_of, shard_layout(base.in_features, world))
+    adapters.extend(
+        (linear, param_name, part if linear in sliced else None)
+        for linear in adapter_linears
+        for param_name, value in linear._parameters.items()
+        if value is not None
+    )
+    return base
+
+
+def _rows_of(layout, value: torch.Tensor, shard: int) -> torch.Tensor:
+    """A colwise adapter's part for ``shard``: the rows of the output the shard computes."""
+    return value[layout.row_slice(shard)]
+
+
+def _columns_of(layout, value: torch.Tensor, shard: int) -> torch.Tensor:
+    """A rowwise adapter's part for ``shard``: the columns of the input the shard reads."""
+    return value[:, layout.row_slice(shard)]
 
 
 class RingSubBlock:
@@ -306,17 +384,20 @@ class _Call:
         # The per-shard parameters as this ring's steps take them (leaves of their own, kept graphs'),
         # in place of the installed ones, which come back after the step.
         installed = [module._parameters[name] for module, name in block.per_shard]
-        for (module, name), value in zip(block.per_shard, arguments.per_shard):
-            module._parameters[name] = value
+        for (module, name), part, value in zip(block.per_shard, block.shard_parts, arguments.per_shard):
+            module._parameters[name] = value if part is None else part(value, shard)
         for linear, (weight_t, bias) in zip(linears, shard_params):
             linear.__dict__["forward"] = functools.partial(
-                _shard_product, weight_t, bias, arguments, produced if linear is block.row else None
+                _shard_product, weight_t, bias, arguments, produced if linear is block.row_output else None
             )
+        if block.row_output_forward is not None:
+            block.row_output.__dict__["forward"] = functools.partial(_kept_output, block.row_output_forward, produced)
         try:
             output = block.forward(block.module, *args, **kwargs)
         finally:
             for linear in linears:
                 del linear.__dict__["forward"]
+            block.row_output.__dict__.pop("forward", None)
             for (module, name), value in zip(block.per_shard, installed):
                 module._parameters[name] = value
         # A lone tensor, the usual output, needs no pytree.
@@ -388,6 +469,13 @@ def _shard_product(
     output = output.view(*input.shape[:-1], weight_t.shape[1])
     if outputs is not None:
         outputs.append(output)
+    return output
+
+
+def _kept_output(forward, outputs: list, *args, **kwargs) -> torch.Tensor:
+    """A LoRA-wrapped rowwise Linear's forward during a ring step, its output (the partial) kept in ``outputs``."""
+    output = forward(*args, **kwargs)
+    outputs.append(output)
     return output
 
 
