@@ -9,6 +9,7 @@ reference), on 2, 3 (8 experts in blocks of 3, 3, 2) and 4 ranks.
 """
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -171,3 +172,31 @@ def test_experts_peak_against_fsdp2_on_four_ranks(ranks):
         ratio = peaks["rsdp"] / peaks["fsdp"]
         print(f"rank {rank}: fsdp {peaks['fsdp'] / 2**20:.3f} MiB, rsdp {peaks['rsdp'] / 2**20:.3f} MiB, ratio {ratio:.3f}")
         assert ratio <= 0.7, f"rank {rank}: rsdp peak {peaks['rsdp']} B is {ratio:.2f} of fsdp's {peaks['fsdp']} B"
+
+
+def refusal_case(kind: str) -> str:
+    """The error rsdp raises, on this rank, for an experts module it cannot rotate."""
+    model = tiny_moe("mixtral", "eager")
+    if kind == "post_expert_norm":
+        model.model.layers[0].mlp.experts.post_expert_norm = torch.nn.LayerNorm(TINY["hidden_size"], dtype=torch.float64)
+    else:
+        model.config._experts_implementation = "sonicmoe"  # a kernel of its own: no masking rsdp knows
+    with pytest.raises(ValueError) as refused:
+        for layer in model.model.layers:
+            rsdp_shard(layer)
+        rsdp_shard(model)
+        tokens = torch.randint(3, VOCAB, (1, 6))
+        model(input_ids=tokens, labels=tokens)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("post_expert_norm", r"experts 'mlp.experts' holds parameters in submodules \(\['post_expert_norm.weight', 'post_expert_norm.bias'\], a post-expert norm\).* fully_shard instead"),
+        ("implementation", r"experts 'mlp.experts' run with experts implementation 'sonicmoe'.*experts_implementation='grouped_mm'"),
+    ],
+)
+def test_experts_an_expert_ring_cannot_run_are_refused_on_every_rank(ranks, kind, message):
+    for text in ranks.run(2, refusal_case, kind):
+        assert re.search(message, text), text

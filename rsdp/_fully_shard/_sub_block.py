@@ -1,4 +1,6 @@
-"""A whole attention or MLP sub-block as one ring, from a plan in tensor parallelism's vocabulary.
+"""A whole attention or MLP sub-block as one ring, from a plan in tensor parallelism's vocabulary; the
+same ring runs a MoE layer's experts in blocks of whole experts (``_experts.py``: an experts block
+supplies its step through the interface ``SubBlock`` marks, and keeps no per-step graphs).
 
 Megatron and RTP pair the Linears of a sub-block: q/k/v (or gate/up) split by output rows, "colwise",
 and o (or down) split by input columns, "rowwise". Shard s of the pair — the rows of q/k/v of some
@@ -96,8 +98,9 @@ _ROWWISE = ("rowwise", "local_rowwise")
 _PER_SHARD = ("replicated_with_grad_allreduce",)
 # Every other string leaves its module to rsdp's own sharding, which is exact for each: a Linear whose
 # input or output is whole ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
-# "rowwise_rep") rotates alone, an Embedding ("embedding_rowwise") on its own ring; packed experts
-# ("packed_colwise", "moe_tp_experts") rotate op by op, and what only reshapes or reduces activations
+# "rowwise_rep") rotates alone, an Embedding ("embedding_rowwise") on its own ring, experts
+# ("moe_tp_experts"; the "packed_colwise" and "rowwise" beside it name their parameters, no module) on an
+# expert ring (``_experts.py``), and what only reshapes or reduces activations
 # under tensor parallelism ("sequence_parallel", "all_reduce", "local_params", "replicate",
 # "mla_kv_a_proj", "moe_identity_expert") has nothing to do here. Inside a sub-block, those modules'
 # parameters make it refused (below), naming the entries to drop.
