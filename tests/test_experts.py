@@ -17,7 +17,7 @@ import torch
 
 from models import assert_close, assert_param_grads_match, assert_params_match, local_rows, rank_and_world
 from rsdp import release_ring_buffers, rsdp_shard
-from rsdp._compat import fully_shard
+from rsdp._compat import MixedPrecisionPolicy, fully_shard
 from rsdp.memory import MemoryTracker
 
 transformers = pytest.importorskip("transformers")
@@ -200,3 +200,55 @@ def refusal_case(kind: str) -> str:
 def test_experts_an_expert_ring_cannot_run_are_refused_on_every_rank(ranks, kind, message):
     for text in ranks.run(2, refusal_case, kind):
         assert re.search(message, text), text
+
+
+def generate_case(implementation: str) -> list:
+    """Greedy ``generate()`` with the KV cache: each rank's continuation of its own prompt, token for
+    token the unsharded model's."""
+    rank, world = rank_and_world()
+    dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
+    reference = tiny_moe("mixtral", implementation, dtype)
+    reference.config.use_cache = True
+    model = copy.deepcopy(reference)
+    for layer in model.model.layers:
+        rsdp_shard(layer)
+    rsdp_shard(model)
+    prompt = torch.randint(3, VOCAB, (world, 5), generator=torch.Generator().manual_seed(0))[rank : rank + 1]
+    generated = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert generated.tolist() == reference.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0).tolist()
+    return generated.tolist()
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_experts_generate_with_the_kv_cache(ranks, implementation):
+    continuations = ranks.run(2, generate_case, implementation)
+    assert continuations[0] != continuations[1]  # the ranks' prompts, and so their routing, differ
+
+
+def mixed_precision_case() -> None:
+    """bfloat16 compute, float32 gradient reduction (``MixedPrecisionPolicy``): rsdp's loss and gradients
+    against FSDP2's under the same policy, to bfloat16's precision."""
+    rank, world = rank_and_world()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = {}
+    for strategy, shard in (("rsdp", rsdp_shard), ("fsdp", fully_shard)):
+        model = tiny_moe("mixtral", "grouped_mm", torch.float32)
+        for layer in model.model.layers:
+            shard(layer, mp_policy=policy)
+        shard(model, mp_policy=policy)
+        models[strategy] = model
+    tokens = torch.randint(3, VOCAB, (world * 2, 6), generator=torch.Generator().manual_seed(1))
+    mine = local_rows(tokens, rank, world)
+    losses = {strategy: model(input_ids=mine, labels=mine).loss for strategy, model in models.items()}
+    for loss in losses.values():
+        loss.backward()
+    assert_close(losses["rsdp"], losses["fsdp"], what="loss", rtol=1e-2, atol=1e-3)
+    fsdp_grads = {name: p.grad.full_tensor() for name, p in models["fsdp"].named_parameters()}
+    for name, param in models["rsdp"].named_parameters():
+        expected = fsdp_grads[name]
+        # bfloat16 products summed in another order: each gradient within 2% of its largest entry.
+        assert_close(param.grad.full_tensor(), expected, what=f"grad of {name}", rtol=0, atol=2e-2 * expected.abs().max().item())
+
+
+def test_experts_in_bfloat16_match_fsdp2(ranks):
+    ranks.run(2, mixed_precision_case)
