@@ -59,11 +59,13 @@ def experts_modules(model) -> list:
 
 
 def training_case(
-    family: str, implementation: str, steps: int, checkpointing: bool = False, one_rank_routes: bool = False, experts: int = EXPERTS
+    family: str, implementation: str, steps: int, checkpointing: bool = False, one_rank_routes: bool = False, experts: int = EXPERTS,
+    micro_batches: int = 1,
 ):
     """``steps`` optimizer steps of the sharded model against its unsharded float64 twin: loss, every
     gradient, then the parameters; no expert weight may be gathered op by op. ``one_rank_routes``: rank
-    0's tokens are one token repeated, so they reach two experts and most blocks get none of them."""
+    0's tokens are one token repeated, so they reach two experts and most blocks get none of them.
+    ``micro_batches``: gradients accumulated over that many, reduced in the last one's backward only."""
     rank, world = rank_and_world()
     dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
     reference = tiny_moe(family, implementation if dtype == torch.float64 else "eager", experts=experts)
@@ -82,12 +84,12 @@ def training_case(
     torch.manual_seed(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train(model, reference, family, steps, tolerance, one_rank_routes, routed)
+        _train(model, reference, family, steps, tolerance, one_rank_routes, routed, micro_batches)
     gathered = [str(w.message) for w in caught if "has no ring form" in str(w.message)]
     assert not gathered, gathered  # no expert weight gathered op by op
 
 
-def _train(model, reference, family, steps, tolerance, one_rank_routes, routed):
+def _train(model, reference, family, steps, tolerance, one_rank_routes, routed, micro_batches):
     rank, world = rank_and_world()
     # SGD with momentum, not Adam: Hugging Face's norms compute in float32 even in a float64 model, and
     # Adam would normalise a gradient entry that is zero but for rounding (a key bias's, which softmax
@@ -95,16 +97,22 @@ def _train(model, reference, family, steps, tolerance, one_rank_routes, routed):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=1e-1, momentum=0.9)
     for step in range(steps):
-        tokens = torch.randint(3, VOCAB, (world * 2, 6))
-        if one_rank_routes:
-            tokens[:2] = 3  # one token, repeated: every pair of rank 0 goes to the same two experts
-        loss = model(input_ids=local_rows(tokens, rank, world), labels=local_rows(tokens, rank, world)).loss
-        loss.backward()
-        if one_rank_routes and rank == 0:  # rank 0's tokens reach two experts: at most two blocks
-            assert len(routed[-1]) <= 2, routed[-1]
-        reference_loss = reference(input_ids=tokens, labels=tokens).loss
+        batches = [torch.randint(3, VOCAB, (world * 2, 6)) for _ in range(micro_batches)]
+        losses = []
+        for index, tokens in enumerate(batches):
+            if one_rank_routes:
+                tokens[:2] = 3  # one token, repeated: every pair of rank 0 goes to the same two experts
+            if micro_batches > 1:  # gradient accumulation: reduced only in the last micro-batch's backward
+                model.set_requires_gradient_sync(index == micro_batches - 1)
+            mine = local_rows(tokens, rank, world)
+            loss = model(input_ids=mine, labels=mine).loss
+            (loss / micro_batches).backward()
+            losses.append(loss.detach().double())
+            if one_rank_routes and rank == 0:  # rank 0's tokens reach two experts: at most two blocks
+                assert len(routed[-1]) <= 2, routed[-1]
+        reference_loss = sum(reference(input_ids=tokens, labels=tokens).loss for tokens in batches) / micro_batches
         reference_loss.backward()
-        loss = loss.detach().double()
+        loss = torch.stack(losses).mean()
         torch.distributed.all_reduce(loss)
         assert_close(loss / world, reference_loss.detach().double(), what=f"{family} loss at step {step}", **tolerance)
         assert_param_grads_match(model, reference, 1.0, **tolerance)
@@ -134,6 +142,13 @@ def test_fewer_experts_than_ranks_leave_a_rank_without_a_block(ranks, implementa
 
 def test_experts_on_four_ranks_with_a_rank_whose_tokens_miss_most_blocks(ranks):
     ranks.run(4, training_case, "qwen2_moe", "eager", 2, one_rank_routes=True)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_experts_with_gradient_accumulation(ranks, implementation):
+    """``set_requires_gradient_sync(False)`` for all but the last micro-batch: each rank keeps its
+    contributions to every block locally, reduced with the last backward's."""
+    ranks.run(2, training_case, "gpt_oss", implementation, 2, micro_batches=2)
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
