@@ -64,7 +64,7 @@ class ExpertsBlock:
     ``run_step``, ``finish``."""
 
     keeps_graphs = False  # see the module's pitfalls
-    per_shard: list = []
+    per_shard = ()  # no parameter is used whole at every step
 
     def __init__(self, module: nn.Module, name: str):
         self.module, self.name = module, name
@@ -72,7 +72,6 @@ class ExpertsBlock:
         self.forward = type(module).forward  # the decorated forward, dispatching on the implementation
         self.signature = inspect.signature(self.forward)
         where = f"rsdp_shard: experts {name or type(module).__qualname__!r}"
-        self.advice = ""
         nested = [n for n, p in module.named_parameters() if "." in n]
         if nested:
             raise ValueError(
@@ -127,7 +126,7 @@ class ExpertsBlock:
         """The experts' forward on this rank's tokens for the block of experts ``shard`` (its parameters
         ``operands``); returns (output, partial output), the same tensor."""
         module = self.module
-        sentinel = self.module.config._experts_implementation in _SENTINEL_IMPLEMENTATIONS
+        sentinel = module.config._experts_implementation in _SENTINEL_IMPLEMENTATIONS
         hidden_states, index, weights = arguments.args
         layout = shard_layout(self.experts, self.ring.state.ring.size)
         count = layout.rows_of(shard)
