@@ -14,12 +14,9 @@ import functools
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from models import assert_close, assert_param_grads_match, local_rows, rank_and_world
 from rsdp import rsdp_shard
-from rsdp._compat import fully_shard
-from rsdp._fully_shard._sub_block import _matches
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,17 +129,6 @@ def _decoder_layers(model) -> list:
     return [layer for layers in found for layer in layers]
 
 
-def _experts_under_fsdp2(model, plan: dict, world: int) -> None:
-    """The MoE experts (``"moe_tp_experts"``) sharded by FSDP2: rotated op by op, as rsdp does by default,
-    a rank calls only the experts its tokens reach, so ranks whose routing differs would wait on each
-    other's rings (expert rings are a separate issue); FSDP2 gathers them whole once per forward."""
-    keys = [key for key, style in plan.items() if style == "moe_tp_experts"]
-    mesh = init_device_mesh("cpu", (world,))
-    for name, module in list(model.base_model.named_modules()):
-        if any(_matches(name, key) for key in keys):
-            fully_shard(module, mesh=mesh)
-
-
 def _entries_to_drop(error: Exception, plan: dict) -> list[str]:
     """The plan entries a refusal names (it must name some, all of them the plan's)."""
     message = str(error)
@@ -173,7 +159,6 @@ def plan_step_case(model_type: str, checkpointing: bool = False, lora: bool = Fa
     while True:
         model = copy.deepcopy(original)
         try:
-            _experts_under_fsdp2(model, plan, world)
             for layer in _decoder_layers(model):
                 rsdp_shard(layer, ring_plan=plan)
             rsdp_shard(model)

@@ -17,13 +17,14 @@ from .._compat import (
 )
 from ._ddp_habits import check_same_weights, record_replacement, replaced, watch_state_dicts
 from ._embedding import RingEmbedding
+from ._experts import ExpertsBlock, is_experts_module
 from ._linear import RingLinear
 from ._param import placements_for, shard_parameter
 from ._context import share_ring_context
 from ._ring import new_layer_tags
 from ._ring_function import RingLayer
 from ._state import RSDPState, rsdp_states_under
-from ._sub_block import RingSubBlock, plan_sub_blocks
+from ._sub_block import RingSubBlock, SubBlock, plan_sub_blocks
 
 def rsdp_shard(
     module: nn.Module,
@@ -41,6 +42,8 @@ def rsdp_shard(
     (buffers, prefetch predictions, pending collectives: ``_context.py``), which no other model in the
     process touches. Every managed parameter becomes ``nn.Parameter(DTensor)`` with
     ``Shard(0)`` placement (``(Replicate(), Shard(0))`` on a 2-D mesh) under its original name.
+    A Hugging Face mixture-of-experts module (``[experts, ...]`` parameters) rotates in blocks of whole
+    experts, each rank running its own tokens through the block it holds (``_experts.py``).
 
     A module wrapped by ``checkpoint_wrapper`` (activation checkpointing, as torchtitan applies it) is
     sharded through its wrapped module, which becomes the :class:`RSDPModule`: recomputation in
@@ -87,7 +90,8 @@ def rsdp_shard(
     for name, param in newly_sharded:
         record_replacement(param, replacement[id(param)], f"{type(module).__qualname__}.{name}")
     names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
-    ring_slots = _make_ring_layers(state, managed, sub_blocks, names, adapter_linears)
+    experts = [ExpertsBlock(owner, names[id(owner)]) for owner in managed if is_experts_module(owner)]
+    ring_slots = _make_ring_layers(state, managed, sub_blocks + experts, names, adapter_linears)
     _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward, adapter_linears)
 
     insert_module_state(module, state)
@@ -146,13 +150,14 @@ def _sharded_parameters(slots: list, nested: list[nn.Module], mesh: DeviceMesh, 
 
 
 def _make_ring_layers(
-    state: RSDPState, managed: list[nn.Module], sub_blocks: list, names: dict[int, str], adapter_linears: set[int]
+    state: RSDPState, managed: list[nn.Module], blocks: list, names: dict[int, str], adapter_linears: set[int]
 ) -> set[tuple[int, str]]:
-    """Give every ring module (Linear, Embedding, Conv1D) and planned sub-block its ring layer and
-    class; returns the (id(module), parameter name) slots whose weights those rings rotate. The LoRA
-    adapters of a planned sub-block (``adapter_linears``) rotate with none: their sub-block uses them whole."""
+    """Give every ring module (Linear, Embedding, Conv1D), planned sub-block and experts module its ring
+    layer and class; returns the (id(module), parameter name) slots whose weights those rings rotate. The
+    LoRA adapters of a planned sub-block (``adapter_linears``) rotate with none: their sub-block uses them
+    whole."""
     parents = {id(child): parent for parent in managed for child in parent.children()}
-    rows = {id(block.row): block for block in sub_blocks}
+    rows = {id(block.row): block for block in blocks if isinstance(block, SubBlock)}
     ring_slots = set()
     for owner in managed:
         mixin = None if id(owner) in adapter_linears else ring_mixin_for(owner, parents.get(id(owner)))
@@ -165,10 +170,13 @@ def _make_ring_layers(
         owner._rsdp_ring = RingLayer(state, new_layer_tags(), names.get(id(owner), type(owner).__qualname__))
         owner._rsdp_row_of = rows.get(id(owner))
         state.ring_modules.append(owner)
-    for block in sub_blocks:
+    for block in blocks:
         block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__)
         _swap_class(block.module, RingSubBlock, "RingSub")
         block.module._rsdp_sub_block = block
+        if isinstance(block, ExpertsBlock):  # its parameters are the ring's, and its operands' outside it
+            ring_slots.update((id(block.module), name) for _, name in block.param_slots)
+            block.module._rsdp_ring = block.ring
     return ring_slots
 
 

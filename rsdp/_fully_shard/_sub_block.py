@@ -1,4 +1,6 @@
-"""A whole attention or MLP sub-block as one ring, from a plan in tensor parallelism's vocabulary.
+"""A whole attention or MLP sub-block as one ring, from a plan in tensor parallelism's vocabulary; the
+same ring runs a MoE layer's experts in blocks of whole experts (``_experts.py``: an experts block
+supplies its step through the interface ``SubBlock`` marks, and keeps no per-step graphs).
 
 Megatron and RTP pair the Linears of a sub-block: q/k/v (or gate/up) split by output rows, "colwise",
 and o (or down) split by input columns, "rowwise". Shard s of the pair — the rows of q/k/v of some
@@ -109,8 +111,9 @@ _ROWWISE = ("rowwise", "local_rowwise")
 _PER_SHARD = ("replicated_with_grad_allreduce",)
 # Every other string leaves its module to rsdp's own sharding, which is exact for each: a Linear whose
 # input or output is whole ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
-# "rowwise_rep") rotates alone, an Embedding ("embedding_rowwise") on its own ring; packed experts
-# ("packed_colwise", "moe_tp_experts") rotate op by op, and what only reshapes or reduces activations
+# "rowwise_rep") rotates alone, an Embedding ("embedding_rowwise") on its own ring, experts
+# ("moe_tp_experts"; the "packed_colwise" and "rowwise" beside it name their parameters, no module) on an
+# expert ring (``_experts.py``), and what only reshapes or reduces activations
 # under tensor parallelism ("sequence_parallel", "all_reduce", "local_params", "replicate",
 # "mla_kv_a_proj", "moe_identity_expert") has nothing to do here. Inside a sub-block, those modules'
 # parameters make it refused (below), naming the entries to drop.
@@ -166,7 +169,45 @@ class SubBlock:
         self.column_has_bias = [column.bias is not None for column in columns]
         # Per segment of a message: whether its step operand is the view transposed (a colwise weight).
         self.transposed = tuple(t for has_bias in self.column_has_bias for t in ((True, False) if has_bias else (True,))) + (False,)
+        # Per parameter slot: whether a message carries it transposed (the rowwise weight, as its columns).
+        self.param_transposed = (False,) * (len(self.param_slots) - 1) + (True,)
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
+
+    # The interface the ring below drives, which an experts block (``_experts.py``) also provides.
+    keeps_graphs = True  # each forward step's graph is kept for the backward (``_ShardGraphs``)
+
+    def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, kwargs
+
+    def run_step(self, call: "_Call", arguments: "_Arguments", shard: int, operands: list[torch.Tensor]) -> tuple:
+        """The sub-block's forward for ``shard`` with its parameters ``operands`` installed (as plain
+        tensors in its Linears); returns (its output, the rowwise Linear's output or None)."""
+        if call.cache is not None:
+            call.cache.shard = shard
+        linears = self.columns + [self.row]
+        # Each Linear's forward becomes its product with the shard's parameters, as an instance
+        # attribute, which ``nn.Module.__call__`` finds before the class's (hooks still run around it).
+        # Set through __dict__: nn.Module.__setattr__ checks parameters, buffers and submodules first,
+        # which would cost a small sub-block step much of its host time; and not through the ring
+        # Linear's own forward, whose compiler-disable wrapper adds Python calls to each.
+        produced = []
+        for linear, (weight_t, bias) in zip(linears, _shard_params(self, operands)):
+            linear.__dict__["forward"] = functools.partial(
+                _shard_product, weight_t, bias, arguments, produced if linear is self.row_output else None
+            )
+        if self.row_output_forward is not None:  # a LoRA rowwise Linear: its output, adapters included
+            self.row_output.__dict__["forward"] = functools.partial(_kept_output, self.row_output_forward, produced)
+        try:
+            output = self.forward(self.module, *arguments.args, **arguments.kwargs)
+        finally:
+            for linear in linears:
+                del linear.__dict__["forward"]
+            self.row_output.__dict__.pop("forward", None)
+        return output, produced[-1] if produced else None
+
+    def finish(self, total: torch.Tensor) -> torch.Tensor:
+        """The summed partial outputs plus the rowwise bias, gathered, added once."""
+        return total if self.row.bias is None else total + autocast_like(self.row.bias, total)
 
     def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
         """The sub-block's weight segments in a message: each colwise weight (and bias), then the
@@ -321,7 +362,7 @@ class RingSubBlock:
     @torch.compiler.disable
     def forward(self, *args, **kwargs):
         block = self._rsdp_sub_block
-        leaves, spec = _flatten_arguments(args, kwargs)
+        leaves, spec = _flatten_arguments(*block.call_arguments(args, kwargs))
         params = [local_shard(getattr(linear, name), linear, name, block.ring) for linear, name in block.param_slots]
         cache = None
         if spec is not None:  # objects besides tensors: a cache is handed over per shard, others refused
@@ -332,12 +373,10 @@ class RingSubBlock:
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         call = _Call(block, leaves, spec, tensor_at, cache)
         # Decided here: inside the autograd Function's forward, grad mode is off.
-        call.keeps_graphs = torch.is_grad_enabled() and not saved_tensors_hooks_active()
+        call.keeps_graphs = block.keeps_graphs and torch.is_grad_enabled() and not saved_tensors_hooks_active()
         per_shard = [module._parameters[name] for module, name in block.per_shard]  # as installed: gathered
         total = _RingSubBlockFunction.apply(call, *(leaves[i] for i in tensor_at), *per_shard, *params)
-        if block.row.bias is not None:
-            total = total + autocast_like(block.row.bias, total)
-        return call.rebuild(total)
+        return call.rebuild(block.finish(total))
 
 
 class _Call:
@@ -367,42 +406,22 @@ class _Call:
         count = len(self.tensor_at)
         return [t.to(dtype) if i < count and t.is_floating_point() else t for i, t in enumerate(tensors)]
 
-    def run(self, arguments: "_Arguments", shard: int, shard_params) -> torch.Tensor:
-        """The sub-block's forward on ``arguments`` (as ``arguments()`` makes them) with shard ``shard``'s
-        parameters installed; returns the rowwise Linear's output (the partial output)."""
-        args, kwargs = arguments.args, arguments.kwargs
+    def run(self, arguments: "_Arguments", shard: int, operands: list[torch.Tensor]) -> torch.Tensor:
+        """The block's forward on ``arguments`` (as ``arguments()`` makes them) with shard ``shard``'s
+        parameters ``operands`` installed; returns its partial output (a sub-block's rowwise Linear's)."""
         block = self.block
-        if self.cache is not None:
-            self.cache.shard = shard
-        linears = block.columns + [block.row]
-        # Each Linear's forward becomes its product with the shard's parameters, as an instance
-        # attribute, which ``nn.Module.__call__`` finds before the class's (hooks still run around it).
-        # Set through __dict__: nn.Module.__setattr__ checks parameters, buffers and submodules first,
-        # which would cost a small sub-block step much of its host time; and not through the ring
-        # Linear's own forward, whose compiler-disable wrapper adds Python calls to each.
-        produced = []
         # The per-shard parameters as this ring's steps take them (leaves of their own, kept graphs'),
         # in place of the installed ones, which come back after the step.
         installed = [module._parameters[name] for module, name in block.per_shard]
         for (module, name), part, value in zip(block.per_shard, block.shard_parts, arguments.per_shard):
             module._parameters[name] = value if part is None else part(value, shard)
-        for linear, (weight_t, bias) in zip(linears, shard_params):
-            linear.__dict__["forward"] = functools.partial(
-                _shard_product, weight_t, bias, arguments, produced if linear is block.row_output else None
-            )
-        if block.row_output_forward is not None:
-            block.row_output.__dict__["forward"] = functools.partial(_kept_output, block.row_output_forward, produced)
         try:
-            output = block.forward(block.module, *args, **kwargs)
+            output, produced = block.run_step(self, arguments, shard, operands)
         finally:
-            for linear in linears:
-                del linear.__dict__["forward"]
-            block.row_output.__dict__.pop("forward", None)
             for (module, name), value in zip(block.per_shard, installed):
                 module._parameters[name] = value
         # A lone tensor, the usual output, needs no pytree.
         out_leaves, self.output_spec = ([output], None) if isinstance(output, torch.Tensor) else tree_flatten(output)
-        produced = produced[-1] if produced else None  # the rowwise Linear's output, if it ran
         positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]
         if len(positions) != 1 or any(leaf is not None for leaf in out_leaves if leaf is not produced):
             raise ValueError(
@@ -479,6 +498,12 @@ def _kept_output(forward, outputs: list, *args, **kwargs) -> torch.Tensor:
     return output
 
 
+def _packed(block, params) -> list[torch.Tensor]:
+    """The block's parameters (local shards) as a message lays them out: present ones, the rowwise
+    weight transposed (``param_transposed``)."""
+    return [p.t() if transposed else p for p, transposed in zip(params, block.param_transposed) if p is not None]
+
+
 def _weight_leaves(operands: list[torch.Tensor], needs: list[bool]) -> list[torch.Tensor]:
     """Gradient leaves of one shard's parameters (``operands``: views of a ring buffer, as the step's
     products use them), requiring grad where ``needs`` says: each a tensor of its own over the ring
@@ -520,7 +545,7 @@ class _ShardGraphs:
         whose memory the caller frees once it has added it (``release_output``)."""
         leaves = _weight_leaves(operands, self.needs_params)
         with torch.enable_grad():
-            partial = self.call.run(self.arguments, shard, _shard_params(self.call.block, leaves))
+            partial = self.call.run(self.arguments, shard, leaves)
         self._graphs[shard] = (partial, leaves)
         return partial
 
@@ -573,7 +598,7 @@ class _SubBlockForward:
         call, layer, params = self.call, self.layer, self.params
         self.total = None
         self.arguments = call.arguments(self.cast) if self.graphs is None else None
-        packed = [p for p in params[:-1] if p is not None] + [params[-1].t()]
+        packed = _packed(call.block, params)
         with layer.profiled(Phase.FORWARD):
             self.ring.circulate(self.message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, self.message, packed),
                                 self.during, carry_next=self.ring.context.forward_prefetch.next_first)
@@ -589,7 +614,7 @@ class _SubBlockForward:
         block, graphs = self.call.block, self.graphs
         operands = self.message.views(buffer, shard, transposed=block.transposed)
         if graphs is None:
-            partial = self.call.run(self.arguments, shard, _shard_params(block, operands))
+            partial = self.call.run(self.arguments, shard, operands)
         else:
             partial = graphs.forward(shard, operands)
         self.total = partial.clone() if self.total is None else self.total.add_(partial)
@@ -659,7 +684,7 @@ class _SubBlockBackward:
         self.grad_inputs = [None] * n
         self.dy = grad_total.to(dtype)
         # As laid out in a message: the colwise weights (and biases), then the rowwise weight transposed.
-        self.weights = [self.params[i] for i in self.present[:-1]] + [self.params[self.present[-1]].t()]
+        self.weights = _packed(block, self.params)
 
     def input_gradients(self) -> list[torch.Tensor | None]:
         return [None if g is None else g.to(t.dtype) for g, t in zip(self.grad_inputs, self.tensors)]
@@ -698,7 +723,7 @@ class _SubBlockBackward:
         inputs = [t.detach().requires_grad_(need) for t, need in zip(self.call.cast(self.tensors, self.input_dtype), self.needs_inputs)]
         autocast = torch.autocast(self.ring.device.type, dtype=self.autocast, enabled=self.autocast is not None)
         with torch.enable_grad(), autocast:
-            partial = self.call.run(self.call.arguments(inputs), shard, _shard_params(self.block, leaves))
+            partial = self.call.run(self.call.arguments(inputs), shard, leaves)
             wanted = [x for x, need in zip(inputs, self.needs_inputs) if need] + [leaves[slot] for slot in self.grad_index]
             return gradients_of(partial, wanted, self.dy.to(partial.dtype))
 
@@ -711,7 +736,7 @@ class _SubBlockBackward:
         for slot, grad in zip(self.grad_index, reduced):
             index = self.present[slot]
             linear, name = self.block.param_slots[index]
-            grad = grad.t().contiguous() if index == len(self.params) - 1 else grad
+            grad = grad.t().contiguous() if self.block.param_transposed[index] else grad
             self.state.gradients.receive(sharded(getattr(linear, name), linear, name), grad.to(self.params[index].dtype))
 
     def synchronised(self) -> None:
