@@ -51,11 +51,12 @@ def gpt_oss_small_rsdp():
 
 
 # model config -> what the run under test sets: rsdp everywhere; auto (with an override inside the MoE
-# block); replicate for block 0 and rsdp elsewhere (gpt-oss's experts then FSDP units in their rsdp block)
+# block; planned over fsdp and replicate, the experts having no ring yet); replicate for block 0 and rsdp
+# elsewhere
 RUNS = {
     "qwen3_moe_small_rsdp": ["--parallelism.dp_strategy=rsdp"],
-    "deepseek_v3_small_rsdp": ["--parallelism.dp_strategy=auto", "--parallelism.dp_memory_budget=120MiB",
-                               "--parallelism.dp_overrides=layers.1.moe.shared_experts=replicate"],
+    "deepseek_v3_small_rsdp": ["--parallelism.dp_strategy=auto", "--parallelism.dp_memory_budget=150MiB",
+                               "--parallelism.dp_overrides=layers.0=rsdp"],
     "gpt_oss_small_rsdp": ["--parallelism.dp_overrides=layers.0=replicate"],
 }
 
@@ -92,6 +93,8 @@ def test_moe_model_trains_like_torchtitan_fsdp(workdir, config):
     assert sorted(fsdp) == sorted(ours) == list(range(1, STEPS + 1)), output[-3000:]
     assert_losses_match(ours, fsdp)
     assert "rsdp: applied data parallelism" in output, "rsdp's parallelize function ran, not torchtitan's"
+    if "--parallelism.dp_strategy=auto" in RUNS[config]:
+        assert "plans this mixture-of-experts model over fsdp and replicate only" in output, output[-3000:]
 
 
 def moe_routing_case() -> int:
