@@ -15,6 +15,7 @@ tokens/s. Every other row is held out; the torchtitan rows use the preset's Flas
 
     python benchmarks/planner_published.py            # every row: about 1 min on 2 shared cores
     python benchmarks/planner_published.py --fit      # and the fit again (about 1 min more)
+    python benchmarks/planner_published.py --consistency  # what each pair of MPT rows implies (instant)
 """
 
 import argparse
@@ -52,6 +53,7 @@ class Row:
     checkpoint: str  # none, selective, full
     tokens_per_s: float  # per GPU, published
     memory_gib: float | None = None  # reserved peak, published (None: not published)
+    num_params: int | None = None  # as published (llm-foundry's NumParams)
 
     @property
     def triton_attention(self) -> bool:
@@ -68,14 +70,16 @@ ROWS = [
     Row("torchtitan Dec 2024, Table 1", "torchtitan:llama3:8B", "h100-hbm2e-500w-nvlink", 8, 8192, 2, 1, "selective", 5762, 82.4),
     Row("torchtitan Dec 2024, Table 3", "torchtitan:llama3:8B", "h100-hbm2e-500w-infiniband", 128, 8192, 2, 1, "selective", 5605, 67.0),
     # llm-foundry, MPT, H100 80GB SXM, 8 GPUs on NVLink (scripts/train/benchmarking/README.md).
-    *(Row("llm-foundry H100 BF16", f"mpt:{size}", "h100-sxm-nvlink", 8, seq, mb, ga, ac, tps)
-      for size, seq, mb, ga, ac, tps in [
-          ("7b", 1024, 64, 2, "full", 10203), ("7b", 2048, 6, 1, "none", 10643), ("7b", 4096, 16, 2, "full", 8611),
-          ("7b", 8192, 8, 2, "full", 6935), ("7b", 32768, 2, 2, "full", 3318),
-          ("13b", 1024, 40, 3, "full", 5502), ("13b", 2048, 2, 1, "none", 4792), ("13b", 4096, 10, 3, "full", 4717),
-          ("13b", 16384, 3, 3, "full", 2985), ("13b", 32768, 1, 3, "full", 1976),
-          ("30b", 1024, 6, 21, "full", 2084), ("30b", 2048, 3, 21, "full", 2002), ("30b", 4096, 1, 21, "full", 1802),
-          ("30b", 8192, 1, 21, "full", 1384),
+    *(Row("llm-foundry H100 BF16", f"mpt:{size}", "h100-sxm-nvlink", 8, seq, mb, ga, ac, tps, num_params=params)
+      for size, seq, mb, ga, ac, tps, params in [
+          ("7b", 1024, 64, 2, "full", 10203, 6654664704), ("7b", 2048, 6, 1, "none", 10643, 6658859008),
+          ("7b", 4096, 16, 2, "full", 8611, 6667247616), ("7b", 8192, 8, 2, "full", 6935, 6684024832),
+          ("7b", 32768, 2, 2, "full", 3318, 6784688128),
+          ("13b", 1024, 40, 3, "full", 5502, 12848711680), ("13b", 2048, 2, 1, "none", 4792, 12853954560),
+          ("13b", 4096, 10, 3, "full", 4717, 12864440320), ("13b", 16384, 3, 3, "full", 2985, 12927354880),
+          ("13b", 32768, 1, 3, "full", 1976, 13011240960),
+          ("30b", 1024, 6, 21, "full", 2084, 29967874048), ("30b", 2048, 3, 21, "full", 2002, 29975214080),
+          ("30b", 4096, 1, 21, "full", 1802, 29989894144), ("30b", 8192, 1, 21, "full", 1384, 30019254272),
       ]),
 ]
 
@@ -113,6 +117,30 @@ def predict(row: Row, scratch: Path, triton_attention_flops_per_s: float) -> dic
     return {"peak_gib": peak / GiB, "tokens_per_s": row.micro_batch * row.seq_len / per_micro_batch}
 
 
+def implied_attention_cost(first: Row, second: Row) -> float:
+    """How many times a GEMM FLOP's time an attention FLOP must take for two published rows of one model
+    (same checkpointing) to hold together under any time model that charges each kind of work at its own
+    fixed rate: per token, time = c * (matmul FLOPs + k * attention FLOPs), solved for k from the two rows'
+    tokens/s. FLOPs as the source counts them (its README, "MFU": 6 per parameter per token, and
+    ``n_layers * 2 * 2 * d_model * seq_len`` a token's attention, three times for training); the model's
+    shape is read from its config in tests/data/configs."""
+    values = json.loads((CONFIGS / f"mpt-{first.model[4:]}-shaped" / "config.json").read_text())
+
+    def flops(row: Row) -> tuple[float, float]:
+        return 6 * row.num_params, 3 * 4 * values["n_layer"] * values["n_embd"] * row.seq_len
+
+    (matmul_1, attention_1), (matmul_2, attention_2) = flops(first), flops(second)
+    slowdown = first.tokens_per_s / second.tokens_per_s  # the second row's time per token over the first's
+    return (slowdown * matmul_1 - matmul_2) / (attention_2 - slowdown * attention_1)
+
+
+def consistency_pairs() -> list[tuple[Row, Row, float]]:
+    """Each llm-foundry model's consecutive checkpointed rows, with ``implied_attention_cost`` of the pair."""
+    checkpointed = [row for row in ROWS if row.num_params and row.checkpoint == "full"]
+    return [(first, second, implied_attention_cost(first, second))
+            for first, second in zip(checkpointed, checkpointed[1:]) if first.model == second.model]
+
+
 def fit_triton_attention(scratch: Path) -> float:
     """The Triton attention rate that minimises the squared log error of the fitted rows' tokens/s
     (golden-section search between 30 and 600 TFLOP/s, in log space)."""
@@ -133,7 +161,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="rows whose source or model contains this")
     parser.add_argument("--fit", action="store_true", help="fit the Triton attention rate again and print it")
+    parser.add_argument("--consistency", action="store_true",
+                        help="only the attention cost each pair of llm-foundry's rows implies (implied_attention_cost)")
     args = parser.parse_args()
+    if args.consistency:
+        print("| model | seq | next seq | attention FLOP's time / GEMM FLOP's |\n| --- | ---: | ---: | ---: |")
+        for first, second, cost in consistency_pairs():
+            print(f"| {first.model} | {first.seq_len} | {second.seq_len} | {cost:.2f} |")
+        return
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         if args.fit:

@@ -384,3 +384,21 @@ def test_held_out_published_fsdp_runs_are_predicted_within_bounds(tmp_path, mode
     assert 0.75 <= got["tokens_per_s"] / row.tokens_per_s <= 1.25
     if row.memory_gib:
         assert 0.8 <= got["peak_gib"] / row.memory_gib <= 1.2
+
+
+def test_mpt_30b_at_8192_is_inconsistent_with_its_sources_other_rows():
+    """docs/planner.md, "Against published FSDP runs": no time model that charges GEMMs and attention each
+    at a fixed rate fits llm-foundry's MPT-30B row at 8192 tokens beside its 4096 one. Every other pair of
+    consecutive checkpointed rows of a model implies an attention FLOP at 1.6-2.7 GEMM FLOPs' time; that
+    pair, 4.6 (the same kernel, head dimension and hardware)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from planner_published import consistency_pairs
+
+    costs = {(first.model, first.seq_len, second.seq_len): cost for first, second, cost in consistency_pairs()}
+    assert len(costs) == 9
+    outlier = costs.pop(("mpt:30b", 4096, 8192))
+    assert all(1.5 < cost < 2.7 for cost in costs.values()), costs
+    assert outlier > 4
