@@ -190,3 +190,14 @@ def test_host_overhead_counts_each_strategys_host_work(scripts, tmp_path):
     for strategy in ("fsdp", "rsdp", "rsdp+plan"):
         for count in ("ops_per_block", "python_calls_per_block", "builtin_calls_per_block"):
             assert counts[strategy][count] > counts["unsharded"][count] > 0, (strategy, count, counts)
+
+
+def test_tp_rejects_the_moe_model(monkeypatch, capsys):
+    """``--experts``: tp's plan is the dense model's FFN; refused before any rank starts, naming the fix."""
+    script = BENCHMARKS / "tp_benchmark.py"
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [str(script), "--use_synthetic_data", *TINY, "--experts=4"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code != 0
+    assert "--experts 4: this script's plan is the dense model's" in capsys.readouterr().err
