@@ -19,8 +19,12 @@ TOP_K = 2  # Mixtral's experts per token
 
 
 class MixtureLM(nn.Module):
-    def __init__(self, vocab_size: int, ninp: int, nhead: int, nhid: int, num_decoder_layers: int, max_len: int, experts: int):
+    def __init__(
+        self, vocab_size: int, ninp: int, nhead: int, nhid: int, num_decoder_layers: int, max_len: int, experts: int,
+        batch_first: bool = False,
+    ):
         super().__init__()
+        self.batch_first = batch_first  # tokens (batch, seq) in, logits (batch, seq, vocab) out
         import transformers  # only here: the dense benchmarks do not need it
 
         if ninp % nhead:
@@ -42,5 +46,16 @@ class MixtureLM(nn.Module):
         """Hugging Face's tensor-parallel plan of the model, as rsdp's ring plan: each attention one ring."""
         return self.causal_lm.config.base_model_tp_plan
 
+    @torch.no_grad()
+    def reset_rotary(self) -> None:
+        """Compute the rotary inverse frequencies again: a model built on the meta device gets them
+        uninitialised from ``to_empty`` (they are buffers, computed at construction)."""
+        rotary = self.causal_lm.model.rotary_emb
+        inv_freq, _ = rotary.compute_default_rope_parameters(rotary.config)
+        rotary.inv_freq.copy_(inv_freq)
+        rotary.original_inv_freq.copy_(inv_freq)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.batch_first:
+            return self.causal_lm(input_ids=tokens).logits
         return self.causal_lm(input_ids=tokens.t()).logits.transpose(0, 1)
