@@ -1,7 +1,9 @@
 """How much bigger a model can you train? The largest Llama of one family whose training step fits a
-per-rank memory budget, under DDP, FSDP2, rsdp, the planner, and LoRA under FSDP2 and rsdp.
+per-rank memory budget, under DDP, FSDP2, rsdp, the planner, and LoRA under FSDP2 and rsdp; or, with
+``--family moe``, the largest mixture-of-experts model (experts per layer growing) under DDP, FSDP2, rsdp.
 
     python benchmarks/capacity.py --nproc 4 --budget 512MiB                  # every strategy, CPU ranks (gloo)
+    python benchmarks/capacity.py --family moe --nproc 4 --budget 48MiB --plot img/capacity_moe.png
     python benchmarks/capacity.py --nproc 2 --budget 256MiB --strategies fsdp rsdp --json capacity.json
     python benchmarks/capacity.py --device cuda --nproc 8 --budget 20GiB     # NCCL; one rank per GPU
 
@@ -16,6 +18,15 @@ ladder ``(k, layers) = (2, 2), (2, 3), (3, 3), (3, 4), ...``: depth about width 
 ratio (it is the rung ``(12, 12)``), each rung adding one layer or 64 of width. Every rung is at least as
 large as the one before in every dimension, so what a training step holds grows along the ladder and
 "fits the budget" is true up to some rung and false after it.
+
+The MoE family (``--family moe``)
+--------------------------------
+Hugging Face's Mixtral (``benchmarks/rtp/moe_lm.py``, built from a config): 2 layers of hidden 128, 4
+heads, and at rung i ``4 (i + 1)`` experts of feed-forward 256 each (a token takes 2), vocabulary
+``--vocab``. Only the experts grow, so they soon are nearly all the weights: the regime where FSDP2
+gathers whole layers of experts and rsdp rotates them in blocks of whole experts (``rsdp_shard(layer)``
+needs nothing more). Its strategies are ddp, fsdp and rsdp (the planner and the LoRA recipes are the
+Llama family's).
 
 The model is built on the meta device and materialised on each rank after sharding (``to_empty``), so
 a rank only ever allocates its own shards; its values are random (every rank fills its local tensors
@@ -86,6 +97,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import common  # noqa: E402
 from compare import loadavg  # noqa: E402
+from moe_lm import MixtureLM  # noqa: E402
 
 import rsdp  # noqa: E402
 from rsdp.memory import MemoryTracker  # noqa: E402
@@ -93,6 +105,11 @@ from rsdp.planner._profile import without_cyclic_gc  # noqa: E402
 from rsdp.planner.cli import parse_bytes  # noqa: E402
 
 HEAD_DIM = 64
+# The MoE family: a fixed backbone, experts per layer growing by MOE_EXPERTS_STEP a rung.
+MOE_BACKBONE = {"layers": 2, "hidden": 128, "heads": 4, "ffn": 256}
+MOE_EXPERTS_STEP = 4
+MOE_STRATEGIES = ("ddp", "fsdp", "rsdp")
+FAMILIES = ("llama", "moe")
 FIRST_WIDTH = 2  # k of the ladder's first rung
 LADDER_RUNGS = 200  # up to k = 101: hidden 6464, 102 layers (~60 B parameters), beyond any budget here
 ROPE_THETA = 10000.0
@@ -118,19 +135,25 @@ class Shape:
     layers: int
     hidden: int
     heads: int
-    ffn: int
+    ffn: int  # the MLP's width, or each expert's
     vocab: int
+    experts: int = 0  # per layer; 0: a dense MLP (the Llama family)
 
     @property
     def parameters(self) -> int:
-        """Per layer: attention 4h², the MLP 3·h·ffn, two norms; then the embedding and the head (V·h
-        each) and the final norm. Hugging Face's LlamaForCausalLM has the same count."""
-        per_layer = 4 * self.hidden**2 + 3 * self.hidden * self.ffn + 2 * self.hidden
+        """Per layer: attention 4h², the MLP 3·h·ffn (or E experts of it and the router's h·E), two
+        norms; then the embedding and the head (V·h each) and the final norm. Hugging Face's
+        LlamaForCausalLM (MixtralForCausalLM) has the same count."""
+        mlp = 3 * self.hidden * self.ffn if not self.experts else self.experts * (3 * self.hidden * self.ffn + self.hidden)
+        per_layer = 4 * self.hidden**2 + mlp + 2 * self.hidden
         return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
 
 
-def rung(index: int, vocab: int) -> Shape:
-    """The ladder's ``index``-th shape: width k = FIRST_WIDTH + index // 2, depth k or k + 1."""
+def rung(index: int, vocab: int, family: str = "llama") -> Shape:
+    """The ladder's ``index``-th shape: width k = FIRST_WIDTH + index // 2, depth k or k + 1; in the
+    MoE family, the backbone with MOE_EXPERTS_STEP (index + 1) experts."""
+    if family == "moe":
+        return Shape(**MOE_BACKBONE, vocab=vocab, experts=MOE_EXPERTS_STEP * (index + 1))
     width = FIRST_WIDTH + index // 2
     return Shape(
         layers=width + index % 2,
@@ -221,6 +244,8 @@ def build_on_meta(shape: Shape, lora_rank: int | None) -> nn.Module:
     """The rung's model on the meta device; with ``lora_rank``, peft LoRA adapters on the attention
     projections and the base frozen."""
     with torch.device("meta"):
+        if shape.experts:
+            return MixtureLM(shape.vocab, shape.hidden, shape.heads, shape.ffn, shape.layers, 2048, shape.experts, batch_first=True)
         model = Llama(shape)
         if lora_rank is None:
             return model
@@ -233,7 +258,8 @@ def build_on_meta(shape: Shape, lora_rank: int | None) -> nn.Module:
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     """Allocate this rank's part of every parameter on ``device`` and fill it: norm weights with ones,
-    matrices with N(0, 0.02), from the same seed on every rank."""
+    matrices (and experts' 3-D weights) with N(0, 0.02), from the same seed on every rank; the MoE
+    model's rotary frequencies are computed again."""
     model.to_empty(device=device)
     torch.manual_seed(MODEL_SEED)
     for param in model.parameters():
@@ -242,6 +268,8 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
             local.fill_(1.0)
         else:
             local.normal_(std=INIT_STD)
+    if isinstance(model, MixtureLM):
+        model.reset_rotary()
     return model
 
 
@@ -340,7 +368,7 @@ def _free_memory(device: torch.device) -> None:
 def probe(strategy: str, index: int, worker: common.Worker) -> Probe:
     """Run rung ``index`` under ``strategy`` for a warm-up and a measured training step on every rank."""
     args, recipe = worker.args, RECIPES[strategy]
-    shape = rung(index, args.vocab)
+    shape = rung(index, args.vocab, args.family)
     model = build_on_meta(shape, args.lora_rank if recipe.lora else None)
     trainable = [p for p in model.parameters() if p.requires_grad]
     counts = dict(
@@ -459,7 +487,7 @@ def _format_params(count: int) -> str:
 
 
 def _describe(shape: Shape) -> str:
-    return f"{shape.layers} x {shape.hidden}"
+    return f"{shape.layers} x {shape.hidden}" + (f", {shape.experts} experts" if shape.experts else "")
 
 
 def search(strategy: str, worker: common.Worker, hint: int) -> dict:
@@ -479,7 +507,7 @@ def search(strategy: str, worker: common.Worker, hint: int) -> dict:
         return result.fits, result.peak_bytes if result.measured else None
 
     start = time.perf_counter()
-    sizes = [rung(index, worker.args.vocab).parameters for index in range(LADDER_RUNGS)]
+    sizes = [rung(index, worker.args.vocab, worker.args.family).parameters for index in range(LADDER_RUNGS)]
     best = largest_fitting(try_rung, sizes, worker.args.budget, hint)
     found = probes.get(best)
     after = probes.get(best + 1)
@@ -536,8 +564,11 @@ def run_all(worker: common.Worker) -> None:
         "nproc": worker.world_size,
         "device": args.device,
         "family": {
-            "vocab": args.vocab, "head_dim": HEAD_DIM, "first_width": FIRST_WIDTH,
+            "name": args.family, "vocab": args.vocab, "head_dim": HEAD_DIM, "first_width": FIRST_WIDTH,
             "rule": "rung i: k = first_width + i // 2, hidden 64k, k heads (and kv heads), ffn 64 * ceil(8k / 3), k + i % 2 layers",
+        } if args.family == "llama" else {
+            "name": args.family, "vocab": args.vocab, **MOE_BACKBONE,
+            "rule": f"rung i: Mixtral, {MOE_EXPERTS_STEP} (i + 1) experts of ffn {MOE_BACKBONE['ffn']} a layer, 2 per token",
         },
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
@@ -579,13 +610,15 @@ def auto_check(auto: dict, budget: int) -> str:
 
 def markdown_table(report: dict) -> str:
     results = report["results"]
-    header = ["strategy", "max params", "× FSDP2", "layers", "hidden", "heads", "ffn", "vocab", "trainable",
+    moe = report["family"]["name"] == "moe"
+    dimensions = ("layers", "hidden", "heads", "ffn", "vocab") + (("experts",) if moe else ())
+    header = ["strategy", "max params", "× FSDP2", *dimensions, "trainable",
               "measured peak", "step time", "next rung: params, peak", "probes"]
     rows = [header, ["---"] * len(header)]
     for name, result in results.items():
         baseline = results.get(baseline_of(name))
         ratio = f"{result['max_params'] / baseline['max_params']:.2f}" if baseline and baseline["max_params"] else "-"
-        shape = result["shape"] or dict.fromkeys(("layers", "hidden", "heads", "ffn", "vocab"), "-")
+        shape = result["shape"] or dict.fromkeys(dimensions, "-")
         peak = common.format_bytes(result["peak_bytes"]) if result["peak_bytes"] is not None else "-"
         step = f"{result['step_seconds']:.2f} s" if result["step_seconds"] is not None else "-"
         if result["next_shape"] is None:
@@ -595,10 +628,11 @@ def markdown_table(report: dict) -> str:
         else:
             bound = "" if result["next_measured"] else " (lower bound, not run)"
             after = f"{_format_params(result['next_params'])}, {common.format_bytes(result['next_peak_bytes'])}{bound}"
-        rows.append([name, _format_params(result["max_params"]), ratio, *(str(shape[k]) for k in ("layers", "hidden", "heads", "ffn", "vocab")),
+        rows.append([name, _format_params(result["max_params"]), ratio, *(str(shape[k]) for k in dimensions),
                      _format_params(result["trainable_params"]), peak, step, after, str(len(result["probes"]))])
-    title = (f"Largest Llama rung within {common.format_bytes(report['budget_bytes'])} per rank, {report['nproc']} ranks, "
-             f"{report['device']}, batch {report['batch_size']} x {report['seq_len']} tokens (× FSDP2: LoRA rows against fsdp_lora)")
+    title = (f"Largest {'MoE (Mixtral)' if moe else 'Llama'} rung within {common.format_bytes(report['budget_bytes'])} per rank, {report['nproc']} ranks, "
+             f"{report['device']}, batch {report['batch_size']} x {report['seq_len']} tokens"
+             + (" (× FSDP2: LoRA rows against fsdp_lora)" if any(RECIPES[name].lora for name in results) else ""))
     return title + "\n\n" + "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
@@ -626,7 +660,8 @@ def draw_chart(report: dict, path: Path) -> None:
         plt.setp(axis.get_xticklabels(), rotation=30, ha="right", rotation_mode="anchor")
     figure.suptitle(
         f"{report['nproc']} ranks ({report['device']}), {common.format_bytes(report['budget_bytes'])} per rank, "
-        f"Llama family with vocab {report['family']['vocab']}, batch {report['batch_size']} x {report['seq_len']}",
+        f"{'MoE (Mixtral, experts growing)' if report['family']['name'] == 'moe' else 'Llama'} family with vocab "
+        f"{report['family']['vocab']}, batch {report['batch_size']} x {report['seq_len']}",
         fontsize=10,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -639,8 +674,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget", type=parse_bytes, default=parse_bytes("512MiB"), help="bytes per rank, e.g. 512MiB, 8GiB")
     parser.add_argument("--nproc", type=int, help="local ranks to start when not under torchrun [4 on CPU, one per GPU]")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGY_ORDER, default=list(STRATEGY_ORDER))
-    parser.add_argument("--vocab", type=int, default=32000, help="the family's vocabulary size")
+    parser.add_argument("--family", choices=FAMILIES, default="llama", help="the models searched (module docstring)")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGY_ORDER, help=f"[all; {' '.join(MOE_STRATEGIES)} for moe]")
+    parser.add_argument("--vocab", type=int, help="the family's vocabulary size [32000; 1024 for moe]")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
     parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank of the *_lora strategies")
@@ -667,6 +703,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--nproc {args.nproc}: only {torch.cuda.device_count()} GPUs are visible and each rank needs its own; pass --nproc {torch.cuda.device_count()}")
     if args.seq_len < 2 or args.batch_size < 1:
         parser.error("--seq-len must be at least 2 (next-token targets) and --batch-size at least 1")
+    moe = args.family == "moe"
+    if args.vocab is None:
+        args.vocab = 1024 if moe else 32000
+    if args.strategies is None:
+        args.strategies = list(MOE_STRATEGIES if moe else STRATEGY_ORDER)
+    unsupported = [name for name in args.strategies if moe and name not in MOE_STRATEGIES]
+    if unsupported:
+        parser.error(f"--family moe runs {' '.join(MOE_STRATEGIES)}; {' '.join(unsupported)} are the Llama family's (drop them)")
     if args.vocab < 2 or args.lora_rank < 1:
         parser.error("--vocab must be at least 2 and --lora-rank at least 1")
     args.strategies = [name for name in STRATEGY_ORDER if name in args.strategies]  # baselines first, hints in order

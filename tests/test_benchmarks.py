@@ -86,15 +86,20 @@ def test_compare_tabulates_charts_and_rtp_trains_like_fsdp(scripts, tmp_path):
     assert results["rtp"]["exchanges_per_step"] == 2 + 4, results["rtp"]["exchanges_per_step"]
 
 
-def test_tp_rejects_heads_that_do_not_divide_over_ranks(monkeypatch, capsys):
-    """In process: the check runs before any rank starts (a subprocess would only add imports)."""
+@pytest.mark.parametrize(
+    "flag, message",
+    [("--nproc=4", "--nhead 2 is not divisible by the 4 ranks"), ("--experts=4", "--experts 4: this script's plan is the dense model's")],
+)
+def test_tp_rejects_what_its_plan_cannot_split(monkeypatch, capsys, flag, message):
+    """In process: the check runs before any rank starts (a subprocess would only add imports). Heads
+    that do not divide over the ranks, and the MoE model (tp's plan is the dense model's FFN)."""
     script = BENCHMARKS / "tp_benchmark.py"
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    monkeypatch.setattr(sys, "argv", [str(script), "--use_synthetic_data", *TINY, "--nproc=4"])
+    monkeypatch.setattr(sys, "argv", [str(script), "--use_synthetic_data", *TINY, flag])
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(script), run_name="__main__")
     assert exit_.value.code != 0
-    assert "--nhead 2 is not divisible by the 4 ranks" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_collective_latency_tabulates_every_op(scripts):
@@ -190,3 +195,4 @@ def test_host_overhead_counts_each_strategys_host_work(scripts, tmp_path):
     for strategy in ("fsdp", "rsdp", "rsdp+plan"):
         for count in ("ops_per_block", "python_calls_per_block", "builtin_calls_per_block"):
             assert counts[strategy][count] > counts["unsharded"][count] > 0, (strategy, count, counts)
+

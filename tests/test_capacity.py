@@ -40,6 +40,25 @@ def test_family_has_hugging_face_llamas_parameters():
         assert all(getattr(bigger, f) >= getattr(shape, f) for f in ("layers", "hidden", "heads", "ffn"))
 
 
+def test_moe_family_has_hugging_face_mixtrals_parameters_and_grows_its_experts():
+    pytest.importorskip("transformers")
+    for index in (0, 1, 5):
+        shape = capacity.rung(index, vocab=1024, family="moe")
+        model = capacity.build_on_meta(shape, lora_rank=None)
+        assert shape.parameters == sum(p.numel() for p in model.parameters())
+        assert [m.num_experts for m in model.modules() if hasattr(m, "gate_up_proj")] == [shape.experts] * shape.layers
+        bigger = capacity.rung(index + 1, vocab=1024, family="moe")
+        assert bigger.experts > shape.experts and (bigger.layers, bigger.hidden, bigger.ffn) == (shape.layers, shape.hidden, shape.ffn)
+
+
+def test_moe_family_refuses_the_llama_familys_strategies(capsys):
+    with pytest.raises(SystemExit):
+        capacity.parse_args(["--family=moe", "--strategies", "fsdp", "auto"])
+    assert "--family moe runs ddp fsdp rsdp; auto are the Llama family's (drop them)" in capsys.readouterr().err
+    args = capacity.parse_args(["--family=moe"])
+    assert args.strategies == ["ddp", "fsdp", "rsdp"] and args.vocab == 1024
+
+
 @pytest.mark.parametrize("peaks_known", [True, False], ids=["interpolating", "bisecting"])
 def test_largest_fitting_finds_the_last_fitting_rung_from_any_hint_and_tries_the_next(peaks_known):
     sizes = [10, 12, 15, 20, 26, 33, 41, 50, 61, 75]
@@ -88,7 +107,7 @@ def test_two_rank_search_fits_the_budget_and_is_maximal(tmp_path, ranks, scripts
     assert list(report["results"]) == STRATEGIES
     for name, result in report["results"].items():
         assert isinstance(result["max_params"], int) and result["max_params"] > 0, name
-        assert set(result["shape"]) == {"layers", "hidden", "heads", "ffn", "vocab"}
+        assert set(result["shape"]) == {"layers", "hidden", "heads", "ffn", "vocab", "experts"} and result["shape"]["experts"] == 0
         assert isinstance(result["peak_bytes"], int) and 0 < result["peak_bytes"] <= budget, name
         assert isinstance(result["step_seconds"], float) and result["step_seconds"] > 0
         assert result["next_peak_bytes"] > budget, name

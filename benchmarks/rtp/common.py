@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from rsdp import release_ring_buffers
 from rsdp.memory import CommCounter, MemoryTracker
+from moe_lm import MixtureLM
 from transformer_lm import TransformerLM
 
 # The RTP benchmarks' model flags and their defaults.
@@ -46,6 +47,7 @@ MODEL_FLAGS = {
     "num_decoder_layers": (5, "decoder layers"),
     "seq_len": (128, "tokens per sequence"),
     "batch_size": (1, "sequences per rank and batch"),
+    "experts": (0, "experts per layer: 0 for the dense model, more for a Mixtral MoE (moe_lm.py; nhid is each expert's)"),
 }
 # The other flags every script takes and compare.py forwards to them.
 RUN_FLAGS = ("max_batch", "warmup", "nproc", "device", "dtype")
@@ -137,8 +139,8 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     if args.device == "cuda" and not _launched_by_torchrun() and args.nproc > torch.cuda.device_count():
         # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), after every rank has started.
         parser.error(f"--nproc {args.nproc} needs one GPU per rank; this machine has {torch.cuda.device_count()}")
-    if args.max_batch < 1 or args.warmup < 0 or args.nproc < 1:
-        parser.error("--max_batch and --nproc must be at least 1, --warmup at least 0")
+    if args.max_batch < 1 or args.warmup < 0 or args.nproc < 1 or args.experts < 0:
+        parser.error("--max_batch and --nproc must be at least 1, --warmup and --experts at least 0")
     return args
 
 
@@ -252,12 +254,18 @@ def _seconds_between(marks: list) -> list[float]:
     return [start.elapsed_time(end) / 1e3 for start, end in zip(marks, marks[1:])]
 
 
+def build_model(args: argparse.Namespace) -> nn.Module:
+    """The benchmark's model: fairscale's dense transformer LM, or with ``--experts`` a Mixtral MoE."""
+    shape = (args.vocab_size, args.ninp, args.nhead, args.nhid, args.num_decoder_layers)
+    if args.experts:
+        return MixtureLM(*shape, max_len=args.seq_len, experts=args.experts)
+    return TransformerLM(*shape, max_len=args.seq_len)
+
+
 def _benchmark(strategy: Strategy, worker: Worker) -> dict:
     args, device = worker.args, worker.device
     torch.manual_seed(MODEL_SEED)
-    model = TransformerLM(
-        args.vocab_size, args.ninp, args.nhead, args.nhid, args.num_decoder_layers, max_len=args.seq_len
-    ).to(device)
+    model = build_model(args).to(device)
     parameter_count = sum(p.numel() for p in model.parameters())
     model = strategy.parallelize(model, worker)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)

@@ -3,7 +3,9 @@
 
 Each decoder layer gets tensor parallelism's plan as its ring plan (``DECODER_LAYER_PLAN``), so its
 attention and its FFN rotate as one ring each, when the heads and the FFN width divide by the ranks;
-otherwise each Linear (q/k/v together) rotates on its own ring.
+otherwise each Linear (q/k/v together) rotates on its own ring. The MoE model (``--experts``) gets
+Hugging Face's plan (its attention one ring, when the heads divide); its experts rotate in blocks of
+whole experts whatever the plan.
 
     python benchmarks/rtp/rtp_benchmark.py --use_synthetic_data [--nproc 4 --device cpu ...]
 """
@@ -18,12 +20,15 @@ from transformer_lm import DECODER_LAYER_PLAN
 
 def parallelize(model: nn.Module, worker: common.Worker) -> nn.Module:
     args = worker.args
-    plannable = args.nhead % worker.world_size == 0 and args.nhid % worker.world_size == 0
+    moe = args.experts > 0
+    plannable = args.nhead % worker.world_size == 0 and (moe or args.nhid % worker.world_size == 0)
     if worker.rank == 0:
-        print(f"[rtp] ring plan: {'attention and FFN as one ring each' if plannable else 'none (heads or nhid do not divide)'}")
+        planned = "attention as one ring, experts in blocks" if moe else "attention and FFN as one ring each"
+        print(f"[rtp] ring plan: {planned if plannable else 'none (heads or nhid do not divide)'}")
+    plan = (model.ring_plan if moe else DECODER_LAYER_PLAN) if plannable else None
     policy = common.mixed_precision(worker)
     for layer in model.layers:
-        rsdp_shard(layer, mesh=worker.mesh, mp_policy=policy, ring_plan=DECODER_LAYER_PLAN if plannable else None)
+        rsdp_shard(layer, mesh=worker.mesh, mp_policy=policy, ring_plan=plan)
     return rsdp_shard(model, mesh=worker.mesh, mp_policy=policy)
 
 

@@ -23,6 +23,11 @@ VOCABULARY_PLAN = {
 
 
 def check_heads_divide(args: argparse.Namespace, world_size: int) -> None:
+    if args.experts:
+        raise ValueError(
+            f"--experts {args.experts}: this script's plan is the dense model's (its FFN Linears); run the MoE "
+            "model with the other strategies (compare.py --preset moe leaves tp out)."
+        )
     if args.nhead % world_size:
         raise ValueError(
             f"--nhead {args.nhead} is not divisible by the {world_size} ranks; tensor parallelism gives "

@@ -94,7 +94,7 @@ from .._compat import (
     tree_unflatten,
 )
 from ._checkpoint import kept_or_run
-from ._ring_function import RingLayer, autocast_like, finished_gradients, first_message, local_shard, sharded
+from ._ring_function import RingLayer, autocast_like, first_message, local_shard, sharded
 from ._prefetch import ring_begins
 from ._param import shard_layout
 from ._wire import Message, Segment, segment
@@ -749,7 +749,9 @@ class _SubBlockBackward:
         self.first_weight = len(self.grad_segments)
         self.weights_start = message.offsets[self.first_weight]
         prefetched = ring_begins(ring, Phase.BACKWARD, tag, message, self.weights, self.first_weight)
-        self.mine = ring.context.buffers.scratch(self.grads.nbytes, ring.device)
+        # The owner's own contribution, then its reduced gradients: memory of its own, not a ring buffer,
+        # so that it needs no copy to outlive this ring (the deferred hop) nor to become the gradients.
+        self.mine = torch.zeros(self.grads.nbytes, dtype=torch.uint8, device=ring.device)
         self.unsynced = [self.state.take_unsynced(key) for key in self.keys]
         self.has_unsynced = any(total is not None for total in self.unsynced)
         pack = functools.partial(self._pack, message)
@@ -758,7 +760,7 @@ class _SubBlockBackward:
                 buffer = ring.context.buffers.pair(message.nbytes, ring.device)[0]
                 pack(buffer)
                 self._own_contribution(0, buffer)
-                self._deliver(finished_gradients(self.state, self.grads, 0, self.mine))
+                self._deliver(self._finished(self.mine))
                 return
             final = ring.circulate(
                 message.nbytes, tag, pack if prefetched is None else prefetched, self._own_contribution,
@@ -766,7 +768,7 @@ class _SubBlockBackward:
             )
             # W-1 hops took every partial past every rank but its owner, one hop down. That hop rides
             # the next ring's first exchange, or goes alone at the end of the backward.
-            home = functools.partial(self._home, self.mine.clone())
+            home = functools.partial(self._home, self.mine)
             ring.context.deferred_hops.defer(DeferredHop(ring, tag, final[: self.grads.nbytes].clone(), home))
 
     def _add_unsynced(self, shard: int, views: list[torch.Tensor]) -> None:
@@ -797,11 +799,19 @@ class _SubBlockBackward:
         return slice(self.weights_start, None) if hop == 0 else slice(None)  # nothing added to a partial yet
 
     def _home(self, own: torch.Tensor, partials: torch.Tensor) -> None:
-        """The partials came home (the deferred hop): add the owner's own contribution, deliver."""
+        """The partials came home (the deferred hop): added to the owner's own contribution, delivered."""
         # One add for every segment: all are in reduce_dtype, so none has a gap before it (padding rows
-        # are added too, and never read).
-        partials[: self.grads.nbytes].view(self.reduce_dtype).add_(own.view(self.reduce_dtype))
-        self._deliver(finished_gradients(self.state, self.grads, 0, partials))
+        # are added too, and never read). Into ``own``, not the ring buffer: it becomes the gradients.
+        own.view(self.reduce_dtype).add_(partials[: self.grads.nbytes].view(self.reduce_dtype))
+        self._deliver(self._finished(own))
+
+    def _finished(self, own: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's reduced gradient shards, views of ``own`` (the whole message's memory, which they
+        keep), divided in place (``gradient_divisor``): no copy of a layer's gradient shard is made."""
+        divisor = self.state.gradient_divisor
+        if divisor != 1:
+            own.view(self.reduce_dtype).div_(divisor)
+        return self.grads.views(own, self.ring.rank)
 
     def unsynchronised(self) -> None:
         """No partials travel: the weights rotate for the input gradient, and with sync off each rank's
