@@ -34,7 +34,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
         dtype = state.compute_dtype(weight.dtype)
         layout = shard_layout(num_embeddings, ring.size)
         # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
-        message = layer.driver.message_of(
+        message = layer.ring.buffers.message_of(
             (segment(layout, weight.shape[1:], dtype), segment(shard_layout(ring.size, ring.size), torch.Size(), torch.uint8))
         )
         flat_indices = indices.reshape(-1)
@@ -87,7 +87,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
         ring = layer.ring
         reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
         layout = shard_layout(ctx.num_embeddings, ring.size)
-        message = layer.driver.message_of((segment(layout, ctx.trailing, reduce_dtype),))
+        message = layer.ring.buffers.message_of((segment(layout, ctx.trailing, reduce_dtype),))
         selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
         dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
         masked = torch.empty(dy.shape, dtype=reduce_dtype, device=dy.device)

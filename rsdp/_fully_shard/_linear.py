@@ -145,7 +145,7 @@ class _GroupForward:
         # Every member's weight, then the biases there are: the weights of one shard are then adjacent
         # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
         self.order = order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
-        self.message = layer.driver.message_of(tuple(segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
+        self.message = layer.ring.buffers.message_of(tuple(segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
         self.slot = {index: position for position, index in enumerate(order)}
         self.x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         self.stacked = _stacked(tuple(layouts)) if len(members) > 1 else None
@@ -247,7 +247,7 @@ class _GroupBackward:
             segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
             for member, is_bias in wanted
         ]
-        self.message = ctx.layer.driver.message_of(tuple(weight_segments + grad_segments))
+        self.message = ctx.layer.ring.buffers.message_of(tuple(weight_segments + grad_segments))
         self.weight_segments = len(weight_segments)
         self.keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
         self.grad_x = torch.zeros_like(x2d) if need_x else None
@@ -300,7 +300,7 @@ class RingInputSplitFunction(torch.autograd.Function):
         in_features, out_features = full_shape
         dtype = state.matmul_dtype(weight.dtype)
         layout = shard_layout(in_features, ring.size)
-        message = layer.driver.message_of((segment(layout, weight.shape[1:], dtype),))
+        message = layer.ring.buffers.message_of((segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
 
         def rotate() -> tuple[torch.Tensor]:
@@ -333,7 +333,7 @@ class RingInputSplitFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, out_features).to(dtype)
         weight_segments = [segment(layout, weight.shape[1:], dtype)] if need_x else []
         grad_segments = [segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
-        message = layer.driver.message_of(tuple(weight_segments + grad_segments))
+        message = layer.ring.buffers.message_of(tuple(weight_segments + grad_segments))
         grad_x = torch.zeros_like(x2d) if need_x else None
 
         def pack_weights(views: list[torch.Tensor]) -> None:

@@ -46,7 +46,7 @@ class RingLayer:
     """What one ring-rotated module needs at run time: its ring ``driver`` (``_ring_driver.py``: the ring,
     its message tags, the protocol of a pass), and the rsdp state whose settings (mixed precision,
     gradient reduction) it follows. ``carries_collectives``: whether its rings may carry a pending
-    collective (not a planned sub-block's, whose steps run module code)."""
+    collective (not a planned sub-block's: ``_ring_driver.py``)."""
 
     def __init__(self, state, tags: dict[Phase, int], name: str, carries_collectives: bool = True):
         self.state = state
@@ -94,8 +94,8 @@ class DenseContribution:
         self.write = write
 
     def reserve(self, run: RingRun, grads: Message) -> None:
-        """Ask for the scratch buffer (after the message buffers: the order of requests is the pass's)."""
-        self._grads, self._scratch = grads, run.scratch(grads.nbytes)
+        """Take the scratch buffer the run asked for (``scratch=grads.nbytes``)."""
+        self._grads, self._scratch = grads, run.scratch_buffer
 
     def add_to(self, shard: int, views: list[torch.Tensor]) -> None:
         """Add the contribution to shard ``shard`` into ``views`` (a local accumulator's)."""
@@ -199,13 +199,13 @@ def ring_backward(
     wanted, or synchronisation is off (then the contributions go to the local accumulators)."""
     state, ring = layer.state, layer.ring
     grads = message.tail(weight_segments)
-    weights_only = layer.driver.message_of(message.segments[:weight_segments])
+    weights_only = ring.buffers.message_of(message.segments[:weight_segments])
     unsynced = bool(grad_keys) and not state.requires_gradient_sync
     # Its first message carries partials: not prefetchable, but its last exchange may carry the next
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
-    with layer.driver.run(Phase.BACKWARD, weights_only if unsynced else message) as run:
-        run.pair(message.nbytes)
+    scratch = grads.nbytes if contribution.computes_ahead else None
+    with layer.driver.run(Phase.BACKWARD, weights_only if unsynced else message, pair=message.nbytes, scratch=scratch) as run:
         contribution.reserve(run, grads)
         if unsynced:
             totals = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
@@ -213,7 +213,7 @@ def ring_backward(
                 contribution.add_to(shard, _unsynced_shards(state, grads, totals, shard))
         if unsynced or not grad_keys:
             if weight_segments:
-                run.circulate(
+                run.turn(
                     lambda buffer: weights.pack(weights_only.views(buffer, ring.rank)),
                     lambda step, buffer: weights.use(ring.weight_shard_at(step), weights_only.views(buffer, ring.weight_shard_at(step))),
                 )
@@ -264,7 +264,7 @@ def _reduce_on_ring(
         if ahead and step + 1 < ring.size:
             contribution.ahead(ring.partial_shard_at(step + 1), earlier)
 
-    final = run.circulate(start, during, contribution.arrival(ring, message, weight_segments, earlier))
+    final = run.turn(start, during, contribution.arrival(ring, message, weight_segments, earlier))
     return finished_gradients(state, message, weight_segments, final)
 
 

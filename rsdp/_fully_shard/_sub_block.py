@@ -584,7 +584,7 @@ class _SubBlockForward:
         # sub-block's matmuls use, which autocast, where it is on, may lower further.
         self.input_dtype = state.compute_dtype(present[0].dtype)
         self.dtype = state.matmul_dtype(present[0].dtype)
-        self.message = self.layer.driver.message_of(call.block.segments(self.dtype, ring.size))
+        self.message = self.ring.buffers.message_of(call.block.segments(self.dtype, ring.size))
         self.cast = call.cast(tensors, self.input_dtype)
         self.row_layout = self.message.segments[-1].layout  # the cached message's: its bounds are computed once
         self.graphs = None
@@ -738,24 +738,25 @@ class _SubBlockBackward:
         """The weights and the partials round the ring, ``[partials | weights]``: a message's first
         exchange sends the weights alone (nothing is added to a partial yet), so the ring before may
         have done it, and a deferred hop travelling behind it follows them directly."""
-        driver = self.layer.driver
-        self.grads = driver.message_of(tuple(self.grad_segments))
-        self.message = message = driver.message_of(self.grads.segments + self.weight_segments)
+        self.grads = self.ring.buffers.message_of(tuple(self.grad_segments))
+        self.message = message = self.ring.buffers.message_of(self.grads.segments + self.weight_segments)
         self.first_weight = len(self.grad_segments)
         self.weights_start = message.offsets[self.first_weight]
-        with driver.run(Phase.BACKWARD, message, self.weights, self.first_weight) as run:
-            self.mine = run.scratch(self.grads.nbytes)
+        alone = self.ring.size == 1  # no exchange: the message is packed and used where it is
+        pair = message.nbytes if alone else None
+        with self.layer.driver.run(Phase.BACKWARD, message, self.weights, self.first_weight, pair=pair, scratch=self.grads.nbytes) as run:
+            self.mine = run.scratch_buffer
             self.unsynced = [self.state.take_unsynced(key) for key in self.keys]
             self.has_unsynced = any(total is not None for total in self.unsynced)
             pack = functools.partial(self._pack, message)
-            if self.ring.size == 1:
-                buffer = run.pair(message.nbytes)[0]
+            if alone:
+                buffer = run.buffers[0]
                 pack(buffer)
                 self._own_contribution(0, buffer)
                 self._deliver(finished_gradients(self.state, self.grads, 0, self.mine))
                 return
-            final = run.circulate(pack if run.prefetched is None else run.prefetched, self._own_contribution,
-                                  self._partials_arrived, region=self._region)
+            final = run.turn(pack if run.prefetched is None else run.prefetched, self._own_contribution,
+                             self._partials_arrived, region=self._region)
             # W-1 hops took every partial past every rank but its owner, one hop down. That hop rides
             # the next ring's first exchange, or goes alone at the end of the backward.
             run.defer_last_hop(final[: self.grads.nbytes].clone(), functools.partial(self._home, self.mine.clone()))
@@ -798,7 +799,7 @@ class _SubBlockBackward:
         """No partials travel: the weights rotate for the input gradient, and with sync off each rank's
         contributions to every shard are kept locally until the next synchronised backward."""
         ring = self.ring
-        weights_only = self.layer.driver.message_of(self.weight_segments)
+        weights_only = self.ring.buffers.message_of(self.weight_segments)
         totals = [self.state.unsynced_gradient(key, segment) for key, segment in zip(self.keys, self.grad_segments)]
 
         def during(hop: int, buffer: torch.Tensor) -> None:
@@ -809,4 +810,4 @@ class _SubBlockBackward:
             self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
 
         with self.layer.driver.run(Phase.BACKWARD, weights_only) as run:
-            run.circulate(functools.partial(self._pack, weights_only), during)
+            run.turn(functools.partial(self._pack, weights_only), during)
