@@ -215,22 +215,22 @@ def profile_ranges_case():
     ranges the rings opened in a step without it."""
     from torch.profiler import profile
 
-    from rsdp._fully_shard import _ring_function
+    from rsdp._fully_shard import _ring_driver
 
     torch.manual_seed(0)
     model = TinyLM(vocab=11, dim=8, heads=2, hidden=12, layers=1)
     rsdp_shard(model)
     tokens = torch.randint(0, 11, (2, 3))
     lm_loss(model(tokens), tokens).backward()  # the first step agrees on fusion groups
-    opened, real = [], _ring_function.record_function
-    _ring_function.record_function = lambda name: opened.append(name) or real(name)
+    opened, real = [], _ring_driver.record_function
+    _ring_driver.record_function = lambda name: opened.append(name) or real(name)
     try:
         lm_loss(model(tokens), tokens).backward()
         unprofiled = len(opened)
         with profile() as prof:
             lm_loss(model(tokens), tokens).backward()
     finally:
-        _ring_function.record_function = real
+        _ring_driver.record_function = real
     ranges = sorted({event.name for event in prof.events() if event.name.startswith("rsdp::")})
     return unprofiled, ranges, opened[unprofiled:]
 

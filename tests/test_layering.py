@@ -58,3 +58,42 @@ def test_private_torch_names_are_used_only_in_compat():
         if hits:
             found[name] = hits
     assert found == {}
+
+
+# The pieces of a ring pass's protocol (``_ring_driver.py``): beginning a ring, the passenger and the
+# rider it takes, the deferred hop, the transport's step loop, the backward's trim, the profiler range.
+_RING_PROTOCOL = {
+    "ring_begins", "forward_prefetch", "backward_prefetch", "next_first", "ring_rider", "pending_reductions",
+    "deferred_hops", "circulate", "trim", "record_function",
+}
+# Files above the driver that own a pass's lifecycle rather than a ring's: the state begins and ends the
+# outermost forward (and its gathers), fusion forgets a pass whose groups changed.
+_PASS_OWNERS = {"_state", "_fusion"}
+
+
+def _names_used(path: Path) -> set[str]:
+    """Every attribute and name ``path`` reads or imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.alias):
+            found.add(node.name)
+    return found
+
+
+def test_rings_run_only_through_the_driver():
+    """Every ring pass goes through the ring driver: no file above it in the layout (the ring layers,
+    and what calls them) names a piece of the protocol, and the ring layers reach the model's context
+    only through it (no ``layer.state.ring.context`` back-pointers)."""
+    order = _layout_order()
+    above = order[order.index("_ring_driver") + 1 :]
+    found = {}
+    for name in above:
+        used = _names_used(ENGINE / f"{name}.py")
+        hits = sorted(used & _RING_PROTOCOL) + (["context"] if "context" in used and name not in _PASS_OWNERS else [])
+        if hits:
+            found[name] = hits
+    assert found == {}

@@ -171,7 +171,8 @@ def _make_ring_layers(
         owner._rsdp_row_of = rows.get(id(owner))
         state.ring_modules.append(owner)
     for block in blocks:
-        block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__)
+        # Its forward steps run the module's code, which reads the gathered vectors a rider would bring.
+        block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__, carries_collectives=False)
         _swap_class(block.module, RingSubBlock, "RingSub")
         block.module._rsdp_sub_block = block
         if isinstance(block, ExpertsBlock):  # its parameters are the ring's, and its operands' outside it

@@ -10,7 +10,8 @@ keep one context each, as FSDP2's modules with no FSDP root are each a root of t
 rings carry nothing of another block's (each block's vectors' gradients are reduce-scattered at the
 end of the backward, and a planned block's deferred hop goes alone when no ring of its own takes
 it), so the root should be sharded too. A state finds its context through its ring
-(``state.ring.context``), which every ring function has at hand.
+(``state.ring.context``; ``Ring.join`` replaces it), and a ring layer's passes through its ring driver
+(``_ring_driver.py``), the one place they look it up.
 
 A context owns: the recorded schedule of each pass kind (``_schedule.py``: its rings, their
 messages and the buffers they ask for, from which buffer sizes, prefetch targets and what rides a
@@ -187,4 +188,4 @@ def share_ring_context(states: list) -> None:
     for state in states:
         if state.gathered is not None:
             state.gathered.gathered_in_pass = -1  # counted in its old context's passes
-        state.ring.context = context
+        state.ring.join(context)

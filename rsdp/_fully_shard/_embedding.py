@@ -23,8 +23,6 @@ from torch.autograd.function import once_differentiable
 from .._compat import assert_async
 from ._checkpoint import kept_or_run
 from ._param import ShardLayout, shard_layout
-from ._prefetch import ring_begins
-from ._ring import Phase
 from ._ring_function import RingLayer, SparseContribution, check_device, local_shard, ring_backward
 from ._wire import segment
 
@@ -32,11 +30,11 @@ from ._wire import segment
 class RingEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, indices, weight, layer: RingLayer, num_embeddings: int, padding_idx):
-        state, ring = layer.state, layer.state.ring
+        state, ring = layer.state, layer.ring
         dtype = state.compute_dtype(weight.dtype)
         layout = shard_layout(num_embeddings, ring.size)
         # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
-        message = ring.context.buffers.message_of(
+        message = layer.ring.buffers.message_of(
             (segment(layout, weight.shape[1:], dtype), segment(shard_layout(ring.size, ring.size), torch.Size(), torch.uint8))
         )
         flat_indices = indices.reshape(-1)
@@ -64,10 +62,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
                 _, flag = message.views(buffer, ring.weight_shard_at(step))
                 flag.bitwise_or_(out_of_range)
 
-            ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], message)  # the flag: not prefetchable
-            with layer.profiled(Phase.FORWARD):
-                final = ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during, on_arrival,
-                                       carry_next=ring.context.forward_prefetch.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+            final = layer.driver.forward(message, during, start=start, on_arrival=on_arrival)  # the flag: not prefetchable
             _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
             assert_async(
                 (flag | out_of_range) == 0,
@@ -89,10 +84,10 @@ class RingEmbeddingFunction(torch.autograd.Function):
             return None, None, None, None, None
         (flat_indices,) = ctx.saved_tensors
         layer = ctx.layer
-        ring = layer.state.ring
+        ring = layer.ring
         reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
         layout = shard_layout(ctx.num_embeddings, ring.size)
-        message = ring.context.buffers.message_of((segment(layout, ctx.trailing, reduce_dtype),))
+        message = layer.ring.buffers.message_of((segment(layout, ctx.trailing, reduce_dtype),))
         selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
         dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))
         masked = torch.empty(dy.shape, dtype=reduce_dtype, device=dy.device)
@@ -103,8 +98,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
                 masked.copy_(dy).masked_fill_(~selects[shard].unsqueeze(1), 0)
                 rows.view(rows.shape[0], dy.shape[1]).index_add_(0, rows_in[shard], masked)
 
-        with layer.profiled(Phase.BACKWARD):
-            reduced = ring_backward(layer, message, 0, [(id(layer), "weight")], None, SparseContribution(add_contribution))
+        reduced = ring_backward(layer, message, 0, [(id(layer), "weight")], None, SparseContribution(add_contribution))
         grad_weight = None if reduced is None else reduced[0].to(ctx.weight_dtype)
         return None, grad_weight, None, None, None
 

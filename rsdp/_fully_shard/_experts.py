@@ -128,7 +128,7 @@ class ExpertsBlock:
         module = self.module
         sentinel = module.config._experts_implementation in _SENTINEL_IMPLEMENTATIONS
         hidden_states, index, weights = arguments.args
-        layout = shard_layout(self.experts, self.ring.state.ring.size)
+        layout = shard_layout(self.experts, self.ring.ring.size)
         count = layout.rows_of(shard)
         local = index - layout.start(shard)
         outside = (local < 0) | (local >= count)

@@ -18,7 +18,7 @@ Pitfalls:
   in columns never read, and the backward runs the input-gradient GEMM over the whole group only
   when no member is padded (a zero gradient column does not cancel a stale NaN).
 - The first exchange of a forward ring may have been done ahead, by the ring before
-  (``_ring_function.first_message``): the weights packed must be the ones it would pack.
+  (``_ring_driver.RingRun.first_message``): the weights packed must be the ones it would pack.
 """
 
 import functools
@@ -32,13 +32,11 @@ from torch.autograd.function import once_differentiable
 
 from ._checkpoint import kept_or_run
 from ._param import ShardLayout, shard_layout
-from ._ring import Phase
 from ._ring_function import (
     DenseContribution,
     RingLayer,
     RingWeights,
     check_device,
-    first_message,
     local_shard,
     ring_backward,
     sharded,
@@ -128,9 +126,8 @@ class RingLinearFunction(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         x2d, *weights = ctx.saved_tensors
         group = _GroupBackward(ctx, x2d, weights, grad_outs)
-        with ctx.layer.profiled(Phase.BACKWARD):
-            reduced = ring_backward(ctx.layer, group.message, group.weight_segments, group.keys,
-                                    RingWeights(group.pack_weights, group.use_weights), DenseContribution(group.contribute))
+        reduced = ring_backward(ctx.layer, group.message, group.weight_segments, group.keys,
+                                RingWeights(group.pack_weights, group.use_weights), DenseContribution(group.contribute))
         return group.x_gradient(), None, None, *group.parameter_gradients(reduced)
 
 
@@ -140,7 +137,7 @@ class _GroupForward:
 
     def __init__(self, layer: RingLayer, x: torch.Tensor, members: tuple[LinearMember, ...], params: tuple):
         self.layer, self.x_shape, self.params = layer, x.shape, params
-        ring = self.ring = layer.state.ring
+        ring = self.ring = layer.ring
         self.out_features = out_features = tuple(member.out_features for member in members)
         self.weights = params[0::2]
         self.dtype = dtype = layer.state.matmul_dtype(self.weights[0].dtype)
@@ -148,7 +145,7 @@ class _GroupForward:
         # Every member's weight, then the biases there are: the weights of one shard are then adjacent
         # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
         self.order = order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
-        self.message = ring.context.buffers.message_of(tuple(segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
+        self.message = layer.ring.buffers.message_of(tuple(segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
         self.slot = {index: position for position, index in enumerate(order)}
         self.x2d = x.reshape(-1, x.shape[-1]).to(dtype)
         self.stacked = _stacked(tuple(layouts)) if len(members) > 1 else None
@@ -165,13 +162,10 @@ class _GroupForward:
         else:
             products = x2d.new_empty(x2d.shape[0], ring.size, stacked.width)
             self.columns = products.unbind(1)
-        start = first_message(layer, self.message, [self.params[index] for index in self.order])
-        with layer.profiled(Phase.FORWARD):
-            ring.circulate(self.message.nbytes, layer.tags[Phase.FORWARD], start, self.during,
-                           carry_next=ring.context.forward_prefetch.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
-            if stacked is not None:
-                for member, out in enumerate(outs2d):
-                    stacked.copy_member(out, products, member)
+        layer.driver.forward(self.message, self.during, [self.params[index] for index in self.order])
+        if stacked is not None:
+            for member, out in enumerate(outs2d):
+                stacked.copy_member(out, products, member)
         return tuple(outs)
 
     def during(self, step: int, buffer: torch.Tensor) -> None:
@@ -213,7 +207,7 @@ class _GroupBackward:
     GEMM per shard (``_Stacked``), and so is the input gradient's term when no member is padded."""
 
     def __init__(self, ctx, x2d: torch.Tensor, weights: list[torch.Tensor], grad_outs: tuple[torch.Tensor, ...]):
-        ring = ctx.layer.state.ring
+        ring = ctx.layer.ring
         self.x2d, self.weights = x2d, weights
         self.x_shape, self.x_dtype = ctx.x_shape, ctx.x_dtype
         need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
@@ -253,7 +247,7 @@ class _GroupBackward:
             segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
             for member, is_bias in wanted
         ]
-        self.message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
+        self.message = ctx.layer.ring.buffers.message_of(tuple(weight_segments + grad_segments))
         self.weight_segments = len(weight_segments)
         self.keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
         self.grad_x = torch.zeros_like(x2d) if need_x else None
@@ -302,11 +296,11 @@ class RingInputSplitFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layer: RingLayer, full_shape: tuple[int, int], weight):
-        state, ring = layer.state, layer.state.ring
+        state, ring = layer.state, layer.ring
         in_features, out_features = full_shape
         dtype = state.matmul_dtype(weight.dtype)
         layout = shard_layout(in_features, ring.size)
-        message = ring.context.buffers.message_of((segment(layout, weight.shape[1:], dtype),))
+        message = layer.ring.buffers.message_of((segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
 
         def rotate() -> tuple[torch.Tensor]:
@@ -318,10 +312,7 @@ class RingInputSplitFunction(torch.autograd.Function):
                 if layout.rows_of(shard):
                     out.addmm_(x_shards[shard], message.views(buffer, shard)[0])
 
-            start = first_message(layer, message, [weight])
-            with layer.profiled(Phase.FORWARD):
-                ring.circulate(message.nbytes, layer.tags[Phase.FORWARD], start, during,
-                               carry_next=ring.context.forward_prefetch.next_first, rider=ring.context.pending_gathers.ring_rider(ring, start))
+            layer.driver.forward(message, during, [weight])
             return (out,)
 
         (out,) = kept_or_run(layer, rotate)
@@ -334,7 +325,7 @@ class RingInputSplitFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
         layer = ctx.layer
-        state, ring = layer.state, layer.state.ring
+        state, ring = layer.state, layer.ring
         in_features, out_features = ctx.full_shape
         dtype = ctx.dtype
         layout = shard_layout(in_features, ring.size)
@@ -342,7 +333,7 @@ class RingInputSplitFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, out_features).to(dtype)
         weight_segments = [segment(layout, weight.shape[1:], dtype)] if need_x else []
         grad_segments = [segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
-        message = ring.context.buffers.message_of(tuple(weight_segments + grad_segments))
+        message = layer.ring.buffers.message_of(tuple(weight_segments + grad_segments))
         grad_x = torch.zeros_like(x2d) if need_x else None
 
         def pack_weights(views: list[torch.Tensor]) -> None:
@@ -358,9 +349,8 @@ class RingInputSplitFunction(torch.autograd.Function):
         def contribute(shard: int, views: Views) -> None:
             write_product(views[0], x_shards_t[shard], dy)
 
-        with layer.profiled(Phase.BACKWARD):
-            keys = [(id(layer), "weight")] if need_weight else []
-            reduced = ring_backward(layer, message, len(weight_segments), keys, RingWeights(pack_weights, use_weights), DenseContribution(contribute))
+        keys = [(id(layer), "weight")] if need_weight else []
+        reduced = ring_backward(layer, message, len(weight_segments), keys, RingWeights(pack_weights, use_weights), DenseContribution(contribute))
         grad_weight = None if reduced is None else reduced[0].to(weight.dtype)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)

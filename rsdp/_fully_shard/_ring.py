@@ -108,15 +108,20 @@ class NextFirst(Passenger, typing.Protocol):
 
 class Ring:
     """One rsdp module's ring: its group and neighbours, and (``context``) the ``RingContext`` of its
-    model, which ``rsdp_shard`` sets and may later replace by its root's."""
+    model, which ``rsdp_shard`` sets and may later replace by its root's (``join``)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, context):
-        self.context = context
+        self.join(context)
         self.group = group
         self.device = device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._down, self._up = (self.rank - 1) % self.size, (self.rank + 1) % self.size  # group ranks
+
+    def join(self, context) -> None:
+        """Use ``context`` (a ``RingContext``) and its ring buffers (``buffers``, where ring layers lay out
+        their messages) from now on."""
+        self.context, self.buffers = context, context.buffers
 
     def weight_shard_at(self, step: int) -> int:
         return (self.rank + step) % self.size

@@ -1,13 +1,14 @@
-"""What every ring autograd Function shares: the layer it serves, its first message, and the one
-backward driver.
+"""What every ring autograd Function shares: the layer it serves, and the backward ring of the Linear,
+input-split and Embedding Functions.
 
 A ring Function (``_linear.py``: Linear groups and input-split products; ``_embedding.py``; a planned
 sub-block's, ``_sub_block.py``) receives the *local* shards (as gradient leaves, ``_grad.py``) and
 returns the reduced gradients of those shards, which rsdp writes into the ``Shard(0)`` DTensor
 ``.grad``; only the local shards are saved for backward (docs/design.md, "The ring").
 
-``ring_backward`` is the backward ring of every Function whose partials reach their owners in W-1
-hops (all but a planned sub-block's): the weights (for the input gradient) and the gradient partials
+Every pass of a ring goes through the layer's ring driver (``_ring_driver.py``), which owns the protocol
+(begin, buffers, profiler range, passengers and riders, trim). ``ring_backward`` is the backward ring
+of every Function whose partials reach their owners in W-1 hops (all but a planned sub-block's): the weights (for the input gradient) and the gradient partials
 travel in one message. At each step the rank uses the weights it holds, and adds its own contribution
 to the partial it holds before sending it on. How it contributes is the Function's strategy:
 
@@ -30,34 +31,29 @@ Pitfalls:
   is an explicit graph break (``torch.compiler.disable``), and the code around it compiles as usual.
 """
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.profiler import record_function
 
-from .._compat import DTensor, autocast_dtype, profiler_enabled
-from ._prefetch import ring_begins
+from .._compat import DTensor, autocast_dtype
 from ._ring import Phase, Ring
+from ._ring_driver import RingDriver, RingRun
 from ._wire import Message, Views
 
 
 class RingLayer:
-    """What one ring-rotated module needs at run time: the rsdp state whose settings (mesh, mixed
-    precision, gradient reduction) it follows, its message tags, and a name for profiles."""
+    """What one ring-rotated module needs at run time: its ring ``driver`` (``_ring_driver.py``: the ring,
+    its message tags, the protocol of a pass), and the rsdp state whose settings (mixed precision,
+    gradient reduction) it follows. ``carries_collectives``: whether its rings may carry a pending
+    collective (not a planned sub-block's: ``_ring_driver.py``)."""
 
-    def __init__(self, state, tags: dict[Phase, int], name: str):
+    def __init__(self, state, tags: dict[Phase, int], name: str, carries_collectives: bool = True):
         self.state = state
+        self.ring = state.ring
         self.tags = tags
         self.name = name
-        self._range_names = {phase: f"rsdp::ring_{phase.name.lower()} ({name})" for phase in Phase}
-
-    def profiled(self, phase: Phase) -> contextlib.AbstractContextManager:
-        """The profiler range of one pass of this ring, ``rsdp::ring_forward (<layers>)`` or
-        ``rsdp::ring_backward (<layers>)``; none when no profiler records: a ``record_function`` costs
-        host time even then (docs/benchmarks.md), and a step runs two per ring."""
-        return record_function(self._range_names[phase]) if profiler_enabled() else contextlib.nullcontext()
+        self.driver = RingDriver(state.ring, tags, name, carries_collectives)
 
 
 def finished_gradients(state, message: Message, first: int, final: torch.Tensor) -> list[torch.Tensor]:
@@ -65,19 +61,6 @@ def finished_gradients(state, message: Message, first: int, final: torch.Tensor)
     the ring buffer divided (``gradient_divisor``): one op each, from views of the buffer."""
     divisor = state.gradient_divisor
     return [view.clone() if divisor == 1 else view / divisor for view in message.views(final, state.ring.rank, first)]
-
-
-def first_message(layer: RingLayer, message: Message, tensors: list[torch.Tensor]):
-    """A forward ring's first message, for ``Ring.circulate``: the exchange prefetched for it, else
-    ``tensors`` themselves when they are the message, else a function that packs them."""
-    ring = layer.state.ring
-    prefetched = ring_begins(ring, Phase.FORWARD, layer.tags[Phase.FORWARD], message, tensors)
-    if prefetched is not None:
-        return prefetched
-    as_is = message.as_is(tensors)
-    if as_is is not None:
-        return as_is
-    return lambda buffer: message.pack(buffer, ring.rank, tensors)
 
 
 def autocast_like(addend: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
@@ -110,9 +93,9 @@ class DenseContribution:
     def __init__(self, write: Callable[[int, Views], None]):
         self.write = write
 
-    def reserve(self, ring: Ring, grads: Message) -> None:
-        """Ask for the scratch buffer (after the message buffers: the order of requests is the pass's)."""
-        self._grads, self._scratch = grads, ring.context.buffers.scratch(grads.nbytes, ring.device)
+    def reserve(self, run: RingRun, grads: Message) -> None:
+        """Take the scratch buffer the run asked for (``scratch=grads.nbytes``)."""
+        self._grads, self._scratch = grads, run.scratch_buffer
 
     def add_to(self, shard: int, views: list[torch.Tensor]) -> None:
         """Add the contribution to shard ``shard`` into ``views`` (a local accumulator's)."""
@@ -164,7 +147,7 @@ class SparseContribution:
     def __init__(self, add: Callable[[int, list[torch.Tensor]], None]):
         self.add = add
 
-    def reserve(self, ring: Ring, grads: Message) -> None:
+    def reserve(self, run: RingRun, grads: Message) -> None:
         pass
 
     def add_to(self, shard: int, views: list[torch.Tensor]) -> None:
@@ -214,26 +197,29 @@ def ring_backward(
 
     Returns this rank's reduced gradient shards, or None when there are none to reduce: no gradient is
     wanted, or synchronisation is off (then the contributions go to the local accumulators)."""
-    state, ring = layer.state, layer.state.ring
+    state, ring = layer.state, layer.ring
     grads = message.tail(weight_segments)
-    weights_only = ring.context.buffers.message_of(message.segments[:weight_segments])
+    weights_only = ring.buffers.message_of(message.segments[:weight_segments])
     unsynced = bool(grad_keys) and not state.requires_gradient_sync
     # Its first message carries partials: not prefetchable, but its last exchange may carry the next
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
-    ring_begins(ring, Phase.BACKWARD, layer.tags[Phase.BACKWARD], weights_only if unsynced else message)
-    ring.context.buffers.pair(message.nbytes, ring.device)
-    contribution.reserve(ring, grads)
-    if unsynced:
-        totals = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
-        for shard in range(ring.size):
-            contribution.add_to(shard, _unsynced_shards(state, grads, totals, shard))
-    if unsynced or not grad_keys:
-        if weight_segments:
-            _rotate_weights(layer, weights_only, weights)
-        return None
-    earlier = [state.take_unsynced(key) for key in grad_keys]
-    return _reduce_on_ring(layer, message, weights_only, grads, earlier, weights, contribution)
+    scratch = grads.nbytes if contribution.computes_ahead else None
+    with layer.driver.run(Phase.BACKWARD, weights_only if unsynced else message, pair=message.nbytes, scratch=scratch) as run:
+        contribution.reserve(run, grads)
+        if unsynced:
+            totals = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
+            for shard in range(ring.size):
+                contribution.add_to(shard, _unsynced_shards(state, grads, totals, shard))
+        if unsynced or not grad_keys:
+            if weight_segments:
+                run.turn(
+                    lambda buffer: weights.pack(weights_only.views(buffer, ring.rank)),
+                    lambda step, buffer: weights.use(ring.weight_shard_at(step), weights_only.views(buffer, ring.weight_shard_at(step))),
+                )
+            return None
+        earlier = [state.take_unsynced(key) for key in grad_keys]
+        return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution)
 
 
 def _unsynced_shards(state, grads: Message, totals: list[torch.Tensor | None], shard: int) -> list[torch.Tensor | None]:
@@ -244,28 +230,14 @@ def _unsynced_shards(state, grads: Message, totals: list[torch.Tensor | None], s
     ]
 
 
-def _rotate_weights(layer: RingLayer, message: Message, weights: RingWeights) -> None:
-    """The weights alone round the ring, for the input gradient."""
-    ring = layer.state.ring
-    ring.circulate(
-        message.nbytes,
-        layer.tags[Phase.BACKWARD],
-        lambda buffer: weights.pack(message.views(buffer, ring.rank)),
-        lambda step, buffer: weights.use(ring.weight_shard_at(step), message.views(buffer, ring.weight_shard_at(step))),
-        rider=ring.context.pending_reductions.ring_rider(ring),
-        carry_next=ring.context.backward_prefetch.next_first,
-    )
-    ring.context.buffers.trim()
-
-
 def _reduce_on_ring(
-    layer: RingLayer, message: Message, weights_only: Message, grads: Message, unsynced: list, weights, contribution
+    layer: RingLayer, run: RingRun, weights_only: Message, grads: Message, unsynced: list, weights, contribution
 ) -> list[torch.Tensor]:
-    """The weights (``weights_only``, the leading segments of ``message``) and the partials (``grads``,
-    the rest) round the ring: the partial of shard ``ring.partial_shard_at(k)`` is held at step k and reaches its owner
-    after W-1 hops, reduced. ``unsynced``: what backwards without synchronisation kept for each
-    gradient (None where nothing), added on the way."""
-    state, ring = layer.state, layer.state.ring
+    """The weights (``weights_only``, the leading segments of the run's message) and the partials
+    (``grads``, the rest) round the ring: the partial of shard ``ring.partial_shard_at(k)`` is held at
+    step k and reaches its owner after W-1 hops, reduced. ``unsynced``: what backwards without
+    synchronisation kept for each gradient (None where nothing), added on the way."""
+    state, ring, message = layer.state, layer.ring, run.message
     weight_segments = len(weights_only.segments)
 
     def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
@@ -292,12 +264,8 @@ def _reduce_on_ring(
         if ahead and step + 1 < ring.size:
             contribution.ahead(ring.partial_shard_at(step + 1), earlier)
 
-    on_arrival = contribution.arrival(ring, message, weight_segments, earlier)
-    final = ring.circulate(message.nbytes, layer.tags[Phase.BACKWARD], start, during, on_arrival,
-                           rider=ring.context.pending_reductions.ring_rider(ring), carry_next=ring.context.backward_prefetch.next_first)
-    reduced = finished_gradients(state, message, weight_segments, final)
-    ring.context.buffers.trim()
-    return reduced
+    final = run.turn(start, during, contribution.arrival(ring, message, weight_segments, earlier))
+    return finished_gradients(state, message, weight_segments, final)
 
 
 def sharded(param: nn.Parameter | None, module: nn.Module, name: str) -> DTensor | None:

@@ -94,11 +94,10 @@ from .._compat import (
     tree_unflatten,
 )
 from ._checkpoint import kept_or_run
-from ._ring_function import RingLayer, autocast_like, first_message, local_shard, sharded
-from ._prefetch import ring_begins
+from ._ring_function import RingLayer, autocast_like, local_shard, sharded
 from ._param import shard_layout
 from ._wire import Message, Segment, segment
-from ._ring import DeferredHop, Phase
+from ._ring import Phase
 from ._sub_block_cache import SubBlockCache, shard_cache_arguments
 
 # Hugging Face's plan strings (``transformers.distributed.tensor_parallel``), as a ring plan reads them.
@@ -369,7 +368,7 @@ class RingSubBlock:
             differentiable = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (*leaves, *params) if isinstance(t, torch.Tensor)
             )
-            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.state.ring.size, differentiable, block.advice)
+            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.ring.size, differentiable, block.advice)
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         call = _Call(block, leaves, spec, tensor_at, cache)
         # Decided here: inside the autograd Function's forward, grad mode is off.
@@ -576,7 +575,7 @@ class _SubBlockForward:
     def __init__(self, call: _Call, tensors_and_params: tuple, needs: tuple[bool, ...]):
         self.call = call
         self.layer = call.block.ring
-        state, ring = self.layer.state, self.layer.state.ring
+        state, ring = self.layer.state, self.layer.ring
         self.ring = ring
         tensors = tensors_and_params[: call.tensor_count]
         self.params = params = tensors_and_params[call.tensor_count :]
@@ -585,7 +584,7 @@ class _SubBlockForward:
         # sub-block's matmuls use, which autocast, where it is on, may lower further.
         self.input_dtype = state.compute_dtype(present[0].dtype)
         self.dtype = state.matmul_dtype(present[0].dtype)
-        self.message = ring.context.buffers.message_of(call.block.segments(self.dtype, ring.size))
+        self.message = self.ring.buffers.message_of(call.block.segments(self.dtype, ring.size))
         self.cast = call.cast(tensors, self.input_dtype)
         self.row_layout = self.message.segments[-1].layout  # the cached message's: its bounds are computed once
         self.graphs = None
@@ -598,10 +597,7 @@ class _SubBlockForward:
         call, layer, params = self.call, self.layer, self.params
         self.total = None
         self.arguments = call.arguments(self.cast) if self.graphs is None else None
-        packed = _packed(call.block, params)
-        with layer.profiled(Phase.FORWARD):
-            self.ring.circulate(self.message.nbytes, layer.tags[Phase.FORWARD], first_message(layer, self.message, packed),
-                                self.during, carry_next=self.ring.context.forward_prefetch.next_first)
+        layer.driver.forward(self.message, self.during, _packed(call.block, params))
         if call.cache is not None:  # every shard has run: the cache takes their keys and values once
             call.cache.commit()
         return self.total, call.output_spec, call.output_position
@@ -641,7 +637,6 @@ class _RingSubBlockFunction(torch.autograd.Function):
             backward.synchronised()
         else:
             backward.unsynchronised()
-        backward.ring.context.buffers.trim()
         return (None, *backward.input_gradients(), *[None] * len(backward.params))
 
 
@@ -660,7 +655,7 @@ class _SubBlockBackward:
         self.call: _Call = ctx.call
         self.block = block = self.call.block
         self.layer = block.ring
-        self.state, self.ring = self.layer.state, self.layer.state.ring
+        self.state, self.ring = self.layer.state, self.layer.ring
         self.graphs, self.input_dtype, self.autocast = ctx.graphs, ctx.input_dtype, ctx.autocast
         saved = ctx.saved_tensors
         n = self.call.tensor_count
@@ -743,33 +738,31 @@ class _SubBlockBackward:
         """The weights and the partials round the ring, ``[partials | weights]``: a message's first
         exchange sends the weights alone (nothing is added to a partial yet), so the ring before may
         have done it, and a deferred hop travelling behind it follows them directly."""
-        ring, tag = self.ring, self.layer.tags[Phase.BACKWARD]
-        self.grads = ring.context.buffers.message_of(tuple(self.grad_segments))
-        self.message = message = ring.context.buffers.message_of(self.grads.segments + self.weight_segments)
+        self.grads = self.ring.buffers.message_of(tuple(self.grad_segments))
+        self.message = message = self.ring.buffers.message_of(self.grads.segments + self.weight_segments)
         self.first_weight = len(self.grad_segments)
         self.weights_start = message.offsets[self.first_weight]
-        prefetched = ring_begins(ring, Phase.BACKWARD, tag, message, self.weights, self.first_weight)
-        # The owner's own contribution, then its reduced gradients: memory of its own, not a ring buffer,
-        # so that it needs no copy to outlive this ring (the deferred hop) nor to become the gradients.
-        self.mine = torch.zeros(self.grads.nbytes, dtype=torch.uint8, device=ring.device)
-        self.unsynced = [self.state.take_unsynced(key) for key in self.keys]
-        self.has_unsynced = any(total is not None for total in self.unsynced)
-        pack = functools.partial(self._pack, message)
-        with self.layer.profiled(Phase.BACKWARD):
-            if ring.size == 1:
-                buffer = ring.context.buffers.pair(message.nbytes, ring.device)[0]
+        alone = self.ring.size == 1  # no exchange: the message is packed and used where it is
+        pair = message.nbytes if alone else None
+        with self.layer.driver.run(Phase.BACKWARD, message, self.weights, self.first_weight, pair=pair) as run:
+            # The owner's own contribution, then its reduced gradients: memory of its own, not a ring
+            # buffer, so that it needs no copy to outlive this ring (the deferred hop) nor to become the
+            # gradients.
+            self.mine = torch.zeros(self.grads.nbytes, dtype=torch.uint8, device=self.ring.device)
+            self.unsynced = [self.state.take_unsynced(key) for key in self.keys]
+            self.has_unsynced = any(total is not None for total in self.unsynced)
+            pack = functools.partial(self._pack, message)
+            if alone:
+                buffer = run.buffers[0]
                 pack(buffer)
                 self._own_contribution(0, buffer)
                 self._deliver(self._finished(self.mine))
                 return
-            final = ring.circulate(
-                message.nbytes, tag, pack if prefetched is None else prefetched, self._own_contribution,
-                self._partials_arrived, region=self._region, carry_next=ring.context.backward_prefetch.next_first,
-            )
+            final = run.turn(pack if run.prefetched is None else run.prefetched, self._own_contribution,
+                             self._partials_arrived, region=self._region)
             # W-1 hops took every partial past every rank but its owner, one hop down. That hop rides
             # the next ring's first exchange, or goes alone at the end of the backward.
-            home = functools.partial(self._home, self.mine)
-            ring.context.deferred_hops.defer(DeferredHop(ring, tag, final[: self.grads.nbytes].clone(), home))
+            run.defer_last_hop(final[: self.grads.nbytes].clone(), functools.partial(self._home, self.mine))
 
     def _add_unsynced(self, shard: int, views: list[torch.Tensor]) -> None:
         """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""
@@ -816,10 +809,9 @@ class _SubBlockBackward:
     def unsynchronised(self) -> None:
         """No partials travel: the weights rotate for the input gradient, and with sync off each rank's
         contributions to every shard are kept locally until the next synchronised backward."""
-        ring, tag = self.ring, self.layer.tags[Phase.BACKWARD]
-        weights_only = ring.context.buffers.message_of(self.weight_segments)
+        ring = self.ring
+        weights_only = self.ring.buffers.message_of(self.weight_segments)
         totals = [self.state.unsynced_gradient(key, segment) for key, segment in zip(self.keys, self.grad_segments)]
-        ring_begins(ring, Phase.BACKWARD, tag, weights_only)
 
         def during(hop: int, buffer: torch.Tensor) -> None:
             shard = ring.weight_shard_at(hop)
@@ -828,6 +820,5 @@ class _SubBlockBackward:
             into = [view.t() if transposed else view for view, transposed in zip(into, self.grads_transposed)]
             self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
 
-        with self.layer.profiled(Phase.BACKWARD):
-            ring.circulate(weights_only.nbytes, tag, functools.partial(self._pack, weights_only), during,
-                           carry_next=ring.context.backward_prefetch.next_first)
+        with self.layer.driver.run(Phase.BACKWARD, weights_only) as run:
+            run.turn(functools.partial(self._pack, weights_only), during)
