@@ -156,3 +156,26 @@ def test_a_torchtitan_moe_stack_is_counted_by_four_blocks_to_the_byte(activation
     assert every_block.units["layers.1"].experts_bytes > 0 and every_block.units["layers.1"].experts_flops > 0
     assert _cost_model.repeated_blocks(model, units) is not None
     assert _cost_model.count(model, units, tokens, next_token_loss) == every_block
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b-v0.1", "qwen3-30b-a3b", "gpt-oss-20b"])
+def test_a_published_moe_configs_experts_are_counted_from_its_config(name):
+    """Mixtral-8x7B, Qwen3-30B-A3B and gpt-oss-20b as published: each block's experts module holds the
+    config's experts (gate, up and down projections, gpt-oss's biases), in the training dtype (fp32),
+    whatever the file's torch_dtype; the count sees routed tokens x top-k rows through them."""
+    import json
+
+    from rsdp.planner import _models, _training
+
+    config = json.loads((CONFIGS / name / "config.json").read_text())
+    experts = config.get("num_local_experts") or config["num_experts"]
+    hidden, inner = config["hidden_size"], config.get("moe_intermediate_size") or config["intermediate_size"]
+    per_expert = 3 * hidden * inner + (2 * inner + hidden if config["model_type"] == "gpt_oss" else 0)  # gpt-oss: biases
+    model, loss_fn, _ = _models.build(f"hf:{CONFIGS / name / 'config.json'}", {})
+    model = _training.as_trained(model, training_dtype="fp32", lora_rank=0, lora_targets=None, frozen=[])
+    units = find_units(model)
+    counted = count(model, units, torch.zeros(1, 17, dtype=torch.long), loss_fn).units["model.layers.1"]
+    assert (counted.experts, counted.experts_bytes, counted.trainable_experts_bytes) == (experts, 4 * experts * per_expert, 4 * experts * per_expert)
+    # 16 tokens, each through top-k experts: the grouped GEMMs' 2 x rows x in x out FLOPs, three projections.
+    assert counted.experts_flops == 2 * 16 * config["num_experts_per_tok"] * 3 * hidden * inner
+    assert counted.experts_kept_bytes > 0

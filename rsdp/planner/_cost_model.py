@@ -29,7 +29,11 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
-  reduce-scatter at the end of the backward.
+  reduce-scatter at the end of the backward. An experts module (``experts_of``) is its own ring of
+  blocks of whole experts: two blocks forward; backward two messages of a block's weights and gradient
+  partials and the owner's contribution (carried), the block's weight gradients during a step, and
+  the deferred last hop's partial and contribution after the ring; the experts' activations are not
+  kept from forward to backward but made again at each backward step, and their forward runs again.
 
 Mixed precision (``CostModel.param_dtype``, ``reduce_dtype``): the step is counted with the parameters
 cast to ``param_dtype`` (activations in it, as FSDP2's and rsdp's compute makes them); sharded
