@@ -9,7 +9,6 @@ import importlib
 import io
 import pkgutil
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,11 +19,10 @@ from rsdp.planner import cli, measure_peak
 from rsdp.planner._cost_model import count
 from rsdp.planner._models import next_token_loss
 from rsdp.planner._profile import find_units
-from test_planner_training import MiB, TOLERANCE, cluster, counted_as_planned, predicted
+from test_planner_training import CONFIGS, MiB, TOLERANCE, cluster, counted_as_planned, predicted
 
 transformers = pytest.importorskip("transformers")
 
-CONFIGS = Path(__file__).parent / "data" / "configs"
 # Tiny causal LMs whose weights are mostly experts (16 of 64 x 128 a layer, 2 layers), with a vocabulary
 # and a batch (2 x 64 tokens) large enough that the activations count too. gpt-oss runs eager attention
 # (it has no SDPA), which keeps the scores that the count's flash attention does not: short sequences.
