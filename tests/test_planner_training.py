@@ -25,12 +25,16 @@ CONFIGS = Path(__file__).parent / "data" / "configs"
 
 def counted_as_planned(model):
     """A copy of a Hugging Face ``model`` whose attention is the planner's flash-attention count (the
-    meta device cannot run SDPA's mask preparation), as ``rsdp plan --model hf:`` builds it."""
+    meta device cannot run SDPA's mask preparation) and whose experts' grouped GEMMs are counted (the
+    meta device's ``_grouped_mm`` has no FLOP formula), as ``rsdp plan --model hf:`` builds it."""
     from transformers import AttentionInterface
+    from transformers.integrations.moe import ExpertsInterface
 
     counted = copy.deepcopy(model)
     AttentionInterface.register("rsdp_counted_attention", _models._hf_flash_count)
+    ExpertsInterface.register("rsdp_counted_experts", _models._hf_counted_experts)
     counted.config._attn_implementation = "rsdp_counted_attention"
+    counted.config._experts_implementation = "rsdp_counted_experts"
     return counted
 
 

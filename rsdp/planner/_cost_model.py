@@ -29,7 +29,11 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
-  reduce-scatter at the end of the backward.
+  reduce-scatter at the end of the backward. An experts module (``experts_of``) is its own ring of
+  blocks of whole experts: two blocks forward; backward two messages of a block's weights and gradient
+  partials and the owner's contribution (carried), the block's weight gradients during a step, and
+  the deferred last hop's partial and contribution after the ring; the experts' activations are not
+  kept from forward to backward but made again at each backward step, and their forward runs again.
 
 Mixed precision (``CostModel.param_dtype``, ``reduce_dtype``): the step is counted with the parameters
 cast to ``param_dtype`` (activations in it, as FSDP2's and rsdp's compute makes them); sharded
@@ -296,6 +300,17 @@ class PartCounts:
     # saves nothing else: rsdp keeps them from the forward for the recomputation (``_fully_shard/_checkpoint.py``).
     # (Another selective policy saves matmul outputs itself, which the count holds already.)
     checkpointed_ring_output_bytes: int = 0
+    # Its largest experts module (a MoE layer's ``[experts, ...]`` parameters, ``experts_of``): its
+    # parameter bytes in the stored dtype, of them those that train, and its number of experts (rsdp
+    # rotates them in blocks of whole experts: ``_fully_shard/_experts.py``); what its experts' forwards
+    # leave alive for the backward (the routed tokens' copies and the grouped GEMMs' intermediates,
+    # which an expert ring does not keep: each backward step runs its block's forward again), and
+    # their forward FLOPs (that ring runs them again in backward).
+    experts_bytes: int = 0
+    trainable_experts_bytes: int = 0
+    experts: int = 0
+    experts_kept_bytes: int = 0
+    experts_flops: int = 0
     layers: int = 0
     forward_flops: int = 0
     recomputed_flops: int = 0  # what activation checkpointing runs again in its backward
@@ -309,12 +324,13 @@ class PartCounts:
         """Count ``module``'s own parameters, each parameter once however often it is tied (``seen``
         holds the identities of the original model's parameters, which moving to meta does not keep)."""
         originals = getattr(module, "_rsdp_original_params", {})
-        layer_bytes = 0
+        layer_bytes = trainable_bytes = 0
         for name, param in module.named_parameters(recurse=False):
             identity, itemsize = originals.get(name, (id(param), param.element_size()))
             nbytes = param.numel() * itemsize
             self.itemsize = max(self.itemsize, itemsize)
             layer_bytes += nbytes
+            trainable_bytes += nbytes if param.requires_grad else 0
             if identity not in seen:
                 seen.add(identity)
                 self.param_bytes += nbytes
@@ -326,6 +342,19 @@ class PartCounts:
                     self.frozen_vector_bytes += nbytes if param.dim() < 2 else 0
         if layer_bytes:  # a tied weight is stored once but still moves wherever it is used
             self.layers += 1
+        experts = experts_of(module)
+        if experts and layer_bytes > self.experts_bytes:
+            self.experts_bytes, self.trainable_experts_bytes, self.experts = layer_bytes, trainable_bytes, experts
+
+
+def experts_of(module: nn.Module) -> int:
+    """The number of experts of ``module`` if it is a MoE layer's experts module (Hugging Face's, marked by
+    ``use_experts_implementation``; torchtitan's ``GroupedExperts``): every parameter of its own is
+    ``[experts, ...]`` and one is 3-D, a stack of matrices. Else 0."""
+    params = list(module.parameters(recurse=False))
+    if not any(p.dim() == 3 for p in params) or any(p.dim() < 2 or p.shape[0] != params[0].shape[0] for p in params):
+        return 0
+    return params[0].shape[0]
 
 
 @dataclasses.dataclass
@@ -596,6 +625,9 @@ class _StepCounter:
                 handles.append(module.register_forward_pre_hook(self.note_embedding))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 handles.append(module.register_forward_hook(self.note_ring_output))
+            if experts_of(module):
+                handles.append(module.register_forward_pre_hook(self.enter_experts))
+                handles.append(module.register_forward_hook(self.leave_experts))
         # What runs after the model's forward returned is the loss's (``Work``).
         handles.append(self.meta.register_forward_hook(lambda m, args, out: setattr(self.storages, "in_loss", True)))
         handles += [param.register_post_accumulate_grad_hook(self.drop_gradient) for param in self.meta.parameters() if param.requires_grad]
@@ -651,6 +683,23 @@ class _StepCounter:
     def note_ring_output(self, module: nn.Module, args, output) -> None:
         if self.forward and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
             self.section.checkpointed_ring_output_bytes += output.untyped_storage().nbytes()
+
+    def enter_experts(self, module: nn.Module, args) -> None:
+        if self.forward:
+            self.experts_entry = (len(self.storages.log), self.storages.flops)
+
+    def leave_experts(self, module: nn.Module, args, output) -> None:
+        """What the experts' forward left alive beyond its output (saved for the backward), and its FLOPs."""
+        if not self.forward:
+            return
+        start, flops = self.experts_entry
+        live = self.storages.allocation_of
+        outputs = {id(t.untyped_storage()) for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
+        self.section.experts_kept_bytes += sum(
+            event[3] for event in self.storages.log[start:]
+            if event[0] == _ALLOCATED and live.get(event[2]) == event[1] and event[2] not in outputs
+        )
+        self.section.experts_flops += self.storages.flops - flops
 
     def note_root_layer(self, module: nn.Module, args) -> None:
         if self.forward:
@@ -724,10 +773,22 @@ class _Parallelism:
             return math.ceil(nbytes / world)
 
         rsdp = strategy is Strategy.RSDP
-        self.ring_forward = int(2 * shard(counts.largest_layer_bytes) * self.compute_ratio) if rsdp else 0
+        # An expert ring's block: ceil(experts / W) whole experts (torch.chunk rows), its weights in
+        # param_dtype and its gradient partials in reduce_dtype (``_fully_shard/_sub_block.py``). Forward:
+        # two blocks. Backward: two messages of [partials | weights] and the owner's own contribution
+        # (carried, as a Linear ring's); during a step its weight gradients (param_dtype, copied into
+        # the partial), and after the ring its last hop's partial and that contribution, deferred to
+        # the next ring, which become the rank's gradient shard (counted with the part's gradients).
+        block = math.ceil(counts.experts / world) / counts.experts if counts.experts else 0.0
+        expert_weights = counts.experts_bytes * block * self.compute_ratio
+        expert_partials = counts.trainable_experts_bytes * block * self.reduce_ratio
+        self.expert_step = int(counts.trainable_experts_bytes * block * self.compute_ratio) if rsdp else 0
+        self.expert_deferred = int(max(2 * expert_partials - counts.trainable_experts_bytes * block, 0)) if rsdp else 0
+        self.ring_forward = int(max(2 * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
         ring = max(
             shard(counts.largest_linear_bytes) * 2 * self.compute_ratio + shard(counts.largest_trainable_linear_bytes) * 3 * self.reduce_ratio,
             shard(counts.largest_trainable_layer_bytes) * 2 * self.reduce_ratio,
+            2 * expert_weights + 3 * expert_partials,
         )
         self.ring = int(ring) if rsdp else 0
         self.vectors = int(counts.vector_bytes * self.compute_ratio)  # gathered whole under rsdp
@@ -742,9 +803,11 @@ class _Parallelism:
 
     @property
     def backward_flops(self) -> int:
-        """Twice the forward's (the gradients of the inputs and of the weights), and what activation
-        checkpointing recomputes."""
-        return 2 * self.counts.forward_flops + self.counts.recomputed_flops
+        """Twice the forward's (the gradients of the inputs and of the weights), what activation
+        checkpointing recomputes, and under rsdp the experts' forward (each backward step of an expert
+        ring runs its block's forward again)."""
+        again = self.counts.experts_flops if self.strategy is Strategy.RSDP else 0
+        return 2 * self.counts.forward_flops + self.counts.recomputed_flops + again
 
     def seconds(self, flops: float, backward: bool) -> float:
         """This part's phase: compute of ``flops`` overlapped with moving its weights (and in
@@ -819,9 +882,15 @@ class _Parallelism:
             # no ring of its own (vectors only) holds them only below an rsdp root's forward.
             # Ring outputs inside a selective checkpointing region are kept from the forward to the
             # recomputation, which takes them instead of running the ring again.
+            # An expert ring keeps none of the experts' activations: its forward frees them, and each
+            # backward step makes its block's again (the same tensors: masked pairs keep their rows)
+            # beside the step's weight gradients; after the ring its deferred hop waits. The experts
+            # run last in a block's forward, so first in its backward: before any gradient of the part.
             kept = counts.checkpointed_ring_output_bytes
-            forward_bytes = (vectors + kept, 3 * vectors + kept)
-            backward_bytes = (gradients + vector_gradients - kept, gradients + 2 * vector_gradients)
+            experts = counts.experts_kept_bytes
+            expert_step = max(experts + self.expert_step, self.expert_deferred)
+            forward_bytes = (vectors + kept - experts, 3 * vectors + kept)
+            backward_bytes = (gradients + vector_gradients - kept + experts, max(gradients + 2 * vector_gradients, expert_step))
             carried = Carried(ring=self.ring, ringed=below_ring_root or self.ring > 0, ring_forward=self.ring_forward)
         backward_peak = backward.peak + backward_bytes[1]
         if self.strategy is Strategy.REPLICATE:

@@ -13,7 +13,9 @@ counted whole, so the result is the full count to the byte (``tests/test_planner
 Blocks are alike when their fingerprints are: every submodule's type, every parameter's and buffer's
 shape, dtype and ``requires_grad``, and every attribute (numbers, strings, configs, and the functions
 and closures of wrappers such as torchtitan's per-op checkpoint policy, compared by code and captured
-values; any other object by identity; not what only initialisation reads). A block that differs in any of these, e.g. Hugging Face's
+values; a library's plain object, such as torchtitan's MoE token dispatcher, by its type and
+attributes; any other object (torch's own: operators, with their dispatch caches) by identity; not
+what only initialisation reads). A block that differs in any of these, e.g. Hugging Face's
 ``layer_idx`` or a sliding-window attention type, makes the stack count whole.
 
 Pitfalls:
@@ -73,6 +75,8 @@ def fingerprint(value, depth: int = 0):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = tuple((f.name, fingerprint(getattr(value, f.name), depth + 1)) for f in dataclasses.fields(value))
         return ("dataclass", type(value), fields)
+    if hasattr(value, "__dict__") and not isinstance(value, type) and not type(value).__module__.startswith("torch."):
+        return ("object", type(value), fingerprint(vars(value), depth + 1))
     return ("object", id(value))
 
 

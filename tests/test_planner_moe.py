@@ -1,0 +1,186 @@
+"""The planner on mixture-of-experts models: each strategy's expert transients against measured peaks
+(FSDP2 gathers a layer's experts whole and holds their unsharded gradient; rsdp's expert ring holds
+blocks of whole experts and keeps none of the experts' activations), the published MoE configs, and
+every model torchtitan ships planned without a traceback."""
+
+import contextlib
+import copy
+import importlib
+import io
+import pkgutil
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rsdp import Strategy, parallelize
+from rsdp.planner import cli, measure_peak
+from rsdp.planner._cost_model import count
+from rsdp.planner._models import next_token_loss
+from rsdp.planner._profile import find_units
+from test_planner_training import CONFIGS, MiB, TOLERANCE, cluster, counted_as_planned, predicted
+
+transformers = pytest.importorskip("transformers")
+
+# Tiny causal LMs whose weights are mostly experts (16 of 64 x 128 a layer, 2 layers), with a vocabulary
+# and a batch (2 x 64 tokens) large enough that the activations count too. gpt-oss runs eager attention
+# (it has no SDPA), which keeps the scores that the count's flash attention does not: short sequences.
+SHAPE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, head_dim=16, max_position_embeddings=128, num_experts_per_tok=2, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2, use_cache=False, experts_implementation="grouped_mm",
+)  # fmt: skip
+FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=16)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(num_experts=16, moe_intermediate_size=128)),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(num_local_experts=16, layer_types=["full_attention"] * 2)),
+}  # fmt: skip
+
+
+def tiny_moe(family: str):
+    model_name, config_name, values = FAMILIES[family]
+    config = getattr(transformers, config_name)(**SHAPE, **values)
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config)
+
+
+def moe_peaks_case() -> list[tuple[str, float, float]]:
+    """Every family, FSDP and rsdp everywhere: (label, predicted, measured) on this world size."""
+    results = []
+    tokens = torch.randint(3, SHAPE["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(0))
+    for family in FAMILIES:
+        model = tiny_moe(family)
+        names = ["", *find_units(model)]
+        counts = count(counted_as_planned(model), names[1:], tokens, next_token_loss)
+        for strategy in (Strategy.FSDP, Strategy.RSDP):
+            policy = dict.fromkeys(names, strategy)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a model built outside a mesh, rotary scaling notes
+                measured = measure_peak(parallelize(copy.deepcopy(model), policy), tokens, next_token_loss)
+            results.append((f"{family} {strategy.value}", predicted(model, policy, tokens, cluster(dist.get_world_size()), counts), measured))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_peak_is_within_15_percent_of_the_measured_peak(ranks, world):
+    """Tiny Mixtral, Qwen3-MoE and gpt-oss (grouped_mm experts), FSDP2 and rsdp everywhere: the cost
+    model's peak against the measured one (parameters, AdamW state and the step's peak; the most of any
+    rank), within the dense tests' tolerance."""
+    for label, prediction, measured in ranks.run(world, moe_peaks_case)[0]:
+        print(f"{world} ranks, {label}: predicted {prediction / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB ({measured / prediction:.3f})")
+        assert 1 - TOLERANCE <= measured / prediction <= 1 + TOLERANCE, f"{world} ranks, {label}: {measured} vs {prediction}"
+
+
+def _torchtitan_flavors() -> list[tuple[str, str]]:
+    """(family, flavor) of every model torchtitan's registries hold (a family whose imports fail is one
+    entry with flavor None: ``rsdp plan`` must say so in one line too)."""
+    from rsdp.planner import _models
+
+    _models._prepare_torchtitan_imports()
+    models = pytest.importorskip("torchtitan.models")
+    found = []
+    for family in sorted(m.name for m in pkgutil.iter_modules(models.__path__) if m.ispkg and m.name != "common"):
+        try:
+            module = importlib.import_module(f"torchtitan.models.{family}")
+        except ImportError:
+            found.append((family, None))
+            continue
+        found += [(family, flavor) for name, configs in vars(module).items()
+                  if name.endswith("_configs") and isinstance(configs, dict) for flavor in configs]
+    return found
+
+
+def _cut_to_four_blocks(registry):
+    """``registry`` whose model configs keep their first three blocks and their last, as the count runs
+    a stack of alike blocks: what fails on a model fails on it cut, in a fraction of the time."""
+    import dataclasses
+
+    def cut(flavor, *args, **kwargs):
+        spec = registry(flavor, *args, **kwargs)
+        layers = getattr(spec.model, "layers", None)
+        if isinstance(layers, list) and len(layers) > 4:
+            spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, layers=layers[:3] + layers[-1:]))
+        return spec
+
+    return cut
+
+
+MOE_FLAVORS = [("qwen3", "30B-A3B"), ("deepseek_v3", "16B"), ("gpt_oss", "20b"), ("gpt_oss", "120b")]
+
+
+@pytest.mark.parametrize("activation_checkpoint", ["none", "selective", "full"])
+def test_every_torchtitan_model_is_planned_or_refused_in_one_line(monkeypatch, activation_checkpoint):
+    """Every flavor of every model family torchtitan 0.3 ships, through ``rsdp plan`` on the meta device
+    (8 devices, 64 tokens, blocks cut to four): a plan, or an exit with one line that names the reason;
+    never a traceback. Under checkpointing (which wraps the blocks alike in every flavor of a family),
+    each family's first flavor and the MoE flavors."""
+    flavors = _torchtitan_flavors()
+    if activation_checkpoint != "none":
+        firsts = {family: (family, flavor) for family, flavor in reversed(flavors)}
+        flavors = [entry for entry in flavors if entry in firsts.values() or entry in MOE_FLAVORS]
+    outcomes = {}
+    for family, flavor in flavors:
+        if flavor is not None:
+            module = importlib.import_module(f"torchtitan.models.{family}")
+            monkeypatch.setattr(module, "model_registry", _cut_to_four_blocks(module.model_registry))
+        argv = ["plan", "--model", f"torchtitan:{family}:{flavor or 'any'}", "--world-size", "8", "--seq-len", "64",
+                "--budget", "1TiB", "--activation-checkpoint", activation_checkpoint]
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                cli.main(argv)
+                outcomes[family, flavor] = "planned"
+            except SystemExit as exit:
+                message = str(exit.code)
+                assert exit.code != 0 and "\n" not in message and message.startswith("rsdp"), f"{family}:{flavor}: {message!r}"
+                outcomes[family, flavor] = message
+    print("\n".join(f"{family}:{flavor}: {outcome}" for (family, flavor), outcome in outcomes.items()))
+    assert all(outcomes[name] == "planned" for name in MOE_FLAVORS), {name: outcomes[name] for name in MOE_FLAVORS}
+
+
+@pytest.mark.parametrize("activation_checkpoint", ["none", "selective", "full"])
+def test_a_torchtitan_moe_stack_is_counted_by_four_blocks_to_the_byte(activation_checkpoint):
+    """torchtitan's MoE blocks (each with its own token dispatcher object) are alike, so their stack is
+    counted by four blocks, and that count is counting every block: experts' bytes and kept activations
+    included."""
+    import dataclasses
+
+    from rsdp.planner import _cost_model, _models
+
+    _models._prepare_torchtitan_imports()
+    qwen3 = importlib.import_module("torchtitan.models.qwen3")
+    config = qwen3.model_registry("debugmodel_moe").model
+    config = dataclasses.replace(config, layers=[config.layers[0]] * 6)
+    with torch.device("meta"):
+        model = _models.torchtitan_moe_for_counting(_models.flash_attention_for_counting(config.build()))
+    model = _models.apply_activation_checkpointing(model, activation_checkpoint)
+    units = find_units(model)
+    tokens = torch.zeros(1, 33, dtype=torch.long)
+    every_block = _cost_model.count_step(_cost_model.meta_copy(model), units, tokens.to("meta"), next_token_loss)
+    assert every_block.units["layers.1"].experts_bytes > 0 and every_block.units["layers.1"].experts_flops > 0
+    assert _cost_model.repeated_blocks(model, units) is not None
+    assert _cost_model.count(model, units, tokens, next_token_loss) == every_block
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b-v0.1", "qwen3-30b-a3b", "gpt-oss-20b"])
+def test_a_published_moe_configs_experts_are_counted_from_its_config(name):
+    """Mixtral-8x7B, Qwen3-30B-A3B and gpt-oss-20b as published: each block's experts module holds the
+    config's experts (gate, up and down projections, gpt-oss's biases), in the training dtype (fp32),
+    whatever the file's torch_dtype; the count sees routed tokens x top-k rows through them."""
+    import json
+
+    from rsdp.planner import _models, _training
+
+    config = json.loads((CONFIGS / name / "config.json").read_text())
+    experts = config.get("num_local_experts") or config["num_experts"]
+    hidden, inner = config["hidden_size"], config.get("moe_intermediate_size") or config["intermediate_size"]
+    per_expert = 3 * hidden * inner + (2 * inner + hidden if config["model_type"] == "gpt_oss" else 0)  # gpt-oss: biases
+    model, loss_fn, _ = _models.build(f"hf:{CONFIGS / name / 'config.json'}", {})
+    model = _training.as_trained(model, training_dtype="fp32", lora_rank=0, lora_targets=None, frozen=[])
+    units = find_units(model)
+    counted = count(model, units, torch.zeros(1, 17, dtype=torch.long), loss_fn).units["model.layers.1"]
+    assert (counted.experts, counted.experts_bytes, counted.trainable_experts_bytes) == (experts, 4 * experts * per_expert, 4 * experts * per_expert)
+    # 16 tokens, each through top-k experts: the grouped GEMMs' 2 x rows x in x out FLOPs, three projections.
+    assert counted.experts_flops == 2 * 16 * config["num_experts_per_tok"] * 3 * hidden * inner
+    assert counted.experts_kept_bytes > 0
