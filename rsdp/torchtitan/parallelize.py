@@ -162,18 +162,19 @@ def _plan(
 
 
 def _plannable_strategies(model: nn.Module) -> tuple[Strategy, ...]:
-    """The strategies ``auto`` may choose for ``model``. torchtitan's ``GroupedExperts`` have no expert
-    ring yet: under rsdp their 3-D weights are gathered op by op, which the cost model counts as a ring's
-    buffers, below what the step holds. So a MoE model is planned over fsdp and replicate, whose
-    predictions are the step's, rather than with an rsdp figure that could break the budget."""
+    """The strategies ``auto`` may choose for ``model``. Under rsdp torchtitan's ``GroupedExperts`` rotate
+    on an expert ring, whose buffers (7/W of the layer's experts in backward) the cost model does not
+    count: it counts the block's largest Linear's ring, below what the step holds. So a MoE model is
+    planned over fsdp and replicate, whose predictions are the step's, rather than with an rsdp figure
+    that could break the budget."""
     from torchtitan.models.common.moe import GroupedExperts
 
     if not any(isinstance(module, GroupedExperts) for module in model.modules()):
         return tuple(Strategy)
     log_once(
-        "rsdp: dp_strategy=auto plans this mixture-of-experts model over fsdp and replicate only: torchtitan's "
-        "GroupedExperts have no expert ring yet, and rsdp's op-by-op gathers of their weights are not in the "
-        "cost model (docs/torchtitan.md); name rsdp modules in --parallelism.dp_overrides to use it anyway"
+        "rsdp: dp_strategy=auto plans this mixture-of-experts model over fsdp and replicate only: the cost model "
+        "does not count the expert ring of torchtitan's GroupedExperts (docs/torchtitan.md); name rsdp modules "
+        "in --parallelism.dp_overrides to use it anyway"
     )
     return (Strategy.REPLICATE, Strategy.FSDP)
 
