@@ -25,8 +25,8 @@ Pitfalls:
 - Rows of ``x_RD`` past the last expert's tokens (torchtitan's padding) get zeros, where the stock
   forward's grouped GEMM leaves them unwritten; torchtitan's combine never reads them.
 - torchtitan's forward computes in bfloat16 whatever the parameters' dtype; so does each step, and a
-  block's rows are bit for bit what the whole layer's grouped GEMM gives them (the kernel runs each
-  expert's group alone).
+  block's rows are bit for bit what the whole layer's grouped GEMM gives them (torch 2.13's CPU kernel
+  runs each expert's group alone; a GPU kernel may tile them otherwise).
 """
 
 import sys
