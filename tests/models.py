@@ -121,6 +121,24 @@ def training_step_transient(model: nn.Module, loss) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return warm_step_peak(step)
+
+
+def forward_backward_peak(model: nn.Module, loss) -> int:
+    """Peak bytes allocated by one ``loss().backward()`` above what existed before it, gradients freed
+    after as ``zero_grad()`` does, measured after a warm-up step (see ``warm_step_peak``)."""
+
+    def step():
+        loss().backward()
+        model.zero_grad(set_to_none=True)
+
+    return warm_step_peak(step)
+
+
+def warm_step_peak(step) -> int:
+    """Peak bytes allocated by ``step()`` above what existed before it, measured after a first call has
+    taught the ring its buffer sizes; the ring buffers, resident between steps, are released first and
+    counted in the measured step."""
     step()
     release_ring_buffers()
     with MemoryTracker() as tracker:

@@ -17,10 +17,9 @@ import warnings
 import pytest
 import torch
 
-from models import assert_close, assert_param_grads_match, assert_params_match, local_rows, rank_and_world
-from rsdp import release_ring_buffers, rsdp_shard
+from models import assert_close, assert_param_grads_match, assert_params_match, forward_backward_peak, local_rows, rank_and_world
+from rsdp import rsdp_shard
 from rsdp._compat import MixedPrecisionPolicy, fully_shard
-from rsdp.memory import MemoryTracker
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,16 +171,7 @@ def experts_peak(strategy: str, implementation: str) -> int:
         shard(layer)
     shard(model)
     tokens = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(rank))
-
-    def step():
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    step()
-    release_ring_buffers()  # resident between steps: counted in the measured one
-    with MemoryTracker() as tracker:
-        step()
-    return tracker.peak_bytes
+    return forward_backward_peak(model, lambda: model(input_ids=tokens, labels=tokens).loss)
 
 
 def experts_peaks_case(implementation: str) -> dict:

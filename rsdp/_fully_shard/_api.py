@@ -17,7 +17,8 @@ from .._compat import (
 )
 from ._ddp_habits import check_same_weights, record_replacement, replaced, watch_state_dicts
 from ._embedding import RingEmbedding
-from ._experts import ExpertsBlock, is_experts_module
+from ._experts import ExpertRing, ExpertsBlock, is_experts_module
+from ._grouped_experts import GroupedExpertsBlock, is_grouped_experts
 from ._linear import RingLinear
 from ._param import placements_for, shard_parameter
 from ._context import share_ring_context
@@ -42,8 +43,9 @@ def rsdp_shard(
     (buffers, prefetch predictions, pending collectives: ``_context.py``), which no other model in the
     process touches. Every managed parameter becomes ``nn.Parameter(DTensor)`` with
     ``Shard(0)`` placement (``(Replicate(), Shard(0))`` on a 2-D mesh) under its original name.
-    A Hugging Face mixture-of-experts module (``[experts, ...]`` parameters) rotates in blocks of whole
-    experts, each rank running its own tokens through the block it holds (``_experts.py``).
+    A mixture-of-experts module (``[experts, ...]`` parameters: Hugging Face's experts, torchtitan's
+    ``GroupedExperts``) rotates in blocks of whole experts, each rank running its own tokens through the
+    block it holds (``_experts.py``, ``_grouped_experts.py``).
 
     A module wrapped by ``checkpoint_wrapper`` (activation checkpointing, as torchtitan applies it) is
     sharded through its wrapped module, which becomes the :class:`RSDPModule`: recomputation in
@@ -91,6 +93,7 @@ def rsdp_shard(
         record_replacement(param, replacement[id(param)], f"{type(module).__qualname__}.{name}")
     names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
     experts = [ExpertsBlock(owner, names[id(owner)]) for owner in managed if is_experts_module(owner)]
+    experts += [GroupedExpertsBlock(owner, names[id(owner)]) for owner in managed if is_grouped_experts(owner)]
     ring_slots = _make_ring_layers(state, managed, sub_blocks + experts, names, adapter_linears)
     _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward, adapter_linears)
 
@@ -175,7 +178,7 @@ def _make_ring_layers(
         block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__, carries_collectives=False)
         _swap_class(block.module, RingSubBlock, "RingSub")
         block.module._rsdp_sub_block = block
-        if isinstance(block, ExpertsBlock):  # its parameters are the ring's, and its operands' outside it
+        if isinstance(block, ExpertRing):  # its parameters are the ring's, and its operands' outside it
             ring_slots.update((id(block.module), name) for _, name in block.param_slots)
             block.module._rsdp_ring = block.ring
     return ring_slots

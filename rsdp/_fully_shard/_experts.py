@@ -13,7 +13,9 @@ renumbered into the block (``index - start``) and every token-expert pair routed
 masked. The W partial outputs sum to the layer's output. Every rank runs all W steps whatever the
 routing, so ranks that route differently make the same exchanges. The ring itself (the W steps, the
 backward's second rotation with each block's gradient partial summed on its way to the owner) is the
-planned sub-block's (``_sub_block.py``); this file says what a step of experts is.
+planned sub-block's (``_sub_block.py``); this file says what a step of experts is. What every experts
+module on a ring shares (its per-expert parameters' segments, installing a block for a step) is
+``ExpertRing``; torchtitan's ``GroupedExperts`` are its other kind (``_grouped_experts.py``).
 
 Masking, per implementation Hugging Face dispatches to (``config._experts_implementation``):
 
@@ -56,8 +58,11 @@ def is_experts_module(module: nn.Module) -> bool:
     return all(hasattr(module, marker) for marker in _MARKERS) and any(p.dim() == 3 for p in module.parameters(recurse=False))
 
 
-class ExpertsBlock:
-    """One experts module on a ring: its parameters (every one ``[experts, ...]``) and how a step runs.
+class ExpertRing:
+    """An experts module on a ring: its parameters (every one ``[experts, ...]``, ``Shard(0)`` over one
+    layout, the experts') and how a block of them is installed for a step. Subclasses say what a call's
+    arguments are (``call_arguments``) and what a step computes (``run_step``): Hugging Face's experts
+    here, torchtitan's ``GroupedExperts`` in ``_grouped_experts.py``.
 
     The interface the sub-block ring (``_sub_block.py``) drives: ``param_slots``, ``per_shard``,
     ``param_transposed``, ``transposed``, ``segments``, ``keeps_graphs``, ``call_arguments``,
@@ -65,11 +70,11 @@ class ExpertsBlock:
 
     keeps_graphs = False  # see the module's pitfalls
     per_shard = shard_parts = ()  # no parameter is used whole at every step
+    advice = ""  # what ends a sub-block's refusal: no ring_plan entry names an experts module
 
-    def __init__(self, module: nn.Module, name: str):
-        self.module, self.name = module, name
-        self.experts = module.num_experts
-        self.forward = type(module).forward  # the decorated forward, dispatching on the implementation
+    def __init__(self, module: nn.Module, name: str, experts: int):
+        self.module, self.name, self.experts = module, name, experts
+        self.forward = type(module).forward  # the module's own forward, run once per block of experts
         self.signature = inspect.signature(self.forward)
         where = f"rsdp_shard: experts {name or type(module).__qualname__!r}"
         nested = [n for n, p in module.named_parameters() if "." in n]
@@ -79,10 +84,10 @@ class ExpertsBlock:
                 "one ring, running its forward once per block of experts, so it may hold only [experts, ...] "
                 "parameters. Shard that module with torch's fully_shard instead."
             )
-        not_per_expert = [n for n, p in module.named_parameters() if p.dim() < 2 or p.shape[0] != self.experts]
+        not_per_expert = [n for n, p in module.named_parameters() if p.dim() < 2 or p.shape[0] != experts]
         if not_per_expert:
             raise ValueError(
-                f"{where}: parameters {not_per_expert} are not [num_experts={self.experts}, ...]; only per-expert "
+                f"{where}: parameters {not_per_expert} are not [num_experts={experts}, ...]; only per-expert "
                 "parameters can rotate in blocks of experts. Shard that module with torch's fully_shard instead."
             )
         self.param_slots = [(module, n) for n, _ in module.named_parameters(recurse=False)]
@@ -101,6 +106,45 @@ class ExpertsBlock:
             )
         return self._segments[key]
 
+    def layout(self):
+        """How the experts split into blocks over the ring's ranks."""
+        return shard_layout(self.experts, self.ring.ring.size)
+
+    def bound_arguments(self, args: tuple, kwargs: dict) -> list:
+        """A call's arguments in the order of the module's forward, defaults applied."""
+        bound = self.signature.bind(self.module, *args, **kwargs)
+        bound.apply_defaults()
+        return list(bound.arguments.values())[1:]
+
+    def run_block(self, operands: list[torch.Tensor], arguments: tuple, **attributes):
+        """The module's own forward on ``arguments`` with one block's parameters ``operands`` installed
+        (plain tensors) and ``attributes`` set for the call (``num_experts``: the block's size)."""
+        module = self.module
+        installed = [module._parameters[name] for _, name in self.param_slots]
+        before = {key: getattr(module, key) for key in attributes}
+        for (_, name), operand in zip(self.param_slots, operands):
+            module._parameters[name] = operand
+        for key, value in attributes.items():
+            setattr(module, key, value)
+        try:
+            return self.forward(module, *arguments)
+        finally:
+            for (_, name), value in zip(self.param_slots, installed):
+                module._parameters[name] = value
+            for key, value in before.items():
+                setattr(module, key, value)
+
+    def finish(self, total: torch.Tensor) -> torch.Tensor:
+        return total
+
+
+class ExpertsBlock(ExpertRing):
+    """A Hugging Face experts module on a ring: a step is its forward on the rank's tokens, with the
+    token-expert pairs routed outside the block masked (see the module's docstring)."""
+
+    def __init__(self, module: nn.Module, name: str):
+        super().__init__(module, name, module.num_experts)
+
     def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A call's arguments as ``(hidden_states, top_k_index, top_k_weights)``, whatever the experts'
         forward names them (gpt-oss: ``router_indices``, ``routing_weights``); checked before the ring
@@ -112,9 +156,7 @@ class ExpertsBlock:
                 f"masks the experts a block lacks in {[*_SENTINEL_IMPLEMENTATIONS, 'eager']} only. Load the model "
                 "with experts_implementation='grouped_mm' (or call set_experts_implementation('grouped_mm'))."
             )
-        bound = self.signature.bind(self.module, *args, **kwargs)
-        bound.apply_defaults()
-        values = list(bound.arguments.values())[1:]
+        values = self.bound_arguments(args, kwargs)
         if len(values) != 3 or not all(isinstance(value, torch.Tensor) for value in values):
             raise ValueError(
                 f"rsdp: experts {self.name!r} must be called with (hidden_states, top_k_index, top_k_weights) "
@@ -125,27 +167,13 @@ class ExpertsBlock:
     def run_step(self, call, arguments, shard: int, operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' forward on this rank's tokens for the block of experts ``shard`` (its parameters
         ``operands``); returns (output, partial output), the same tensor."""
-        module = self.module
-        sentinel = module.config._experts_implementation in _SENTINEL_IMPLEMENTATIONS
+        sentinel = self.module.config._experts_implementation in _SENTINEL_IMPLEMENTATIONS
         hidden_states, index, weights = arguments.args
-        layout = shard_layout(self.experts, self.ring.ring.size)
+        layout = self.layout()
         count = layout.rows_of(shard)
         local = index - layout.start(shard)
         outside = (local < 0) | (local >= count)
         local = local.masked_fill(outside, count if sentinel else 0)
         weights = weights.masked_fill(outside, 0)
-        installed = [module._parameters[name] for _, name in self.param_slots]
-        expert_parallel = module._is_expert_parallel
-        for (_, name), operand in zip(self.param_slots, operands):
-            module._parameters[name] = operand
-        module.num_experts, module._is_expert_parallel = count, sentinel
-        try:
-            output = self.forward(module, hidden_states, local, weights)
-        finally:
-            for (_, name), value in zip(self.param_slots, installed):
-                module._parameters[name] = value
-            module.num_experts, module._is_expert_parallel = self.experts, expert_parallel
+        output = self.run_block(operands, (hidden_states, local, weights), num_experts=count, _is_expert_parallel=sentinel)
         return output, output
-
-    def finish(self, total: torch.Tensor) -> torch.Tensor:
-        return total

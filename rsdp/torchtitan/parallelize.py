@@ -157,25 +157,7 @@ def _plan(
     return plan(
         counted, memory_budget=parallelism.memory_budget_bytes(), sample_input=sample, cost_model=cost_model,
         loss_fn=chunked_next_token_loss(parallelism.dp_loss_chunks) if parallelism.dp_loss_chunks > 1 else next_token_loss,
-        strategies=_plannable_strategies(model),
     )
-
-
-def _plannable_strategies(model: nn.Module) -> tuple[Strategy, ...]:
-    """The strategies ``auto`` may choose for ``model``. torchtitan's ``GroupedExperts`` have no expert
-    ring yet: under rsdp their 3-D weights are gathered op by op, which the cost model counts as a ring's
-    buffers, below what the step holds. So a MoE model is planned over fsdp and replicate, whose
-    predictions are the step's, rather than with an rsdp figure that could break the budget."""
-    from torchtitan.models.common.moe import GroupedExperts
-
-    if not any(isinstance(module, GroupedExperts) for module in model.modules()):
-        return tuple(Strategy)
-    log_once(
-        "rsdp: dp_strategy=auto plans this mixture-of-experts model over fsdp and replicate only: torchtitan's "
-        "GroupedExperts have no expert ring yet, and rsdp's op-by-op gathers of their weights are not in the "
-        "cost model (docs/torchtitan.md); name rsdp modules in --parallelism.dp_overrides to use it anyway"
-    )
-    return (Strategy.REPLICATE, Strategy.FSDP)
 
 
 def _loss_counted(parallelism: ParallelismConfig) -> str:
