@@ -24,6 +24,7 @@ monitor, and the store is the launcher's, so the forked ranks skip that sleep.
 """
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -88,6 +89,9 @@ def launch(nproc: int, args: list[str]) -> int:
 def _rank(local_rank: int, args: list[str], environment: dict[str, str], threads: int) -> None:
     os.environ.update(environment, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     torch.set_num_threads(threads)
+    # What the rank inherited (torch, torchtitan) lives as long as it: frozen, it is left out of every
+    # full collection (--parallelism.dp_measure_memory runs one before each measured step).
+    gc.freeze()
     import torchtitan.trainer
 
     torchtitan.trainer.time = _TimeWithoutShutdownSleep("time")
