@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -91,23 +92,35 @@ def assert_close(actual, expected, *, what, rtol=1e-9, atol=1e-11):
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
+def assert_matches_whole(actual, expected, *, what, **tol):
+    """``actual`` (a DTensor or a tensor), in ``expected``'s dtype, equals the whole tensor ``expected``.
+    A sharded or replicated DTensor is compared where it lies, each rank's local tensor against the same
+    part of ``expected`` (``distribute_tensor``'s layout, cut without communication): the ranks together
+    compare every element, as after ``full_tensor()``, without an all-gather per parameter. Partial
+    values are summed first (``full_tensor``)."""
+    if isinstance(actual, DTensor) and not any(p.is_partial() for p in actual.placements):
+        assert actual.shape == expected.shape, f"{what}: global shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+        expected = distribute_tensor(expected, actual.device_mesh, actual.placements, src_data_rank=None).to_local()
+        actual = actual.to_local()
+    assert_close(full(actual).to(expected.dtype), expected, what=what, **tol)
+
+
 def assert_param_grads_match(model, reference, scale, **tol):
     """Every parameter gradient of the sharded model equals ``scale`` times the reference's."""
     reference_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        expected = reference_params[name].grad
-        actual = None if param.grad is None else full(param.grad)
+        expected, actual = reference_params[name].grad, param.grad
         if expected is None:
             assert actual is None, f"{name}: unexpected gradient"
             continue
         assert actual is not None, f"{name}: missing gradient"
-        assert_close(actual.to(expected.dtype), expected * scale, what=f"grad of {name}", **tol)
+        assert_matches_whole(actual, expected * scale, what=f"grad of {name}", **tol)
 
 
 def assert_params_match(model, reference, **tol):
     reference_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        assert_close(full(param.detach()).to(torch.float64), reference_params[name].detach(), what=name, **tol)
+        assert_matches_whole(param.detach(), reference_params[name].detach(), what=name, **tol)
 
 
 def training_step_transient(model: nn.Module, loss) -> int:

@@ -1,6 +1,9 @@
 """Run the dp, fsdp, tp and rtp benchmarks on one config and world size, and compare them.
 
-Each strategy runs as a subprocess of its own script (``<name>_benchmark.py --json ...``); the strategies
+Each strategy runs its own script (``<name>_benchmark.py --json ...``) in a process of its own: on CPU a
+child forked from this one, which has imported torch once (a new interpreter would import it again,
+~5 s on 2 cores, more than a small config's run); on CUDA a new interpreter (a process that has asked
+CUDA for its devices, as the flags' parsing does, cannot be forked for CUDA work). The strategies
 alternate over ``--repeats`` rounds (timings on a shared machine drift, so strategies are compared
 within a round) and each strategy's step time is its median round. This prints a markdown table with
 every figure also as a ratio to fsdp's, the per-round ratios of step time and of host CPU time (all
@@ -14,6 +17,8 @@ ranks' user and system time per step: where ranks share cores the step time foll
 """
 
 import json
+import multiprocessing
+import runpy
 import statistics
 import subprocess
 import sys
@@ -63,17 +68,24 @@ METRICS = (
 
 def run_strategy(name: str, args, workdir: Path) -> dict:
     out = workdir / f"{name}.json"
-    command = [
-        sys.executable,
-        str(HERE / f"{name}_benchmark.py"),
-        "--use_synthetic_data",
-        *common.forwarded_flags(args),
-        f"--json={out}",
-    ]
-    print("$", " ".join(command), flush=True)
-    if subprocess.run(command).returncode != 0:
+    argv = [str(HERE / f"{name}_benchmark.py"), "--use_synthetic_data", *common.forwarded_flags(args), f"--json={out}"]
+    print("$", sys.executable, " ".join(argv), flush=True)
+    if args.device == "cuda":
+        exitcode = subprocess.run([sys.executable, *argv]).returncode
+    else:
+        child = multiprocessing.get_context("fork").Process(target=_run_script, args=(argv,))
+        child.start()
+        child.join()
+        exitcode = child.exitcode
+    if exitcode != 0:
         sys.exit(f"compare: {name}_benchmark.py failed; see its output above")
     return json.loads(out.read_text())
+
+
+def _run_script(argv: list[str]) -> None:
+    """``python *argv`` in a forked child (the scripts share this one's folder, so ``sys.path`` is theirs)."""
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 def ratio(value: float, baseline: float) -> str:

@@ -15,14 +15,23 @@ Pitfall: the ranks are forked, and GNU OpenMP's thread pool does not survive a f
 a parallel region after its parent ran one can hang). So the launcher forks before any CPU work of its
 own, and each rank sets its thread count before its first op; a process that has run parallel work
 (the tests fork the launcher from theirs) must give its ranks one thread each (``OMP_NUM_THREADS=1``).
+
+The launcher hosts the ranks' rendezvous store, as torchrun's agent does, so that no rank's exit takes
+it from the others. torchtitan's rank 0 sleeps 2 s after its last step "for other ranks to complete":
+a workaround (torchtitan PR 224) for NCCL's heartbeat monitor, which reads the store after rank 0, its
+host under a plain launch, has left (pytorch issue 123969). These ranks run gloo, which has no heartbeat
+monitor, and the store is the launcher's, so the forked ranks skip that sleep.
 """
 
 import argparse
+import gc
 import os
-import socket
 import sys
+import time
+import types
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ASSETS = os.path.join("outputs", "assets")
@@ -62,8 +71,10 @@ def launch(nproc: int, args: list[str]) -> int:
     """Fork ``nproc`` ranks that run torchtitan's trainer with ``args``; 0 when every rank finished,
     1 when one failed (its error printed, the others stopped)."""
     _prepare()
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)  # any free port
     environment = {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
     }
     # Ranks share the cores: one each would leave cores idle, more would oversubscribe them.
     threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // nproc))
@@ -78,7 +89,25 @@ def launch(nproc: int, args: list[str]) -> int:
 def _rank(local_rank: int, args: list[str], environment: dict[str, str], threads: int) -> None:
     os.environ.update(environment, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     torch.set_num_threads(threads)
+    # What the rank inherited (torch, torchtitan) lives as long as it: frozen, it is left out of every
+    # full collection (--parallelism.dp_measure_memory runs one before each measured step).
+    gc.freeze()
+    import torchtitan.trainer
+
+    torchtitan.trainer.time = _TimeWithoutShutdownSleep("time")
     _train(args)
+
+
+class _TimeWithoutShutdownSleep(types.ModuleType):
+    """``time`` for torchtitan's trainer in a forked gloo rank: its one sleep is the shutdown wait the
+    module's docstring explains, which waits for nothing here."""
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        pass
 
 
 def _prepare() -> None:
@@ -107,12 +136,6 @@ def _train(args: list[str]) -> None:
 
     sys.argv = [sys.argv[0], *args]
     torchtitan.train.main()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> None:
