@@ -212,6 +212,18 @@ class CostModel:
     all_gather: Link | None = None
     reduce_scatter: Link | None = None
     all_reduce: Link | None = None
+    # Two levels: devices per machine (None: the world is one machine) and each op's link between machines
+    # as (op, Link) pairs (empty: one level, the links above whatever an op spans). An op whose ranks span
+    # machines pays the link between them: every collective over the world, and every ring step (a flat
+    # ring's, or a ring of groups' exchange between groups), when the world is more than one machine.
+    gpus_per_node: int | None = None
+    inter_node_links: tuple[tuple[str, Link], ...] = ()
+    # rsdp's ring of groups (``ring_group_size``): the group sizes the search may choose (None: every one
+    # ``ring_group_sizes`` allows), and the partial GEMMs' efficiency of each, as (g, efficiency) pairs: a
+    # step computes g/W of a layer, so it is the efficiency at W/g (``_hardware``; a size not listed runs
+    # at ``partial_gemm_efficiency``, W's, an underestimate of its speed).
+    allowed_ring_group_sizes: tuple[int, ...] | None = None
+    partial_gemm_efficiency_of_groups: tuple[tuple[int, float], ...] = ()
 
     def with_optimizer(self, name: str) -> "CostModel":
         """This cost model for a run that trains with the optimizer ``name`` (a key of ``OPTIMIZERS``)."""
@@ -224,6 +236,39 @@ class CostModel:
             raise ValueError(
                 f"rsdp: caching_allocator {self.caching_allocator!r} is none of {CACHING_ALLOCATORS}; give one of them."
             )
+        if self.gpus_per_node is not None and self.gpus_per_node <= 0:
+            raise ValueError(f"rsdp plan: gpus per node must be positive, got {self.gpus_per_node}; e.g. --gpus-per-node 8.")
+        possible = self._possible_ring_group_sizes()
+        for size in self.allowed_ring_group_sizes or ():
+            if size not in possible:
+                raise ValueError(
+                    f"rsdp plan: ring group size {size} is not one of {list(possible)}, the sizes that divide the world "
+                    f"of {self.world_size} into groups within one machine"
+                    f"{'' if self.gpus_per_node is None else f' of {self.gpus_per_node}'}; pick one of them."
+                )
+
+    def _possible_ring_group_sizes(self) -> tuple[int, ...]:
+        """Every g that divides the world into groups of consecutive ranks within one machine (1 where the
+        machine's size is unknown: a group's all-gather would cross a boundary nobody stated)."""
+        if self.gpus_per_node is None:
+            return (1,)
+        machine = min(self.gpus_per_node, self.world_size)
+        return tuple(g for g in range(1, machine + 1) if self.world_size % g == 0 and (machine % g == 0))
+
+    def ring_group_sizes(self) -> tuple[int, ...]:
+        """The ring group sizes an rsdp part may take: those allowed, else every possible one."""
+        return tuple(self.allowed_ring_group_sizes or self._possible_ring_group_sizes())
+
+    def partial_efficiency(self, ring_group_size: int) -> float:
+        """The partial GEMMs' efficiency of a ring step of a group of ``ring_group_size`` (g/W of a layer)."""
+        if ring_group_size == 1:
+            return self.partial_gemm_efficiency
+        return dict(self.partial_gemm_efficiency_of_groups).get(ring_group_size, self.partial_gemm_efficiency)
+
+    @property
+    def spans_machines(self) -> bool:
+        """Whether the world is more than one machine (then its collectives and ring steps cross them)."""
+        return self.gpus_per_node is not None and self.world_size > self.gpus_per_node
 
     def compute_seconds(self, flops: float, linear_flops: float, work: Work = Work()) -> float:
         """``flops`` of which ``linear_flops`` are the Linears' GEMMs and ``work`` the rest by kind, at
@@ -245,9 +290,11 @@ class CostModel:
         """Whether byte figures are what a caching allocator reserves (else allocated bytes)."""
         return self.caching_allocator is not None or self.reserved_per_allocated != 1.0
 
-    def link(self, op: str) -> Link:
-        """The fitted cost of ``op`` (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``)."""
-        return getattr(self, op) or Link(self.latency_s, self.bandwidth_bytes_per_s)
+    def link(self, op: str, across_machines: bool = False) -> Link:
+        """The fitted cost of ``op`` (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``), between
+        machines where ``across_machines`` and this model has a link there, else within one."""
+        between = dict(self.inter_node_links).get(op) if across_machines else None
+        return between or getattr(self, op) or Link(self.latency_s, self.bandwidth_bytes_per_s)
 
 
 def _optimizer(state: float, per_param_byte: float, per_largest_param_byte: float, traffic: float) -> dict:
@@ -735,10 +782,11 @@ def _weight_bytes(module: nn.Module) -> int:
 
 
 class _Parallelism:
-    """What one part's parameters cost on one rank under one strategy."""
+    """What one part's parameters cost on one rank under one strategy (rsdp: in rings of groups of
+    ``ring_group_size``)."""
 
-    def __init__(self, counts: PartCounts, strategy: Strategy, cost: CostModel):
-        self.counts, self.strategy, self.cost = counts, strategy, cost
+    def __init__(self, counts: PartCounts, strategy: Strategy, cost: CostModel, ring_group_size: int = 1):
+        self.counts, self.strategy, self.cost, self.ring_group_size = counts, strategy, cost, ring_group_size
         world = cost.world_size
         whole = strategy is Strategy.REPLICATE or world == 1
 
@@ -768,9 +816,10 @@ class _Parallelism:
         # two messages of a weight shard and a gradient partial and the scratch of the next contribution
         # for a Linear ring (partials and scratch of its trainable weights alone), two of a partial for an
         # Embedding's (its gradient needs no weights, and its sparse contribution is added into the
-        # arrived partial).
+        # arrived partial). A ring of groups holds each as its group's block of g shards (2g/W of a
+        # layer in forward).
         def shard(nbytes: int) -> int:
-            return math.ceil(nbytes / world)
+            return ring_group_size * math.ceil(nbytes / world)
 
         rsdp = strategy is Strategy.RSDP
         # An expert ring's block: ceil(experts / W) whole experts (torch.chunk rows), its weights in
@@ -823,31 +872,44 @@ class _Parallelism:
         # Where a device computes, the host's work and the transfers run beside it; where the host
         # computes (CPU ranks), it also runs the transfers (gloo copies and reduces on the same cores).
         overlap = max if cost.host_overlaps_compute else operator.add
+        across = cost.spans_machines
         if self.strategy is Strategy.RSDP:
             layers = max(counts.layers, 1)
             rings = layers * max(counts.calls, 1)  # a chunked loss's head rotates its weights once per chunk
+            group = self.ring_group_size
+            steps = world // group
             # The shards' penalty is on the Linears' GEMM time alone (at the whole GEMMs' rate): attention
-            # and elementwise work are not split.
+            # and elementwise work are not split. A step computes g/W of the layer.
             # A measured efficiency above 1 (timing noise on a loaded host) is no speed-up: no negative penalty.
-            efficiency = min(cost.partial_gemm_efficiency, 1.0)
+            efficiency = min(cost.partial_efficiency(group), 1.0)
             penalty = linear / (cost.gemm_flops_per_s or cost.flops_per_s) * (1 / efficiency - 1)
-            gemms = (compute + penalty) / rings / world
+            gemms = (compute + penalty) / rings / steps
             host = cost.ring_step_host_s
             step = overlap(gemms, host)
-            # Backward's weight shard and gradient partial travel as one message.
+            # Between groups (between ranks where g = 1): one shard, backward's weight shard and gradient
+            # partial as one message, across machines when the world spans them (a step lasts as long as
+            # its slowest exchange).
             message = (self.compute + (self.reduced if backward else 0)) / layers / world
-            exchange = cost.link("send_recv").seconds(message)
-            return rings * (step + (world - 1) * overlap(step, exchange))
+            exchange = cost.link("send_recv", across).seconds(message)
+            # Within the group (g > 1), at every step: the all-gather of its block of g weight shards, and
+            # in backward the reduce-scatter of the block's g partials; the first step's overlaps the
+            # previous ring (prefetch), as the first ring's is not charged.
+            gathering = 0.0
+            if group > 1:
+                gathering = cost.link("all_gather").seconds((group - 1) * self.compute / layers / world, group - 1)
+                if backward:
+                    gathering += cost.link("reduce_scatter").seconds((group - 1) * self.reduced / layers / world, group - 1)
+            return rings * (overlap(step, gathering) + (steps - 1) * overlap(step, exchange + gathering))
         if self.strategy is Strategy.FSDP:
             compute += self.params * cost.fsdp_overhead_s_per_byte[backward]
-            transfer = cost.link("all_gather").seconds(share * self.compute, world - 1)
+            transfer = cost.link("all_gather", across).seconds(share * self.compute, world - 1)
             if backward:  # the re-gather (the unit was resharded after its forward), then the reduce
-                transfer += cost.link("reduce_scatter").seconds(share * self.reduced, world - 1)
+                transfer += cost.link("reduce_scatter", across).seconds(share * self.reduced, world - 1)
             return overlap(compute, transfer)
         compute += self.params * cost.replicate_overhead_s_per_byte[backward]
         if not backward:  # replication communicates in backward only
             return compute
-        return overlap(compute, cost.link("all_reduce").seconds(2 * share * self.reduced, 2 * (world - 1)))
+        return overlap(compute, cost.link("all_reduce", across).seconds(2 * share * self.reduced, 2 * (world - 1)))
 
     def unit(self, forward: Phase, backward: Phase, below_ring_root: bool, called_per_chunk: bool = False) -> UnitCost:
         """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
@@ -920,17 +982,21 @@ class _Parallelism:
         return phase, Phase(0, 0, backward_seconds), kept
 
 
-def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, cost: CostModel) -> dict[str, UnitCost]:
-    """Every unit's cost under ``strategy``, below a root under ``root_strategy``."""
+def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, cost: CostModel,
+                   ring_group_size: int = 1) -> dict[str, UnitCost]:
+    """Every unit's cost under ``strategy`` (rsdp: in rings of groups of ``ring_group_size``), below a root
+    under ``root_strategy``. Units with experts take groups of 1 alone (their expert ring's terms are a
+    flat ring's): with a larger group they are left out."""
     phases, below_ring_root = counts.activations, root_strategy is Strategy.RSDP
     return {
         name: _reserved(
-            _Parallelism(part, strategy, cost).unit(
+            _Parallelism(part, strategy, cost, ring_group_size).unit(
                 phases.forward[name], phases.backward[name], below_ring_root, name == phases.called_per_chunk
             ),
             cost, counts,
         )
         for name, part in counts.units.items()
+        if ring_group_size == 1 or not part.experts
     }
 
 
@@ -960,10 +1026,11 @@ def _reserved(estimate, cost: CostModel, counts: Counts):
     return dataclasses.replace(estimate, **changes)
 
 
-def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCost:
-    """The root's cost under ``strategy``: its parameters are those of the work before the first unit
-    (embedding) and after the last (head); the head's gradients appear in the middle phase."""
-    embedding, head = _Parallelism(counts.before, strategy, cost), _Parallelism(counts.after, strategy, cost)
+def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_group_size: int = 1) -> RootCost:
+    """The root's cost under ``strategy`` (rsdp: in rings of groups of ``ring_group_size``): its parameters
+    are those of the work before the first unit (embedding) and after the last (head); the head's
+    gradients appear in the middle phase."""
+    embedding, head = (_Parallelism(part, strategy, cost, ring_group_size) for part in (counts.before, counts.after))
     pair = (counts.before, counts.after)
     whole = PartCounts(
         **{name: sum(getattr(part, name) for part in pair) for name in ("param_bytes", "vector_bytes", "frozen_bytes", "frozen_vector_bytes")},
@@ -973,7 +1040,7 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
                          "largest_trainable_layer_bytes", "largest_trainable_linear_bytes", "itemsize")
         },
     )
-    root = _Parallelism(whole, strategy, cost)
+    root = _Parallelism(whole, strategy, cost, ring_group_size)
     vectors, vector_gradients = root.vectors, root.vector_gradients
     gradients, head_gradients = root.local_gradients, head.local_gradients  # on one rank, trainable parameters'
     params, reduced = root.compute, root.reduced  # the gathered copy, in param_dtype; the reduced gradient
