@@ -41,6 +41,10 @@ def one_line_exit(argv: list[str]) -> str:
     (["--nhead", "5"], "--ninp 128 must divide into --nhead 5 attention heads"),
     (["--loss-chunks", "0"], "--loss-chunks must be positive, got 0; pass 1 for cross-entropy over the whole logits"),
     (["--lora-rank", "-4"], "--lora-rank must be 0 (no LoRA) or more, got -4"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0; pass the devices of one machine"),
+    (["--ring-group-sizes", "0"], "--ring-group-sizes must be positive, got 0; pass divisors of the world"),
+    (["--world-size", "16", "--hardware", "h100-sxm-nvlink-infiniband", "--ring-group-sizes", "16"],
+     "ring group size 16 is not one of [1, 2, 4, 8], the sizes that divide the world of 16 into groups within one machine of 8"),
 ])
 def test_bad_arguments_name_the_value_and_the_fix(argv, names):
     assert names in one_line_exit([*BENCHMARK, *argv])
