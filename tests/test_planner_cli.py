@@ -43,8 +43,8 @@ def one_line_exit(argv: list[str]) -> str:
     (["--lora-rank", "-4"], "--lora-rank must be 0 (no LoRA) or more, got -4"),
     (["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0; pass the devices of one machine"),
     (["--ring-group-sizes", "0"], "--ring-group-sizes must be positive, got 0; pass divisors of the world"),
-    (["--world-size", "16", "--hardware", "h100-sxm-nvlink-infiniband", "--ring-group-sizes", "16"],
-     "ring group size 16 is not one of [1, 2, 4, 8], the sizes that divide the world of 16 into groups within one machine of 8"),
+    (["--world-size", "24", "--hardware", "h100-sxm-nvlink-infiniband", "--ring-group-sizes", "12"],
+     "ring group size 12 is not one of [1, 2, 4, 8, 24], the sizes that divide the world of 24 into groups within one machine of 8"),
 ])
 def test_bad_arguments_name_the_value_and_the_fix(argv, names):
     assert names in one_line_exit([*BENCHMARK, *argv])

@@ -12,7 +12,7 @@ import torch
 
 from rsdp import CostModel, Strategy, parallelize
 from rsdp.planner import _hardware
-from rsdp.planner._calibrate import _fake_group
+from rsdp.planner._calibrate import _fake_group, machines_of_ranks, measure_levels
 from rsdp.planner._cost_model import Link, PartCounts, _Parallelism
 from rsdp.planner._plan import plan_from_counts, predict_uniform
 from test_planner import counted, untied_lm
@@ -48,15 +48,15 @@ def test_two_level_presets_load_cite_their_sources_and_round_trip(tmp_path):
     assert _hardware.load(str(path)) == h100
 
     cost = h100.cost_model(64)
-    assert cost.spans_machines and cost.ring_group_sizes() == (1, 2, 4, 8)
+    assert cost.spans_machines and cost.ring_group_sizes() == (1, 2, 4, 8, 16, 32, 64)  # within a machine, or whole ones
     assert cost.link("send_recv", True) == h100.inter_node_links["send_recv"] != cost.link("send_recv")
     # A group of g computes g/W of a layer per step: the partial GEMMs' efficiency at W/g.
     assert cost.partial_efficiency(8) == pytest.approx(h100.efficiency_at(8))
     assert cost.partial_efficiency(1) == pytest.approx(h100.efficiency_at(64))
-    assert h100.cost_model(64, gpus_per_node=4).ring_group_sizes() == (1, 2, 4)
+    assert h100.cost_model(24, gpus_per_node=4).ring_group_sizes() == (1, 2, 4, 8, 12, 24)
     assert not h100.cost_model(8).spans_machines and h100.cost_model(4).ring_group_sizes() == (1, 2, 4)
-    with pytest.raises(ValueError, match="ring group size 16 is not one of"):
-        h100.cost_model(64, allowed_ring_group_sizes=(1, 16))
+    with pytest.raises(ValueError, match="ring group size 12 is not one of"):
+        h100.cost_model(24, allowed_ring_group_sizes=(1, 12))
 
 
 def test_a_single_level_profile_has_flat_rings_alone_and_one_link_for_everything(tmp_path):
@@ -69,44 +69,41 @@ def test_a_single_level_profile_has_flat_rings_alone_and_one_link_for_everything
     assert cost.link("all_gather", True) == cost.link("all_gather") == Link(1e-5, 1e10)
     assert "gpus_per_node" not in hardware.to_json() and "inter_node_links" not in hardware.to_json()
     # Machines named on the command line without a link between them: groups, every op at the one link.
-    assert hardware.cost_model(128, gpus_per_node=8).ring_group_sizes() == (1, 2, 4, 8)
+    assert hardware.cost_model(32, gpus_per_node=8).ring_group_sizes() == (1, 2, 4, 8, 16, 32)
 
 
 @pytest.mark.parametrize("group", [1, 2, 8, 16])
 def test_a_ring_of_groups_exchanges_w_over_g_minus_1_shards_between_groups_and_gathers_the_rest_within(group):
-    """Per ring and rank: W/g - 1 exchanges between groups (across machines: the world spans two) and W/g
-    all-gathers of g - 1 shards within the group, (W/g - 1) + W/g (g - 1) = W - 1 shards, as the flat ring;
-    host time once per step, W/g steps. g = 16 is one machine's all-gather of the whole layer (the world
-    made one machine)."""
-    steps, free, rings = WORLD // group, Link(0.0, 1e30), PART.layers
-    machine = max(PER_NODE, group)
-
-    def cost(within: Link, between: Link, **fields) -> CostModel:
-        return CostModel(WORLD, flops_per_s=1e30, bandwidth_bytes_per_s=within.bandwidth_bytes_per_s,
-                         latency_s=within.latency_s, gpus_per_node=machine,
-                         inter_node_links=tuple((op, between) for op in _hardware.LINK_OPS), **fields)
-
+    """Per ring and rank, on two machines of 8: W/g - 1 exchanges between groups (across machines: a step
+    waits for its slowest) and W/g all-gathers of g - 1 shards within the group (across machines where the
+    group is both: g = 16, one all-gather of the whole layer, FSDP's pattern), (W/g - 1) + W/g (g - 1) =
+    W - 1 shards, as the flat ring; host time once per step, W/g steps."""
+    steps, free, slow, rings = WORLD // group, Link(0.0, 1e30), Link(0.0, 1e9), PART.layers
     between_messages, within_hops = steps - 1, steps * (group - 1)
-    spans = WORLD > machine
-    # Bytes: only the link between machines costs anything, then only the one within.
-    slow = Link(0.0, 1e9)
-    assert ring_seconds(cost(free, slow), group) == pytest.approx(rings * between_messages * SHARD / 1e9 if spans else 0.0)
-    assert ring_seconds(cost(slow, free), group) == pytest.approx(
-        rings * (within_hops + (0 if spans else between_messages)) * SHARD / 1e9
-    )
     assert between_messages + within_hops == WORLD - 1
-    # Messages: one latency per exchange between groups, one per hop of each all-gather within.
-    latent = Link(1e-3, 1e30)
-    assert ring_seconds(cost(free, latent), group) == pytest.approx(rings * between_messages * 1e-3 if spans else 0.0)
-    # Backward: a weight shard and a gradient partial between groups; the block's all-gather and reduce-scatter.
-    assert ring_seconds(cost(free, slow), group, backward=True) == pytest.approx(
-        rings * between_messages * 2 * SHARD / 1e9 if spans else 0.0
+    group_across = group > PER_NODE
+    # Bytes: only the link between machines costs anything, then only the one within.
+    assert ring_seconds(two_levels(free, slow), group) == pytest.approx(
+        rings * (between_messages + (within_hops if group_across else 0)) * SHARD / 1e9
     )
-    assert ring_seconds(cost(slow, free), group, backward=True) == pytest.approx(
-        rings * (2 * within_hops + (0 if spans else 2 * between_messages)) * SHARD / 1e9
+    assert ring_seconds(two_levels(slow, free), group) == pytest.approx(rings * (0 if group_across else within_hops) * SHARD / 1e9)
+    # Messages: one latency per exchange between groups, one per hop of each all-gather.
+    latent = Link(1e-3, 1e30)
+    assert ring_seconds(two_levels(free, latent), group) == pytest.approx(
+        rings * (between_messages + (within_hops if group_across else 0)) * 1e-3
+    )
+    # Backward: a weight shard and a gradient partial between groups; the block's all-gather and reduce-scatter.
+    assert ring_seconds(two_levels(free, slow), group, backward=True) == pytest.approx(
+        rings * 2 * (between_messages + (within_hops if group_across else 0)) * SHARD / 1e9
+    )
+    assert ring_seconds(two_levels(slow, free), group, backward=True) == pytest.approx(
+        rings * 2 * (0 if group_across else within_hops) * SHARD / 1e9
     )
     host = 1e-4
-    assert ring_seconds(cost(free, free, ring_step_host_s=host), group) == pytest.approx(rings * steps * host)
+    assert ring_seconds(two_levels(free, free, ring_step_host_s=host), group) == pytest.approx(rings * steps * host)
+    # On one machine (no link between machines to pay), the exchanges run within it.
+    one = CostModel(WORLD, flops_per_s=1e30, bandwidth_bytes_per_s=1e9, latency_s=0.0, gpus_per_node=WORLD)
+    assert ring_seconds(one, group) == pytest.approx(rings * (WORLD - 1) * SHARD / 1e9)
 
 
 def test_a_ring_of_groups_holds_g_shards_where_the_flat_ring_holds_one():
@@ -190,3 +187,23 @@ def test_a_plans_group_on_a_module_that_is_not_rsdp_is_refused(tiny):
     rows = tuple(row if row.module != "layers.0" else type(row)(**{**vars(row), "ring_group_size": 2}) for row in chosen.rows)
     with _fake_group(WORLD, "the apply path") as mesh, pytest.raises(ValueError, match="'layers.0' ring group size 2"):
         parallelize(untied_lm(vocab=512, dim=64, hidden=128, layers=3), type(chosen)(**{**vars(chosen), "rows": rows}), mesh=mesh)
+
+
+def calibrate_levels(gpus_per_node: int | None):
+    machines = machines_of_ranks(gpus_per_node)
+    levels = measure_levels(machines, torch.device("cpu"), message_bytes=(2**12, 2**22)) if gpus_per_node else None
+    return machines, levels
+
+
+def test_calibrate_measures_two_levels_where_its_ranks_span_machines(ranks):
+    """4 gloo ranks on this one host, taken as 2 machines of 2 (``--gpus-per-node 2``: what is measured
+    is this host's links, on a group per simulated machine and over every rank): each op fitted on both
+    levels. By host name the 4 ranks are one machine (one level)."""
+    (machines, levels), *_ = ranks.run(4, calibrate_levels, 2)
+    assert machines == [0, 0, 1, 1] and levels.gpus_per_node == 2
+    assert set(levels.within) == set(levels.between) == set(_hardware.LINK_OPS)
+    assert all(link.bandwidth_bytes_per_s > 0 for link in (*levels.within.values(), *levels.between.values()))
+    (machines, _), *_ = ranks.run(4, calibrate_levels, None)
+    assert machines == [0, 0, 0, 0]
+    with pytest.raises(AssertionError, match="--gpus-per-node 3 does not divide the 4 ranks"):
+        ranks.run(4, calibrate_levels, 3)

@@ -244,16 +244,19 @@ class CostModel:
                 raise ValueError(
                     f"rsdp plan: ring group size {size} is not one of {list(possible)}, the sizes that divide the world "
                     f"of {self.world_size} into groups within one machine"
-                    f"{'' if self.gpus_per_node is None else f' of {self.gpus_per_node}'}; pick one of them."
+                    f"{'' if self.gpus_per_node is None else f' of {self.gpus_per_node} or of whole machines'}; pick one of them."
                 )
 
     def _possible_ring_group_sizes(self) -> tuple[int, ...]:
-        """Every g that divides the world into groups of consecutive ranks within one machine (1 where the
-        machine's size is unknown: a group's all-gather would cross a boundary nobody stated)."""
+        """Every g that divides the world into groups of consecutive ranks within one machine or of whole
+        machines (1 where the machine's size is unknown: a group would cross a boundary nobody stated)."""
         if self.gpus_per_node is None:
             return (1,)
         machine = min(self.gpus_per_node, self.world_size)
-        return tuple(g for g in range(1, machine + 1) if self.world_size % g == 0 and (machine % g == 0))
+        return tuple(
+            g for g in range(1, self.world_size + 1)
+            if self.world_size % g == 0 and (machine % g == 0 or g % machine == 0)
+        )
 
     def ring_group_sizes(self) -> tuple[int, ...]:
         """The ring group sizes an rsdp part may take: those allowed, else every possible one."""
@@ -268,7 +271,11 @@ class CostModel:
     @property
     def spans_machines(self) -> bool:
         """Whether the world is more than one machine (then its collectives and ring steps cross them)."""
-        return self.gpus_per_node is not None and self.world_size > self.gpus_per_node
+        return self.spans_more_than_a_machine(self.world_size)
+
+    def spans_more_than_a_machine(self, ranks: int) -> bool:
+        """Whether ``ranks`` consecutive ranks (a ring group, the world) span more than one machine."""
+        return self.gpus_per_node is not None and ranks > self.gpus_per_node
 
     def compute_seconds(self, flops: float, linear_flops: float, work: Work = Work()) -> float:
         """``flops`` of which ``linear_flops`` are the Linears' GEMMs and ``work`` the rest by kind, at
@@ -892,13 +899,14 @@ class _Parallelism:
             message = (self.compute + (self.reduced if backward else 0)) / layers / world
             exchange = cost.link("send_recv", across).seconds(message)
             # Within the group (g > 1), at every step: the all-gather of its block of g weight shards, and
-            # in backward the reduce-scatter of the block's g partials; the first step's overlaps the
-            # previous ring (prefetch), as the first ring's is not charged.
-            gathering = 0.0
+            # in backward the reduce-scatter of the block's g partials (across machines where a group is
+            # several), each overlapping a step's compute (the first step's too: g = W is FSDP's pattern,
+            # one all-gather beside the layer's compute).
+            gathering, in_group = 0.0, cost.spans_more_than_a_machine(group)
             if group > 1:
-                gathering = cost.link("all_gather").seconds((group - 1) * self.compute / layers / world, group - 1)
+                gathering = cost.link("all_gather", in_group).seconds((group - 1) * self.compute / layers / world, group - 1)
                 if backward:
-                    gathering += cost.link("reduce_scatter").seconds((group - 1) * self.reduced / layers / world, group - 1)
+                    gathering += cost.link("reduce_scatter", in_group).seconds((group - 1) * self.reduced / layers / world, group - 1)
             return rings * (overlap(step, gathering) + (steps - 1) * overlap(step, exchange + gathering))
         if self.strategy is Strategy.FSDP:
             compute += self.params * cost.fsdp_overhead_s_per_byte[backward]

@@ -272,8 +272,12 @@ def _calibrated(args: argparse.Namespace) -> None:
           f"{hardware.other_flops_per_s or 0:.4g}); partial GEMM efficiency "
           + ", ".join(f"W={w}: {e:.3f}" for w, e in hardware.partial_gemm_efficiency.items())
           + f"; host per ring step {hardware.ring_step_host_s * 1e6:.1f} us")
-    for op, link in hardware.links.items():
-        print(f"{op}: latency {link.latency_s * 1e6:.1f} us per hop, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s")
+    levels = [("", hardware.links)]
+    if hardware.inter_node_links:
+        levels = [("within a machine, ", hardware.links), (f"between machines of {hardware.gpus_per_node}, ", hardware.inter_node_links)]
+    for level, links in levels:
+        for op, link in links.items():
+            print(f"{level}{op}: latency {link.latency_s * 1e6:.1f} us per hop, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s")
 
 
 def _measured(args: argparse.Namespace) -> None:
