@@ -24,7 +24,8 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   input (carried) and frees them, and reduces into the gradient;
 - rsdp: the ring's two messages of a weight shard of the part's largest ring in forward; in backward
   two messages of a weight shard and a gradient partial and the scratch of the next contribution for
-  a Linear ring (5 shards), two messages of a partial for an Embedding's; carried for the rest of the
+  a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: each
+  a block of g shards, 2g/W of a layer in forward); carried for the rest of the
   pass (a part with no ring, norms only, holds none; an rsdp root's forward frees them before the
   loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
@@ -66,11 +67,18 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
   Linears' GEMM time (at ``gemm_flops_per_s``) divided by ``partial_gemm_efficiency`` (a 1/W-row GEMM's
   rate relative to a whole one: RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
-  overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange;
+  overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange.
+  A ring of groups of g (``ring_group_size``): W/g steps of g/W of the work (the efficiency at W/g),
+  W/g - 1 exchanges of one shard between groups, and at every step the all-gather of the group's block
+  of g weight shards (backward: and the reduce-scatter of its g partials) within the group, which
+  overlaps the step with the exchange;
 - replicate: the gradient's all-reduce (2(W-1) hops, 2(W-1)/W of the bytes) overlaps the backward.
 
-Gathered weights and ring weight messages move in ``param_dtype``, reductions and partials in
-``reduce_dtype``. The optimizer step is memory-bound: its traffic per parameter byte over the device's
+Two levels (``gpus_per_node``, ``inter_node_links``): where the world is more than one machine, every
+collective over it and every ring exchange (a step waits for its slowest, which crosses a machine
+boundary) pays the link between machines; a ring group's all-gather and reduce-scatter pay the link
+within one, or between where a group is several machines. Gathered weights and ring weight messages
+move in ``param_dtype``, reductions and partials in ``reduce_dtype``. The optimizer step is memory-bound: its traffic per parameter byte over the device's
 memory bandwidth (where known). FSDP2's own work beside the wire (copies into and out of the
 collectives' buffers, the pre-division, its hooks) is charged per parameter byte with the compute where
 ``rsdp calibrate`` measured it (``fsdp_overhead_s_per_byte``, ``replicate_overhead_s_per_byte``; the GPU

@@ -40,6 +40,12 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
   ranks, which have none: the prediction is then allocated bytes) and a fixed factor beside it (1.0
   unless a profile gives one). The GPU presets model expandable segments, as torchtitan runs.
 
+Presets: ``<chip>-nvlink`` (every op at NVLink's figures, whatever the world), ``<chip>-infiniband``
+(every op at one NIC's), and ``<chip>-nvlink-infiniband``, two levels: NVLink within a host of
+``GPUS_PER_HOST``, InfiniBand between hosts (a point-to-point exchange at one NIC's rate; a collective
+over hosts at the NICs' sum, capped at NVLink's), each figure from NCCL maintainers' public statements
+(``_INTER_NODE``). The single-level presets keep planning as before (flat rings alone).
+
 Pitfalls: a preset's datasheet peak is not what training reaches, so the H100 preset's achieved rate
 comes from this project's own measured step (docs/benchmarks.md, GPU section), at Llama 3 8B's shapes
 and sequence 8192: other shapes run at other rates. The ``h100-hbm2e-500w-*`` presets (torchtitan's
