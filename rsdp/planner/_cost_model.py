@@ -801,7 +801,10 @@ class _Parallelism:
     ``ring_group_size``)."""
 
     def __init__(self, counts: PartCounts, strategy: Strategy, cost: CostModel, ring_group_size: int = 1):
-        self.counts, self.strategy, self.cost, self.ring_group_size = counts, strategy, cost, ring_group_size
+        self.counts, self.strategy, self.cost = counts, strategy, cost
+        # A part with no ring of its own (vectors only) has no group to form: the flat ring's figures, so
+        # that the search's tie between its group sizes keeps 1.
+        self.ring_group_size = ring_group_size if counts.largest_layer_bytes else 1
         world = cost.world_size
         whole = strategy is Strategy.REPLICATE or world == 1
 
@@ -834,7 +837,7 @@ class _Parallelism:
         # arrived partial). A ring of groups holds each as its group's block of g shards (2g/W of a
         # layer in forward).
         def shard(nbytes: int) -> int:
-            return ring_group_size * math.ceil(nbytes / world)
+            return self.ring_group_size * math.ceil(nbytes / world)
 
         rsdp = strategy is Strategy.RSDP
         # An expert ring's block: ceil(experts / W) whole experts (torch.chunk rows), its weights in
