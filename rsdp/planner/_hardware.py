@@ -117,7 +117,7 @@ class Hardware:
     def cost_model(self, world_size: int, param_dtype: torch.dtype | None = None,
                    reduce_dtype: torch.dtype | None = None, **overrides) -> CostModel:
         """The cost model of ``world_size`` such devices (``overrides``: CostModel fields; ``gpus_per_node``
-        replaces this hardware's machine size, ``ring_group_sizes`` limits the groups the search tries)."""
+        replaces this hardware's machine size, ``allowed_ring_group_sizes`` limits the groups the search tries)."""
         gpus_per_node = overrides.pop("gpus_per_node", None) or self.gpus_per_node
         fields = dict(
             flops_per_s=self.flops_per_s, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, latency_s=self.latency_s,
@@ -324,7 +324,7 @@ _INTER_NODE = {  # chip: (one NIC's bytes/s, the collectives' busbw between host
                  "multiple NICs', NVIDIA/nccl-tests#267); collectives over hosts: the 8 NICs' peak is 400 GB/s busbw, above "
                  "380 only with tuned NCCL settings (NVIDIA/nccl-tests#309, NVIDIA), so 360 GB/s, the NVLink figure"),
     "a100-sxm": (24e9, 192e9, "InfiniBand HDR, 8 x 200 Gb/s per host: a DGX-A100 measures 192 GB/s all_reduce busbw "
-                 "(NVIDIA/nccl#812, NCCL maintainer), 24 GB/s per NIC for send/recv"),
+                 "(NVIDIA/nccl#812, NCCL maintainer), 192 / 8 = 24 GB/s per NIC for send/recv"),
 }
 
 
