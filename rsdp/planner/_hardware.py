@@ -345,6 +345,24 @@ PRESETS.update({
 })
 
 
+_LINK_NAMES = ("nvlink-infiniband", "nvlink", "infiniband")
+
+
+def preset_names() -> str:
+    """The presets in a few words: each chip with each link, and the others by name."""
+    chips, others = {}, []
+    for name in PRESETS:
+        link = next((link for link in _LINK_NAMES if name.endswith(f"-{link}")), None)
+        if link is None:
+            others.append(name)
+        else:
+            chips.setdefault(name[: -len(link) - 1], []).append(link)
+    by_links = {}  # chips with the same links, named once
+    for chip, links in chips.items():
+        by_links.setdefault(tuple(links), []).append(chip)
+    return "; ".join([*(f"{{{','.join(names)}}}-{{{','.join(links)}}}" for links, names in by_links.items()), *others])
+
+
 def preset_for_this_device(world_size: int) -> str:
     """The name of the preset matching this process's device: an H100's or A100's, on NVLink up to one
     host of ``GPUS_PER_HOST`` and InfiniBand beyond; on CPU ranks this project's calibrated CPU host."""
@@ -356,7 +374,7 @@ def preset_for_this_device(world_size: int) -> str:
         if marker in name:
             return f"{chip}-{link}"
     raise ValueError(
-        f"rsdp: no hardware preset matches {name!r} ({', '.join(PRESETS)}); name one, or a profile that "
+        f"rsdp: no hardware preset matches {name!r} ({preset_names()}); name one, or a profile that "
         "`torchrun -m rsdp calibrate --out profile.json` measured on these GPUs."
     )
 
@@ -401,14 +419,14 @@ def load(name_or_path: str) -> Hardware:
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(
-            f"rsdp plan: --hardware {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a profile file."
+            f"rsdp plan: --hardware {name_or_path!r} is neither a preset ({preset_names()}) nor a profile file."
         )
     try:
         values = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(
             f"rsdp plan: --hardware {path} is not valid JSON ({error}); give a profile that `rsdp calibrate` wrote, "
-            f"or a preset ({', '.join(PRESETS)})."
+            f"or a preset ({preset_names()})."
         ) from None
     try:
         for field in ("links", "inter_node_links"):

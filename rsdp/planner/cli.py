@@ -83,7 +83,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     trains.add_argument("--frozen", nargs="+", default=[], metavar="PATTERN",
                         help="parameters that do not train (no gradient, no optimizer state), by name glob: "
                              "'model.embed_tokens.*', '**.mlp.**'")
-    p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(_hardware.PRESETS)}) or a profile JSON")
+    p.add_argument("--hardware", default=None, help=f"a preset ({_hardware.preset_names()}) or a profile JSON")
     p.add_argument("--flops", type=float, default=None, help="achieved FLOP/s per device (overrides --hardware)")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s per device (overrides --hardware)")
     p.add_argument("--latency", type=float, default=None, help="seconds per message (overrides --hardware)")
