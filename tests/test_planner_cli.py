@@ -50,11 +50,14 @@ def test_bad_arguments_name_the_value_and_the_fix(argv, names):
     assert names in one_line_exit([*BENCHMARK, *argv])
 
 
-def test_calibrate_checks_its_world_size():
+def test_calibrate_checks_its_world_size(capsys):
     from rsdp.planner.cli import main
 
     with pytest.raises(SystemExit, match="rsdp calibrate: --world-size must be positive, got -2"):
         main(["calibrate", "--world-size", "-2"])
+    with pytest.raises(SystemExit):  # machines are the ranks torchrun starts: none on the fake process group
+        main(["calibrate", "--world-size", "2", "--gpus-per-node", "1"])
+    assert "--gpus-per-node splits the ranks torchrun starts into machines" in capsys.readouterr().err
 
 
 def bad_files_case(directory: str) -> list[str]:

@@ -208,3 +208,35 @@ def test_calibrate_measures_two_levels_where_its_ranks_span_machines(ranks):
     assert machines == [0, 0, 0, 0]
     with pytest.raises(AssertionError, match="--gpus-per-node 3 does not divide the 4 ranks"):
         ranks.run(4, calibrate_levels, 3)
+
+
+BENCHMARK = ["--vocab_size", "2048", "--ninp", "128", "--nhid", "256", "--nhead", "4", "--num_decoder_layers", "2",
+             "--seq-len", "32"]
+
+
+def planned(tmp_path, capsys, *argv: str) -> tuple[dict, str]:
+    from rsdp.planner.cli import main
+
+    path = tmp_path / "plan.json"
+    main(["plan", "--budget", "1GiB", *BENCHMARK, "--json", str(path), *argv])
+    return json.loads(path.read_text()), capsys.readouterr().out
+
+
+def test_rsdp_plan_writes_each_modules_ring_group_size(tmp_path, capsys):
+    """Two levels, 16 GPUs on machines of 8, InfiniBand made slow (--bandwidth would drop both levels'
+    fits, so a profile): the JSON's plan has a group per module and rsdp everywhere in every group; a
+    single-level profile writes flat rings alone, as before."""
+    slow = _hardware.PRESETS["h100-sxm-nvlink-infiniband"]
+    slow = type(slow)(**{**vars(slow), "inter_node_links": {op: Link(1e-3, 1e8) for op in _hardware.LINK_OPS}})
+    profile = tmp_path / "slow.json"
+    profile.write_text(json.dumps(slow.to_json()))
+    report, printed = planned(tmp_path, capsys, "--world-size", "16", "--hardware", str(profile))
+    assert report["gpus_per_node"] == 8 and set(report["strategies"]) == {"replicate", "fsdp", "rsdp"}
+    assert set(report["ring_groups"]) == {"rsdp g=2", "rsdp g=4", "rsdp g=8", "rsdp g=16"}
+    sizes = report["plan"]["ring_group_sizes"]
+    assert set(sizes) == set(report["plan"]["modules"]) and max(sizes.values()) > 1
+    assert "16 devices on machines of 8" in printed and "| rsdp g=16 |" in printed
+
+    report, printed = planned(tmp_path, capsys, "--world-size", "16", "--hardware", "h100-sxm-infiniband")
+    assert report["gpus_per_node"] is None and report["ring_groups"] == {}
+    assert set(report["plan"]["ring_group_sizes"].values()) == {1} and "g=" not in printed

@@ -114,6 +114,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     if args.command == "calibrate" and "RANK" not in os.environ and not args.world_size:
         parser.error("rsdp calibrate: start it with torchrun (measures the process group), or give --world-size W "
                      "to measure host and GEMM times for W ranks in this one process")
+    if args.command == "calibrate" and "RANK" not in os.environ and args.gpus_per_node:
+        parser.error("rsdp calibrate: --gpus-per-node splits the ranks torchrun starts into machines; on the fake process "
+                     "group no link is measured (the --hardware preset's are kept): drop it, or start it with torchrun")
     if args.command == "plan":
         args.batch_sizes = args.batch_sizes or [1]
     if args.seq_len is None:
