@@ -80,6 +80,7 @@ def parallelize(
         ``model``, parallelized.
     """
     rules = policy.strategies if hasattr(policy, "strategies") else policy
+    ring_group_sizes = getattr(policy, "ring_group_sizes", {})  # a Plan's, per module name
     if not isinstance(rules, Mapping):
         raise TypeError(
             f"parallelize: policy must map module names or types to strategies (or be a Plan), got "
@@ -88,9 +89,11 @@ def parallelize(
     mesh = mesh or _default_mesh()
     units = _units(model, {key: Strategy(value) for key, value in rules.items()}, Strategy(default))
     _check_ties(model, units)
+    group_of = _ring_group_sizes(model, units, ring_group_sizes)
     names = dict((module, name) for name, module in model.named_modules())
     for module, strategy in sorted(units.items(), key=lambda item: -_depth(names[item[0]])):
-        _apply(module, strategy, mesh, mp_policy or MixedPrecisionPolicy(), is_root=module is model)
+        _apply(module, strategy, mesh, mp_policy or MixedPrecisionPolicy(), is_root=module is model,
+               ring_group_size=group_of.get(module, 1))
     if units[model] is not Strategy.FSDP:
         # Under an rsdp or replicate root every FSDP unit would be an FSDP root of its own (see
         # share_fsdp_contexts): make them one tree, as an FSDP root does.
@@ -203,13 +206,32 @@ def _check_ties(model: nn.Module, units: dict[nn.Module, Strategy]) -> None:
                 )
 
 
+def _ring_group_sizes(model: nn.Module, units: dict[nn.Module, Strategy], sizes: Mapping[str, int]) -> dict[nn.Module, int]:
+    """Each unit's ring group size from a Plan's (module name -> g): only an rsdp unit's ring has groups."""
+    by_name = dict(untouched_named_modules(model))
+    group_of = {}
+    for name, size in sizes.items():
+        if size == 1:
+            continue
+        module = by_name.get(name)
+        if module not in units or units[module] is not Strategy.RSDP:
+            raise ValueError(
+                f"parallelize: the plan gives {name or '(root)'!r} ring group size {size}, but it is not an rsdp unit "
+                f"of this model; only an rsdp module's ring has groups: plan this model again."
+            )
+        group_of[module] = size
+    return group_of
+
+
 def _state_of(module: nn.Module):
     return get_module_state(module) or get_module_state(unwrap_activation_checkpoint(module))
 
 
-def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *, is_root: bool) -> None:
+def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *, is_root: bool, ring_group_size: int = 1) -> None:
     if strategy is Strategy.RSDP:
-        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy)
+        # Only a ring of groups names its size: rsdp_shard's flat ring is its default.
+        groups = {} if ring_group_size == 1 else {"ring_group_size": ring_group_size}
+        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy, **groups)
     elif strategy is Strategy.FSDP:
         # A non-root FSDP unit under an rsdp or replicate parent becomes an FSDP root of its own, and
         # FSDP roots keep their parameters unsharded after forward unless told otherwise.

@@ -41,16 +41,23 @@ def one_line_exit(argv: list[str]) -> str:
     (["--nhead", "5"], "--ninp 128 must divide into --nhead 5 attention heads"),
     (["--loss-chunks", "0"], "--loss-chunks must be positive, got 0; pass 1 for cross-entropy over the whole logits"),
     (["--lora-rank", "-4"], "--lora-rank must be 0 (no LoRA) or more, got -4"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0; pass the devices of one machine"),
+    (["--ring-group-sizes", "0"], "--ring-group-sizes must be positive, got 0; pass divisors of the world"),
+    (["--world-size", "24", "--hardware", "h100-sxm-nvlink-infiniband", "--ring-group-sizes", "12"],
+     "ring group size 12 is not one of [1, 2, 4, 8, 24], the sizes that divide the world of 24 into groups within one machine of 8"),
 ])
 def test_bad_arguments_name_the_value_and_the_fix(argv, names):
     assert names in one_line_exit([*BENCHMARK, *argv])
 
 
-def test_calibrate_checks_its_world_size():
+def test_calibrate_checks_its_world_size(capsys):
     from rsdp.planner.cli import main
 
     with pytest.raises(SystemExit, match="rsdp calibrate: --world-size must be positive, got -2"):
         main(["calibrate", "--world-size", "-2"])
+    with pytest.raises(SystemExit):  # machines are the ranks torchrun starts: none on the fake process group
+        main(["calibrate", "--world-size", "2", "--gpus-per-node", "1"])
+    assert "--gpus-per-node splits the ranks torchrun starts into machines" in capsys.readouterr().err
 
 
 def bad_files_case(directory: str) -> list[str]:

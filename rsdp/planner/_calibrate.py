@@ -19,7 +19,11 @@ What it measures, each rank at once (ranks share the host's cores and links as t
   own rate (``other_flops_per_s`` is then not used);
 - per op (point-to-point ring exchange, all-gather, reduce-scatter, all-reduce), ``t = hops x latency
   + bytes / bandwidth`` fitted by least squares over message sizes (bytes as nccl-tests' busbw counts
-  them, the slowest rank's time per size);
+  them, the slowest rank's time per size). Where the ranks span machines (``machines_of_ranks``: by
+  host name, or every ``--gpus-per-node`` consecutive ranks), two levels (``measure_levels``): within
+  a machine, each machine's ranks at once as a group of their own, and between machines, the same ops
+  over every rank (what FSDP's collectives and a ring's exchanges across a machine boundary do; the
+  slowest rank's time, which the boundary sets). On one machine, one level, and the profile says so;
 - FSDP2's own work per stored parameter byte beside the wire, forward and backward, for FSDP and
   replicate (its copies into and out of the collectives' buffers, into memory just allocated; the
   pre-division; its hooks): the same shapes as units on torch's fake process group over unsharded;
@@ -41,6 +45,7 @@ import dataclasses
 import json
 import os
 import math
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -135,8 +140,9 @@ def fit_link(sizes: list[float], seconds: list[float], hops: int) -> Link:
     return Link(intercept / hops, 1 / slope)
 
 
-def measure_links(group, device: torch.device, message_bytes=MESSAGE_BYTES, sync=lambda: None) -> dict[str, Link]:
-    """Each op's fitted Link on ``group``, from the slowest rank's median time per size."""
+def measure_links(group, device: torch.device, message_bytes=MESSAGE_BYTES, sync=lambda: None, slowest_of=None) -> dict[str, Link]:
+    """Each op's fitted Link on ``group``, from the slowest rank's median time per size (of ``slowest_of``'s
+    ranks, default ``group``'s: several groups measured at once take their slowest)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     kept = WaitedWorks()  # the works of the last exchange, as a ring keeps them (see WaitedWorks)
     links = {}
@@ -157,11 +163,60 @@ def measure_links(group, device: torch.device, message_bytes=MESSAGE_BYTES, sync
             dist.barrier(group)
             slowest = torch.tensor([median_seconds(run, sync=sync, min_seconds=0.0, calls=5)], dtype=torch.float64,
                                    device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=slowest_of or group)
             sizes.append(whole.numel() * whole.element_size() * BUS_FRACTION[op](world))
             times.append(float(slowest))
         links[op] = fit_link(sizes, times, HOPS[op](world))
     return links
+
+
+def machines_of_ranks(gpus_per_node: int | None = None) -> list[int]:
+    """Each rank's machine (0, 1, ...) in the default process group: every ``gpus_per_node`` consecutive
+    ranks, else the ranks that share a host name. A machine's ranks must be consecutive and every
+    machine must have as many (rsdp's ring groups are consecutive ranks of one machine)."""
+    world = dist.get_world_size()
+    if gpus_per_node:
+        if world % gpus_per_node:
+            raise ValueError(f"rsdp calibrate: --gpus-per-node {gpus_per_node} does not divide the {world} ranks into "
+                             "machines; pass a divisor of the world size.")
+        return [rank // gpus_per_node for rank in range(world)]
+    hosts: list[str] = [""] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    numbers = {host: number for number, host in enumerate(dict.fromkeys(hosts))}
+    machines = [numbers[host] for host in hosts]
+    sizes = collections.Counter(machines)
+    if machines != sorted(machines) or len(set(sizes.values())) != 1:
+        raise ValueError(
+            f"rsdp calibrate: the ranks' machines are {machines} (by host name); each machine's ranks must be "
+            "consecutive and as many on every machine, as torchrun starts them; pass --gpus-per-node to say otherwise."
+        )
+    return machines
+
+
+@dataclasses.dataclass(frozen=True)
+class Levels:
+    """The links ``measure_levels`` fitted: within a machine, and between machines (empty: one machine)."""
+
+    within: dict[str, Link]
+    between: dict[str, Link]
+    gpus_per_node: int | None  # None: one machine
+
+
+def measure_levels(machines: list[int], device: torch.device, message_bytes=MESSAGE_BYTES, sync=lambda: None) -> Levels:
+    """Each op's link within a machine and, where ``machines`` (each rank's) are more than one, between
+    machines: within, on a group per machine (every machine at once, the slowest rank's time); between,
+    on every rank."""
+    if len(set(machines)) == 1:
+        return Levels(measure_links(dist.group.WORLD, device, message_bytes, sync), {}, None)
+    ranks_of = [[rank for rank, machine in enumerate(machines) if machine == m] for m in sorted(set(machines))]
+    mine, groups = dist.new_subgroups_by_enumeration(ranks_of)
+    try:
+        within = measure_links(mine, device, message_bytes, sync, slowest_of=dist.group.WORLD)
+    finally:
+        for group in groups:
+            dist.destroy_process_group(group)
+    between = measure_links(dist.group.WORLD, device, message_bytes, sync)
+    return Levels(within, between, len(ranks_of[0]))
 
 
 @contextlib.contextmanager
@@ -311,7 +366,7 @@ def calibrate(args) -> tuple[Hardware, dict]:
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        links = measure_links(dist.group.WORLD, device, sync=sync) if distributed else {}
+        levels = measure_levels(machines_of_ranks(args.gpus_per_node), device, sync=sync) if distributed else None
         gemms = gemm_rates(shapes, tokens, world_sizes, dtype, device, sync)
         step_rate = other_rate = 0.0
         if args.model == "benchmark":
@@ -334,11 +389,20 @@ def calibrate(args) -> tuple[Hardware, dict]:
     efficiency = dict(zip(world_sizes, measured[12:]))
     what = f"{args.model or 'default shapes'} at {tokens} tokens, {dtype}, {device.type}"
     if distributed:
+        links, between, gpus_per_node = levels.within, levels.between, levels.gpus_per_node
         default = links["send_recv"]
         link_source = f"links fitted over {list(MESSAGE_BYTES)} B on {world} {dist.Backend.GLOO if device.type == 'cpu' else 'nccl'} ranks"
+        if gpus_per_node is None:
+            link_source += " on one machine (one level: no link between machines measured)"
+        else:
+            how = f"every {gpus_per_node} consecutive ranks taken as one machine (--gpus-per-node)" if args.gpus_per_node \
+                else "machines by host name"
+            link_source += (f" in two levels, {world // gpus_per_node} machines of {gpus_per_node} ({how}): within a "
+                            "machine on a group per machine, between machines over every rank")
     else:
         preset = _hardware.load(args.hardware)
         default, links = Link(preset.latency_s, preset.bandwidth_bytes_per_s), dict(preset.links)
+        between, gpus_per_node = dict(preset.inter_node_links), preset.gpus_per_node
         link_source = f"links not measured (fake process group): {args.hardware}'s ({preset.source})"
     hardware = Hardware(
         step_rate or gemm_rate, default.bandwidth_bytes_per_s, default.latency_s,
@@ -348,6 +412,7 @@ def calibrate(args) -> tuple[Hardware, dict]:
         partial_gemm_efficiency=efficiency, ring_step_host_s=host, host_overlaps_compute=device.type != "cpu",
         links=links, gemm_flops_per_s=gemm_rate, other_flops_per_s=other_rate,
         fsdp_overhead_s_per_byte=fsdp_overhead, replicate_overhead_s_per_byte=replicate_overhead, **kinds,
+        gpus_per_node=gpus_per_node, inter_node_links=between,
     )
     report = {"world_size": world, "gemm_flops_per_s": gemm_rate, "step_flops_per_s": step_rate, "other_flops_per_s": other_rate, **kinds,
               "linear_shapes": {f"{i}x{o}": n for (i, o), n in shapes.items()}, "tokens": tokens}

@@ -24,7 +24,8 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   input (carried) and frees them, and reduces into the gradient;
 - rsdp: the ring's two messages of a weight shard of the part's largest ring in forward; in backward
   two messages of a weight shard and a gradient partial and the scratch of the next contribution for
-  a Linear ring (5 shards), two messages of a partial for an Embedding's; carried for the rest of the
+  a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: each
+  a block of g shards, 2g/W of a layer in forward); carried for the rest of the
   pass (a part with no ring, norms only, holds none; an rsdp root's forward frees them before the
   loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
@@ -66,11 +67,18 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
   Linears' GEMM time (at ``gemm_flops_per_s``) divided by ``partial_gemm_efficiency`` (a 1/W-row GEMM's
   rate relative to a whole one: RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
-  overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange;
+  overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange.
+  A ring of groups of g (``ring_group_size``): W/g steps of g/W of the work (the efficiency at W/g),
+  W/g - 1 exchanges of one shard between groups, and at every step the all-gather of the group's block
+  of g weight shards (backward: and the reduce-scatter of its g partials) within the group, which
+  overlaps the step with the exchange;
 - replicate: the gradient's all-reduce (2(W-1) hops, 2(W-1)/W of the bytes) overlaps the backward.
 
-Gathered weights and ring weight messages move in ``param_dtype``, reductions and partials in
-``reduce_dtype``. The optimizer step is memory-bound: its traffic per parameter byte over the device's
+Two levels (``gpus_per_node``, ``inter_node_links``): where the world is more than one machine, every
+collective over it and every ring exchange (a step waits for its slowest, which crosses a machine
+boundary) pays the link between machines; a ring group's all-gather and reduce-scatter pay the link
+within one, or between where a group is several machines. Gathered weights and ring weight messages
+move in ``param_dtype``, reductions and partials in ``reduce_dtype``. The optimizer step is memory-bound: its traffic per parameter byte over the device's
 memory bandwidth (where known). FSDP2's own work beside the wire (copies into and out of the
 collectives' buffers, the pre-division, its hooks) is charged per parameter byte with the compute where
 ``rsdp calibrate`` measured it (``fsdp_overhead_s_per_byte``, ``replicate_overhead_s_per_byte``; the GPU
@@ -212,6 +220,18 @@ class CostModel:
     all_gather: Link | None = None
     reduce_scatter: Link | None = None
     all_reduce: Link | None = None
+    # Two levels: devices per machine (None: the world is one machine) and each op's link between machines
+    # as (op, Link) pairs (empty: one level, the links above whatever an op spans). An op whose ranks span
+    # machines pays the link between them: every collective over the world, and every ring step (a flat
+    # ring's, or a ring of groups' exchange between groups), when the world is more than one machine.
+    gpus_per_node: int | None = None
+    inter_node_links: tuple[tuple[str, Link], ...] = ()
+    # rsdp's ring of groups (``ring_group_size``): the group sizes the search may choose (None: every one
+    # ``ring_group_sizes`` allows), and the partial GEMMs' efficiency of each, as (g, efficiency) pairs: a
+    # step computes g/W of a layer, so it is the efficiency at W/g (``_hardware``; a size not listed runs
+    # at ``partial_gemm_efficiency``, W's, an underestimate of its speed).
+    allowed_ring_group_sizes: tuple[int, ...] | None = None
+    partial_gemm_efficiency_of_groups: tuple[tuple[int, float], ...] = ()
 
     def with_optimizer(self, name: str) -> "CostModel":
         """This cost model for a run that trains with the optimizer ``name`` (a key of ``OPTIMIZERS``)."""
@@ -224,6 +244,46 @@ class CostModel:
             raise ValueError(
                 f"rsdp: caching_allocator {self.caching_allocator!r} is none of {CACHING_ALLOCATORS}; give one of them."
             )
+        if self.gpus_per_node is not None and self.gpus_per_node <= 0:
+            raise ValueError(f"rsdp plan: gpus per node must be positive, got {self.gpus_per_node}; e.g. --gpus-per-node 8.")
+        possible = self._possible_ring_group_sizes()
+        for size in self.allowed_ring_group_sizes or ():
+            if size not in possible:
+                raise ValueError(
+                    f"rsdp plan: ring group size {size} is not one of {list(possible)}, the sizes that divide the world "
+                    f"of {self.world_size} into groups within one machine"
+                    f"{'' if self.gpus_per_node is None else f' of {self.gpus_per_node} or of whole machines'}; pick one of them."
+                )
+
+    def _possible_ring_group_sizes(self) -> tuple[int, ...]:
+        """Every g that divides the world into groups of consecutive ranks within one machine or of whole
+        machines (1 where the machine's size is unknown: a group would cross a boundary nobody stated)."""
+        if self.gpus_per_node is None:
+            return (1,)
+        machine = min(self.gpus_per_node, self.world_size)
+        return tuple(
+            g for g in range(1, self.world_size + 1)
+            if self.world_size % g == 0 and (machine % g == 0 or g % machine == 0)
+        )
+
+    def ring_group_sizes(self) -> tuple[int, ...]:
+        """The ring group sizes an rsdp part may take: those allowed, else every possible one."""
+        return tuple(self.allowed_ring_group_sizes or self._possible_ring_group_sizes())
+
+    def partial_efficiency(self, ring_group_size: int) -> float:
+        """The partial GEMMs' efficiency of a ring step of a group of ``ring_group_size`` (g/W of a layer)."""
+        if ring_group_size == 1:
+            return self.partial_gemm_efficiency
+        return dict(self.partial_gemm_efficiency_of_groups).get(ring_group_size, self.partial_gemm_efficiency)
+
+    @property
+    def spans_machines(self) -> bool:
+        """Whether the world is more than one machine (then its collectives and ring steps cross them)."""
+        return self.spans_more_than_a_machine(self.world_size)
+
+    def spans_more_than_a_machine(self, ranks: int) -> bool:
+        """Whether ``ranks`` consecutive ranks (a ring group, the world) span more than one machine."""
+        return self.gpus_per_node is not None and ranks > self.gpus_per_node
 
     def compute_seconds(self, flops: float, linear_flops: float, work: Work = Work()) -> float:
         """``flops`` of which ``linear_flops`` are the Linears' GEMMs and ``work`` the rest by kind, at
@@ -245,9 +305,11 @@ class CostModel:
         """Whether byte figures are what a caching allocator reserves (else allocated bytes)."""
         return self.caching_allocator is not None or self.reserved_per_allocated != 1.0
 
-    def link(self, op: str) -> Link:
-        """The fitted cost of ``op`` (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``)."""
-        return getattr(self, op) or Link(self.latency_s, self.bandwidth_bytes_per_s)
+    def link(self, op: str, across_machines: bool = False) -> Link:
+        """The fitted cost of ``op`` (``send_recv``, ``all_gather``, ``reduce_scatter``, ``all_reduce``), between
+        machines where ``across_machines`` and this model has a link there, else within one."""
+        between = dict(self.inter_node_links).get(op) if across_machines else None
+        return between or getattr(self, op) or Link(self.latency_s, self.bandwidth_bytes_per_s)
 
 
 def _optimizer(state: float, per_param_byte: float, per_largest_param_byte: float, traffic: float) -> dict:
@@ -735,10 +797,14 @@ def _weight_bytes(module: nn.Module) -> int:
 
 
 class _Parallelism:
-    """What one part's parameters cost on one rank under one strategy."""
+    """What one part's parameters cost on one rank under one strategy (rsdp: in rings of groups of
+    ``ring_group_size``)."""
 
-    def __init__(self, counts: PartCounts, strategy: Strategy, cost: CostModel):
+    def __init__(self, counts: PartCounts, strategy: Strategy, cost: CostModel, ring_group_size: int = 1):
         self.counts, self.strategy, self.cost = counts, strategy, cost
+        # A part with no ring of its own (vectors only) has no group to form: the flat ring's figures, so
+        # that the search's tie between its group sizes keeps 1.
+        self.ring_group_size = ring_group_size if counts.largest_layer_bytes else 1
         world = cost.world_size
         whole = strategy is Strategy.REPLICATE or world == 1
 
@@ -768,9 +834,10 @@ class _Parallelism:
         # two messages of a weight shard and a gradient partial and the scratch of the next contribution
         # for a Linear ring (partials and scratch of its trainable weights alone), two of a partial for an
         # Embedding's (its gradient needs no weights, and its sparse contribution is added into the
-        # arrived partial).
+        # arrived partial). A ring of groups holds each as its group's block of g shards (2g/W of a
+        # layer in forward).
         def shard(nbytes: int) -> int:
-            return math.ceil(nbytes / world)
+            return self.ring_group_size * math.ceil(nbytes / world)
 
         rsdp = strategy is Strategy.RSDP
         # An expert ring's block: ceil(experts / W) whole experts (torch.chunk rows), its weights in
@@ -823,31 +890,45 @@ class _Parallelism:
         # Where a device computes, the host's work and the transfers run beside it; where the host
         # computes (CPU ranks), it also runs the transfers (gloo copies and reduces on the same cores).
         overlap = max if cost.host_overlaps_compute else operator.add
+        across = cost.spans_machines
         if self.strategy is Strategy.RSDP:
             layers = max(counts.layers, 1)
             rings = layers * max(counts.calls, 1)  # a chunked loss's head rotates its weights once per chunk
+            group = self.ring_group_size
+            steps = world // group
             # The shards' penalty is on the Linears' GEMM time alone (at the whole GEMMs' rate): attention
-            # and elementwise work are not split.
+            # and elementwise work are not split. A step computes g/W of the layer.
             # A measured efficiency above 1 (timing noise on a loaded host) is no speed-up: no negative penalty.
-            efficiency = min(cost.partial_gemm_efficiency, 1.0)
+            efficiency = min(cost.partial_efficiency(group), 1.0)
             penalty = linear / (cost.gemm_flops_per_s or cost.flops_per_s) * (1 / efficiency - 1)
-            gemms = (compute + penalty) / rings / world
+            gemms = (compute + penalty) / rings / steps
             host = cost.ring_step_host_s
             step = overlap(gemms, host)
-            # Backward's weight shard and gradient partial travel as one message.
+            # Between groups (between ranks where g = 1): one shard, backward's weight shard and gradient
+            # partial as one message, across machines when the world spans them (a step lasts as long as
+            # its slowest exchange).
             message = (self.compute + (self.reduced if backward else 0)) / layers / world
-            exchange = cost.link("send_recv").seconds(message)
-            return rings * (step + (world - 1) * overlap(step, exchange))
+            exchange = cost.link("send_recv", across).seconds(message)
+            # Within the group (g > 1), at every step: the all-gather of its block of g weight shards, and
+            # in backward the reduce-scatter of the block's g partials (across machines where a group is
+            # several), each overlapping a step's compute (the first step's too: g = W is FSDP's pattern,
+            # one all-gather beside the layer's compute).
+            gathering, in_group = 0.0, cost.spans_more_than_a_machine(group)
+            if group > 1:
+                gathering = cost.link("all_gather", in_group).seconds((group - 1) * self.compute / layers / world, group - 1)
+                if backward:
+                    gathering += cost.link("reduce_scatter", in_group).seconds((group - 1) * self.reduced / layers / world, group - 1)
+            return rings * (overlap(step, gathering) + (steps - 1) * overlap(step, exchange + gathering))
         if self.strategy is Strategy.FSDP:
             compute += self.params * cost.fsdp_overhead_s_per_byte[backward]
-            transfer = cost.link("all_gather").seconds(share * self.compute, world - 1)
+            transfer = cost.link("all_gather", across).seconds(share * self.compute, world - 1)
             if backward:  # the re-gather (the unit was resharded after its forward), then the reduce
-                transfer += cost.link("reduce_scatter").seconds(share * self.reduced, world - 1)
+                transfer += cost.link("reduce_scatter", across).seconds(share * self.reduced, world - 1)
             return overlap(compute, transfer)
         compute += self.params * cost.replicate_overhead_s_per_byte[backward]
         if not backward:  # replication communicates in backward only
             return compute
-        return overlap(compute, cost.link("all_reduce").seconds(2 * share * self.reduced, 2 * (world - 1)))
+        return overlap(compute, cost.link("all_reduce", across).seconds(2 * share * self.reduced, 2 * (world - 1)))
 
     def unit(self, forward: Phase, backward: Phase, below_ring_root: bool, called_per_chunk: bool = False) -> UnitCost:
         """The unit's cost, from the activations of its ``forward`` and ``backward``, below a root that
@@ -920,17 +1001,21 @@ class _Parallelism:
         return phase, Phase(0, 0, backward_seconds), kept
 
 
-def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, cost: CostModel) -> dict[str, UnitCost]:
-    """Every unit's cost under ``strategy``, below a root under ``root_strategy``."""
+def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, cost: CostModel,
+                   ring_group_size: int = 1) -> dict[str, UnitCost]:
+    """Every unit's cost under ``strategy`` (rsdp: in rings of groups of ``ring_group_size``), below a root
+    under ``root_strategy``. Units with experts take groups of 1 alone (their expert ring's terms are a
+    flat ring's): with a larger group they are left out."""
     phases, below_ring_root = counts.activations, root_strategy is Strategy.RSDP
     return {
         name: _reserved(
-            _Parallelism(part, strategy, cost).unit(
+            _Parallelism(part, strategy, cost, ring_group_size).unit(
                 phases.forward[name], phases.backward[name], below_ring_root, name == phases.called_per_chunk
             ),
             cost, counts,
         )
         for name, part in counts.units.items()
+        if ring_group_size == 1 or not part.experts
     }
 
 
@@ -960,10 +1045,11 @@ def _reserved(estimate, cost: CostModel, counts: Counts):
     return dataclasses.replace(estimate, **changes)
 
 
-def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCost:
-    """The root's cost under ``strategy``: its parameters are those of the work before the first unit
-    (embedding) and after the last (head); the head's gradients appear in the middle phase."""
-    embedding, head = _Parallelism(counts.before, strategy, cost), _Parallelism(counts.after, strategy, cost)
+def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_group_size: int = 1) -> RootCost:
+    """The root's cost under ``strategy`` (rsdp: in rings of groups of ``ring_group_size``): its parameters
+    are those of the work before the first unit (embedding) and after the last (head); the head's
+    gradients appear in the middle phase."""
+    embedding, head = (_Parallelism(part, strategy, cost, ring_group_size) for part in (counts.before, counts.after))
     pair = (counts.before, counts.after)
     whole = PartCounts(
         **{name: sum(getattr(part, name) for part in pair) for name in ("param_bytes", "vector_bytes", "frozen_bytes", "frozen_vector_bytes")},
@@ -973,7 +1059,7 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel) -> RootCo
                          "largest_trainable_layer_bytes", "largest_trainable_linear_bytes", "itemsize")
         },
     )
-    root = _Parallelism(whole, strategy, cost)
+    root = _Parallelism(whole, strategy, cost, ring_group_size)
     vectors, vector_gradients = root.vectors, root.vector_gradients
     gradients, head_gradients = root.local_gradients, head.local_gradients  # on one rank, trainable parameters'
     params, reduced = root.compute, root.reduced  # the gathered copy, in param_dtype; the reduced gradient

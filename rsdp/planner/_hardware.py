@@ -28,12 +28,23 @@ then every op costs ``latency_s`` per hop plus bytes over ``bandwidth_bytes_per_
 - ``partial_gemm_efficiency``: ``{W: FLOP/s of 1/W-row GEMMs over whole ones}``, the three GEMMs of a
   Linear's step at the model's shapes (RSDP's per-shard penalty), and ``gemm_flops_per_s``, the whole
   GEMMs' rate, at which the penalty is charged on the Linears' FLOPs alone;
+- ``gpus_per_node``, ``inter_node_links``: two levels. Devices per machine (absent: the whole world is
+  one machine), and per op the link between machines (``{"latency_s", "bandwidth_bytes_per_s"}``), which
+  a collective or a ring step whose ranks span machines pays (``_cost_model.CostModel.link``); the
+  fields above are then the links within a machine. A profile without them is one level: every op at
+  its own link whatever it spans, as before (and only ring groups of 1: ``CostModel.ring_group_sizes``);
 - ``ring_step_host_s``, ``host_overlaps_compute``: host time per ring step, and whether a device
   computes while the host issues (False on CPU ranks, where the host computes);
 - ``caching_allocator``, ``reserved_per_allocated``: the caching allocator the prediction models
   (``_allocator``: ``"segments"``, PyTorch's default, or ``"expandable_segments"``; absent on CPU
   ranks, which have none: the prediction is then allocated bytes) and a fixed factor beside it (1.0
   unless a profile gives one). The GPU presets model expandable segments, as torchtitan runs.
+
+Presets: ``<chip>-nvlink`` (every op at NVLink's figures, whatever the world), ``<chip>-infiniband``
+(every op at one NIC's), and ``<chip>-nvlink-infiniband``, two levels: NVLink within a host of
+``GPUS_PER_HOST``, InfiniBand between hosts (a point-to-point exchange at one NIC's rate; a collective
+over hosts at the NICs' sum, capped at NVLink's), each figure from NCCL maintainers' public statements
+(``_INTER_NODE``). The single-level presets keep planning as before (flat rings alone).
 
 Pitfalls: a preset's datasheet peak is not what training reaches, so the H100 preset's achieved rate
 comes from this project's own measured step (docs/benchmarks.md, GPU section), at Llama 3 8B's shapes
@@ -82,6 +93,10 @@ class Hardware:
     norm_bytes_per_s: float | None = None
     elementwise_bytes_per_s: float | None = None
     loss_bytes_per_s: float | None = None
+    # Two levels: devices per machine (None: one machine, whatever the world) and each op's link between
+    # machines (empty: one level; the links above are then every op's, whatever its ranks span).
+    gpus_per_node: int | None = None
+    inter_node_links: dict[str, Link] = dataclasses.field(default_factory=dict)
 
     def efficiency_at(self, world_size: int) -> float:
         """The partial GEMMs' efficiency at ``world_size`` (1.0 when nothing was measured)."""
@@ -101,7 +116,9 @@ class Hardware:
 
     def cost_model(self, world_size: int, param_dtype: torch.dtype | None = None,
                    reduce_dtype: torch.dtype | None = None, **overrides) -> CostModel:
-        """The cost model of ``world_size`` such devices (``overrides``: CostModel fields)."""
+        """The cost model of ``world_size`` such devices (``overrides``: CostModel fields; ``gpus_per_node``
+        replaces this hardware's machine size, ``allowed_ring_group_sizes`` limits the groups the search tries)."""
+        gpus_per_node = overrides.pop("gpus_per_node", None) or self.gpus_per_node
         fields = dict(
             flops_per_s=self.flops_per_s, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s, latency_s=self.latency_s,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -112,14 +129,20 @@ class Hardware:
             fsdp_overhead_s_per_byte=self.fsdp_overhead_s_per_byte,
             replicate_overhead_s_per_byte=self.replicate_overhead_s_per_byte, **self.links,
             **{rate: getattr(self, rate) for rate in WORK_RATES},
+            gpus_per_node=gpus_per_node, inter_node_links=tuple(sorted(self.inter_node_links.items())),
+        )
+        # A ring step of a group of g computes g/W of a layer: the partial GEMMs' efficiency at W/g.
+        fields["partial_gemm_efficiency_of_groups"] = tuple(
+            (g, self.efficiency_at(world_size // g)) for g in _divisors(world_size) if g > 1
         )
         fields.update({name: value for name, value in overrides.items() if value is not None})
         if overrides.get("flops_per_s") is not None:  # one given rate for every FLOP replaces the measured split
             fields["other_flops_per_s"] = None
             fields.update(dict.fromkeys(WORK_RATES))
         if {"bandwidth_bytes_per_s", "latency_s"} & {k for k, v in overrides.items() if v is not None}:
-            for op in LINK_OPS:  # an overridden default link replaces the fitted ones
+            for op in LINK_OPS:  # an overridden default link replaces the fitted ones, within and between machines
                 fields.pop(op, None)
+            fields["inter_node_links"] = ()
         return CostModel(world_size, **fields)
 
     def to_json(self) -> dict:
@@ -135,7 +158,15 @@ class Hardware:
             "fsdp_overhead_s_per_byte": list(self.fsdp_overhead_s_per_byte),
             "replicate_overhead_s_per_byte": list(self.replicate_overhead_s_per_byte),
             **{rate: getattr(self, rate) for rate in WORK_RATES},
+            **({} if self.gpus_per_node is None else {"gpus_per_node": self.gpus_per_node}),
+            **({} if not self.inter_node_links else {
+                "inter_node_links": {op: dataclasses.asdict(link) for op, link in self.inter_node_links.items()}
+            }),
         }
+
+
+def _divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
 
 
 _CHIPS = {  # dense BF16 peak FLOP/s, memory bandwidth, and their source
@@ -281,6 +312,56 @@ PRESETS.update({
 PRESETS["cpu-gloo"] = _CPU_GLOO
 GPUS_PER_HOST = 8  # the presets' hosts: NVLink within one, InfiniBand between them
 
+# Two levels: NVLink within a host of GPUS_PER_HOST (NVSwitch), InfiniBand between hosts, one NIC per GPU
+# (8 per host, rail-optimised). A point-to-point exchange between hosts runs on one NIC; a ring collective
+# over every host uses each of a host's NICs for one of its rings, so its busbw is the NICs' sum, up to
+# what NVLink carries within the host.
+_INTER_NODE_LATENCY = (10e-6, "latency 10 us per hop between hosts: a 2-rank all_reduce_perf between two hosts over "
+                       "HDR InfiniBand takes 19-20 us at small sizes, 2 hops (NVIDIA/nccl-tests#150)")
+_INTER_NODE = {  # chip: (one NIC's bytes/s, the collectives' busbw between hosts, source)
+    "h100-sxm": (47e9, 360e9, "InfiniBand NDR, 8 x 400 Gb/s ConnectX-7 per host: 46-48 GB/s per NIC (NVIDIA/nccl-tests#290, "
+                 "NCCL maintainer), 47 for send/recv, which one NIC carries ('Alltoall cannot aggregate the bandwidth of "
+                 "multiple NICs', NVIDIA/nccl-tests#267); collectives over hosts: the 8 NICs' peak is 400 GB/s busbw, above "
+                 "380 only with tuned NCCL settings (NVIDIA/nccl-tests#309, NVIDIA), so 360 GB/s, the NVLink figure"),
+    "a100-sxm": (24e9, 192e9, "InfiniBand HDR, 8 x 200 Gb/s per host: a DGX-A100 measures 192 GB/s all_reduce busbw "
+                 "(NVIDIA/nccl#812, NCCL maintainer), 192 / 8 = 24 GB/s per NIC for send/recv"),
+}
+
+
+def _two_levels(chip: str, within: Hardware) -> Hardware:
+    """``within`` (a chip's NVLink preset) on hosts of ``GPUS_PER_HOST`` joined by InfiniBand."""
+    nic, collectives, source = _INTER_NODE[chip]
+    latency, latency_source = _INTER_NODE_LATENCY
+    inter = {"send_recv": Link(latency, nic), **{op: Link(latency, collectives) for op in LINK_OPS if op != "send_recv"}}
+    return dataclasses.replace(
+        within, gpus_per_node=GPUS_PER_HOST, inter_node_links=inter,
+        source=f"{within.source}; between hosts of {GPUS_PER_HOST}: {source}; {latency_source}",
+    )
+
+
+PRESETS.update({
+    f"{chip}-nvlink-infiniband": _two_levels(chip.replace("hbm2e-500w", "sxm"), PRESETS[f"{chip}-nvlink"])
+    for chip in ("h100-sxm", "h100-hbm2e-500w", "a100-sxm")
+})
+
+
+_LINK_NAMES = ("nvlink-infiniband", "nvlink", "infiniband")
+
+
+def preset_names() -> str:
+    """The presets in a few words: each chip with each link, and the others by name."""
+    chips, others = {}, []
+    for name in PRESETS:
+        link = next((link for link in _LINK_NAMES if name.endswith(f"-{link}")), None)
+        if link is None:
+            others.append(name)
+        else:
+            chips.setdefault(name[: -len(link) - 1], []).append(link)
+    by_links = {}  # chips with the same links, named once
+    for chip, links in chips.items():
+        by_links.setdefault(tuple(links), []).append(chip)
+    return "; ".join([*(f"{{{','.join(names)}}}-{{{','.join(links)}}}" for links, names in by_links.items()), *others])
+
 
 def preset_for_this_device(world_size: int) -> str:
     """The name of the preset matching this process's device: an H100's or A100's, on NVLink up to one
@@ -293,7 +374,7 @@ def preset_for_this_device(world_size: int) -> str:
         if marker in name:
             return f"{chip}-{link}"
     raise ValueError(
-        f"rsdp: no hardware preset matches {name!r} ({', '.join(PRESETS)}); name one, or a profile that "
+        f"rsdp: no hardware preset matches {name!r} ({preset_names()}); name one, or a profile that "
         "`torchrun -m rsdp calibrate --out profile.json` measured on these GPUs."
     )
 
@@ -305,8 +386,7 @@ def from_json(values: dict, source: str) -> Hardware:
         partial_gemm_efficiency={int(w): float(e) for w, e in values.get("partial_gemm_efficiency", {}).items()},
         ring_step_host_s=float(values.get("ring_step_host_s", 0.0)),
         host_overlaps_compute=bool(values.get("host_overlaps_compute", True)),
-        links={op: Link(float(link["latency_s"]), float(link["bandwidth_bytes_per_s"]))
-               for op, link in values.get("links", {}).items()},
+        links=_links(values.get("links", {})),
         gemm_flops_per_s=float(values["gemm_flops_per_s"]) if values.get("gemm_flops_per_s") else None,
         reserved_per_allocated=float(values.get("reserved_per_allocated", 1.0)),
         caching_allocator=values.get("caching_allocator"),
@@ -315,7 +395,13 @@ def from_json(values: dict, source: str) -> Hardware:
         fsdp_overhead_s_per_byte=_pair(values.get("fsdp_overhead_s_per_byte")),
         replicate_overhead_s_per_byte=_pair(values.get("replicate_overhead_s_per_byte")),
         **{rate: float(values[rate]) if values.get(rate) else None for rate in WORK_RATES},
+        gpus_per_node=int(values["gpus_per_node"]) if values.get("gpus_per_node") else None,
+        inter_node_links=_links(values.get("inter_node_links", {})),
     )
+
+
+def _links(values: dict) -> dict[str, Link]:
+    return {op: Link(float(link["latency_s"]), float(link["bandwidth_bytes_per_s"])) for op, link in values.items()}
 
 
 def _pair(value) -> tuple[float, float]:
@@ -333,26 +419,29 @@ def load(name_or_path: str) -> Hardware:
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(
-            f"rsdp plan: --hardware {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a profile file."
+            f"rsdp plan: --hardware {name_or_path!r} is neither a preset ({preset_names()}) nor a profile file."
         )
     try:
         values = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(
             f"rsdp plan: --hardware {path} is not valid JSON ({error}); give a profile that `rsdp calibrate` wrote, "
-            f"or a preset ({', '.join(PRESETS)})."
+            f"or a preset ({preset_names()})."
         ) from None
     try:
-        unknown = set(values.get("links", {})) - set(LINK_OPS)
-        if unknown:
-            raise ValueError(f"unknown ops in links: {sorted(unknown)} (known: {', '.join(LINK_OPS)})")
+        for field in ("links", "inter_node_links"):
+            unknown = set(values.get(field, {})) - set(LINK_OPS)
+            if unknown:
+                raise ValueError(f"unknown ops in {field}: {sorted(unknown)} (known: {', '.join(LINK_OPS)})")
         hardware = from_json(values, str(path))
         if min(hardware.flops_per_s, hardware.bandwidth_bytes_per_s) <= 0 or hardware.latency_s < 0:
             raise ValueError("flops_per_s and bandwidth_bytes_per_s must be positive, latency_s 0 or more")
+        if hardware.gpus_per_node is not None and hardware.gpus_per_node <= 0:
+            raise ValueError("gpus_per_node must be positive")
         return hardware
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(
             f"rsdp plan: profile {path} needs numbers flops_per_s, bandwidth_bytes_per_s and latency_s, and optionally "
-            f"partial_gemm_efficiency, ring_step_host_s, host_overlaps_compute and links as `rsdp calibrate` writes "
-            f"them ({error!r})."
+            f"partial_gemm_efficiency, ring_step_host_s, host_overlaps_compute, links, gpus_per_node and "
+            f"inter_node_links as `rsdp calibrate` writes them ({error!r})."
         ) from None

@@ -29,6 +29,25 @@ PREDICTION_TOLERANCE = 0.1
 SEARCH_GRID_STEPS = 2**16
 
 
+class Choice(NamedTuple):
+    """What a module may take: a strategy, and for rsdp the size of its ring's groups (``rsdp_shard``'s
+    ``ring_group_size``: W/g steps of g/W of the layer; 1 is the flat ring)."""
+
+    strategy: Strategy
+    ring_group_size: int = 1
+
+    def __str__(self) -> str:
+        return self.strategy.value if self.ring_group_size == 1 else f"{self.strategy.value} g={self.ring_group_size}"
+
+
+def choices_of(strategies: Sequence[Strategy], ring_group_sizes: Sequence[int] = (1,)) -> tuple[Choice, ...]:
+    """Every strategy, rsdp once per ring group size."""
+    return tuple(
+        Choice(strategy, size) for strategy in strategies
+        for size in (ring_group_sizes if strategy is Strategy.RSDP else (1,))
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
     module: str  # "" is the root: every parameter no unit holds
@@ -36,6 +55,7 @@ class PlanRow:
     static_bytes: int  # parameters and optimizer state on one rank
     activation_bytes: int  # what its forward leaves alive for backward
     seconds: float  # forward, backward and its share of the optimizer step
+    ring_group_size: int = 1  # rsdp's ring in groups of this many ranks (1: the flat ring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +82,12 @@ class Plan:
         return {row.module: row.strategy for row in self.rows}
 
     @property
+    def ring_group_sizes(self) -> dict[str, int]:
+        """Each module's ring group size (1 for the flat ring and for modules that are not rsdp), which
+        :func:`rsdp.parallelize` passes to ``rsdp_shard`` where it is not 1."""
+        return {row.module: row.ring_group_size for row in self.rows}
+
+    @property
     def samples_per_second(self) -> float:
         return self.batch_size * self.data_parallel_size / self.predicted_step_seconds
 
@@ -72,7 +98,7 @@ class Plan:
         ]
         for row in self.rows:
             lines.append(
-                f"| {row.module or '(root)'} | {row.strategy.value} | {row.static_bytes / MiB:.1f} MiB | "
+                f"| {row.module or '(root)'} | {Choice(row.strategy, row.ring_group_size)} | {row.static_bytes / MiB:.1f} MiB | "
                 f"{row.activation_bytes / MiB:.1f} MiB | {row.seconds * 1e3:.1f} ms |"
             )
         verified = "" if self.verified_peak_bytes is None else f" (measured {self.verified_peak_bytes / MiB:.2f} MiB)"
@@ -236,13 +262,15 @@ class _Candidate:
 
 
 class _EstimatedChoice:
-    """Plans from the cost model's estimates: the fastest predicted to fit is chosen, unverified."""
+    """Plans from the cost model's estimates: the fastest predicted to fit is chosen, unverified. rsdp is
+    tried in rings of every group size the cost model allows."""
 
     def __init__(self, counted: dict[int, Counts], units: list[str], cost_model: CostModel, strategies: Sequence[Strategy]):
         self._peak_is_reserved = cost_model.peak_is_reserved
+        choices = choices_of(strategies, cost_model.ring_group_sizes())
         self._candidates = _candidates(
-            units, list(counted), strategies,
-            lambda size, root: _estimated_costs(counted[size], strategies, root, cost_model),
+            units, list(counted), choices,
+            lambda size, root: _estimated_costs(counted[size], choices, root, cost_model),
             cost_model.world_size,
         )
 
@@ -266,16 +294,17 @@ class _MeasuredChoice:
         self._uniform: list[Plan] = []  # every uniform run, as a plan whose numbers are facts
         self._runs: dict[tuple, tuple[int, float]] = {}  # plan key -> measured (peak, seconds)
 
-        def costs(batch_size: int, root_strategy: Strategy) -> tuple[dict[Strategy, dict[str, UnitCost]], RootCost]:
-            """Every unit's cost under every strategy, and the root's, with the root under ``root_strategy``."""
-            runs = {s: measure(batch_size, {"": root_strategy, **dict.fromkeys(units, s)}) for s in strategies}
-            unit_costs, root, peak = runs[root_strategy]
-            seconds = sum(c.seconds for c in unit_costs.values()) + root.seconds
-            rows = _rows(root_strategy, root, [(name, root_strategy, cost) for name, cost in unit_costs.items()])
+        def costs(batch_size: int, root: Choice) -> tuple[dict[Choice, dict[str, UnitCost]], RootCost]:
+            """Every unit's cost under every strategy, and the root's, with the root under ``root``
+            (measured runs use flat rings)."""
+            runs = {s: measure(batch_size, {"": root.strategy, **dict.fromkeys(units, s)}) for s in strategies}
+            unit_costs, root_cost, peak = runs[root.strategy]
+            seconds = sum(c.seconds for c in unit_costs.values()) + root_cost.seconds
+            rows = _rows(root, root_cost, [(name, root, cost) for name, cost in unit_costs.items()])
             self._uniform.append(Plan(rows, batch_size, world, peak, seconds, 0, verified_peak_bytes=peak, verified_step_seconds=seconds))
-            return {s: runs[s][0] for s in strategies}, root
+            return {Choice(s): runs[s][0] for s in strategies}, root_cost
 
-        self._candidates = _candidates(units, batch_sizes, strategies, costs, world)
+        self._candidates = _candidates(units, batch_sizes, choices_of(strategies), costs, world)
 
     def choose(self, memory_budget: int) -> Plan:
         fitting = [c.plan for c in sorted(self._candidates, key=lambda c: (c.seconds_per_sample, c.peak)) if c.peak <= memory_budget]
@@ -315,22 +344,25 @@ class _MeasuredChoice:
         return best
 
 
-def _estimated_costs(counts: Counts, strategies: Sequence[Strategy], root_strategy: Strategy, cost_model: CostModel):
-    return {s: estimate_units(counts, s, root_strategy, cost_model) for s in strategies}, estimate_root(counts, root_strategy, cost_model)
+def _estimated_costs(counts: Counts, choices: Sequence[Choice], root: Choice, cost_model: CostModel):
+    return (
+        {c: estimate_units(counts, c.strategy, root.strategy, cost_model, c.ring_group_size) for c in choices},
+        estimate_root(counts, root.strategy, cost_model, root.ring_group_size),
+    )
 
 
-def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, world: int) -> list[_Candidate]:
+def _candidates(units: list[str], batch_sizes, choices: Sequence[Choice], costs: Callable, world: int) -> list[_Candidate]:
     """The plans worth considering: the search's plans and the uniform ones per (batch size, root
-    strategy), with their exact peaks, then only those faster per sample than every plan of smaller or
+    choice), with their exact peaks, then only those faster per sample than every plan of smaller or
     equal peak."""
     found = []
     # The units' costs depend on the root's strategy only through whether it rotates (the cost model's
     # FSDP and replicate roots give the same ones): a search already made is reused.
     frontiers: dict[tuple, Frontier] = {}
     for batch_size in batch_sizes:
-        for root_strategy in strategies:
-            by_strategy, root = costs(batch_size, root_strategy)
-            unit_costs = [{s: by_strategy[s][name] for s in strategies} for name in units]
+        for root_choice in choices:
+            by_choice, root = costs(batch_size, root_choice)
+            unit_costs = [{c: by_choice[c][name] for c in choices if name in by_choice[c]} for name in units]
             searched = tuple(tuple(options.items()) for options in unit_costs)
             if searched not in frontiers:
                 frontiers[searched] = _search(unit_costs)
@@ -338,7 +370,7 @@ def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, worl
             peaks = predicted_peak(frontier.partial, root).tolist()
             per_sample = ((frontier.partial.seconds + root.seconds) / (batch_size * world)).tolist()
             found += [
-                _Found(seconds, peak, frontier, row, root_strategy, root, batch_size, unit_costs)
+                _Found(seconds, peak, frontier, row, root_choice, root, batch_size, unit_costs)
                 for row, (seconds, peak) in enumerate(zip(per_sample, peaks))
             ]
     useful, fastest = [], math.inf
@@ -346,7 +378,7 @@ def _candidates(units: list[str], batch_sizes, strategies, costs: Callable, worl
         if f.seconds_per_sample < fastest:
             chosen = f.frontier.assignment(f.row)
             assignments = [(name, s, costs[s]) for name, s, costs in zip(units, chosen, f.unit_costs)]
-            rows = _rows(f.root_strategy, f.root, assignments)
+            rows = _rows(f.root_choice, f.root, assignments)
             useful.append(_Candidate(f.seconds_per_sample, f.peak, Plan(rows, f.batch_size, world, int(f.peak), f.seconds_per_sample * f.batch_size * world, 0)))
             fastest = f.seconds_per_sample
     return useful
@@ -359,10 +391,10 @@ class _Found(NamedTuple):
     peak: float
     frontier: Frontier
     row: int
-    root_strategy: Strategy
+    root_choice: Choice
     root: RootCost
     batch_size: int
-    unit_costs: list[dict[Strategy, UnitCost]]
+    unit_costs: list[dict[Choice, UnitCost]]
 
 
 def plan_from_counts(
@@ -374,18 +406,26 @@ def plan_from_counts(
     return dataclasses.replace(chosen, memory_budget=memory_budget)
 
 
-def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel) -> tuple[float, float]:
-    """Predicted peak bytes per device and step seconds of ``strategy`` everywhere, root included."""
-    return predict_policy(counts, units, dict.fromkeys(["", *units], strategy), cost_model)
+def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel,
+                    ring_group_size: int = 1) -> tuple[float, float]:
+    """Predicted peak bytes per device and step seconds of ``strategy`` everywhere, root included (rsdp:
+    in rings of groups of ``ring_group_size``, where a unit can take it: else flat)."""
+    names = ["", *units]
+    return predict_policy(counts, units, dict.fromkeys(names, strategy), cost_model, dict.fromkeys(names, ring_group_size))
 
 
-def predict_policy(counts: Counts, units: list[str], policy: dict[str, Strategy], cost_model: CostModel) -> tuple[float, float]:
+def predict_policy(counts: Counts, units: list[str], policy: dict[str, Strategy], cost_model: CostModel,
+                   ring_group_sizes: dict[str, int] | None = None) -> tuple[float, float]:
     """Predicted peak bytes per device and step seconds of one plan (``policy``: a strategy per unit and
-    for the root ``""``), walked unit by unit from the cost model's exact figures, as the search reports it."""
-    by_strategy, root = _estimated_costs(counts, tuple(set(policy.values())), policy[""], cost_model)
+    for the root ``""``; ``ring_group_sizes``: rsdp's group size per unit, default 1), walked unit by unit
+    from the cost model's exact figures, as the search reports it. A unit that cannot take its group
+    (experts) takes the flat ring."""
+    sizes = ring_group_sizes or {}
+    chosen = {name: Choice(strategy, sizes.get(name, 1) if strategy is Strategy.RSDP else 1) for name, strategy in policy.items()}
+    by_choice, root = _estimated_costs(counts, tuple(set(chosen.values()) | {Choice(Strategy.RSDP)}), chosen[""], cost_model)
     partial = EMPTY
     for name in reversed(units):
-        partial = partial.extend(by_strategy[policy[name]][name])
+        partial = partial.extend(by_choice[chosen[name]].get(name) or by_choice[Choice(chosen[name].strategy)][name])
     return predicted_peak(partial, root).item(), partial.seconds.item() + root.seconds
 
 
@@ -395,7 +435,7 @@ def _confirmed(candidate: Plan) -> bool:
 
 
 def _key(plan_: Plan) -> tuple:
-    return (plan_.batch_size, tuple(plan_.strategies.items()))
+    return (plan_.batch_size, tuple(plan_.strategies.items()), tuple(plan_.ring_group_sizes.items()))
 
 
 class NoPlanFits(ValueError):
@@ -422,7 +462,7 @@ def _summary(plan_: Plan) -> str:
     return f"root {plan_.strategies[''].value}, modules {per_strategy}" if modules else f"root {plan_.strategies[''].value}"
 
 
-def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> Frontier:
+def _search(unit_costs: list[dict[Choice, UnitCost]]) -> Frontier:
     """The search's plans and the uniform ones, with exact figures.
 
     The search's grid starts at a fraction of what the smallest choice of every unit holds, not of the
@@ -438,7 +478,9 @@ def _search(unit_costs: list[dict[Strategy, UnitCost]]) -> Frontier:
     return pareto_plans(unit_costs, max(1, smallest // SEARCH_GRID_STEPS)).joined(uniform_plans(unit_costs))
 
 
-def _rows(root_strategy: Strategy, root: RootCost, assignments: list[tuple[str, Strategy, UnitCost]]) -> tuple[PlanRow, ...]:
-    rows = [PlanRow("", root_strategy, root.static_bytes, root.before.delta + root.middle.delta, root.seconds)]
-    rows += [PlanRow(name, s, cost.static_bytes, cost.forward.delta, cost.seconds) for name, s, cost in assignments]
+def _rows(root_choice: Choice, root: RootCost, assignments: list[tuple[str, Choice, UnitCost]]) -> tuple[PlanRow, ...]:
+    rows = [PlanRow("", root_choice.strategy, root.static_bytes, root.before.delta + root.middle.delta, root.seconds,
+                    root_choice.ring_group_size)]
+    rows += [PlanRow(name, c.strategy, cost.static_bytes, cost.forward.delta, cost.seconds, c.ring_group_size)
+             for name, c, cost in assignments]
     return tuple(rows)

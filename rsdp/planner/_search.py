@@ -1,4 +1,5 @@
-"""The search: the fastest choices of strategy per unit whose predicted peak fits the budget.
+"""The search: the fastest choices of strategy per unit whose predicted peak fits the budget (a choice is
+any hashable key of a unit's options: the planner's ``Choice``, a strategy and rsdp's ring group size).
 
 A plan's peak is not a sum over units: it is the highest point of the step's timeline, so each unit's
 choice moves every later level. Walking the units from the innermost (last in forward, first in

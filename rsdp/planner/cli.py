@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import CostModel, plan
 from . import _calibrate, _hardware, _models, _training
 from ._cost_model import OPTIMIZERS, count
-from ._plan import NoPlanFits, _resize_batch, plan_from_counts, predict_uniform
+from ._plan import NoPlanFits, _resize_batch, choices_of, plan_from_counts, predict_uniform
 from ._profile import find_units
 from ..policy import Strategy
 
@@ -83,10 +83,17 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     trains.add_argument("--frozen", nargs="+", default=[], metavar="PATTERN",
                         help="parameters that do not train (no gradient, no optimizer state), by name glob: "
                              "'model.embed_tokens.*', '**.mlp.**'")
-    p.add_argument("--hardware", default=None, help=f"a preset ({', '.join(_hardware.PRESETS)}) or a profile JSON")
+    p.add_argument("--hardware", default=None, help=f"a preset ({_hardware.preset_names()}) or a profile JSON")
     p.add_argument("--flops", type=float, default=None, help="achieved FLOP/s per device (overrides --hardware)")
     p.add_argument("--bandwidth", type=float, default=None, help="bytes/s per device (overrides --hardware)")
     p.add_argument("--latency", type=float, default=None, help="seconds per message (overrides --hardware)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="devices per machine: ops whose ranks span machines pay the link between them, and rsdp's ring "
+                        "groups stay within one (default: the hardware's, 8 for the two-level presets; a profile without "
+                        "one: one machine, flat rings only)")
+    p.add_argument("--ring-group-sizes", type=int, nargs="+", default=None, metavar="G",
+                   help="the rsdp ring group sizes the search may choose (default: every divisor of the world within one "
+                        "machine; 1: flat rings only)")
     p.add_argument("--json", default=None, help="write predictions per strategy and for the plan to this file")
     p.add_argument("--measure", action="store_true", help="profile on the ranks torchrun started (benchmark model)")
     c = commands.add_parser("calibrate", parents=[shared], help="measure this machine's time constants into a profile")
@@ -100,10 +107,16 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--hardware", default="h100-sxm-nvlink",
                    help="without torchrun: the preset whose links the profile keeps (none can be measured)")
     c.add_argument("--out", default="profile.json", help="the profile to write (rank 0)")
+    c.add_argument("--gpus-per-node", type=int, default=None,
+                   help="under torchrun: take every N consecutive ranks as one machine (default: the machines the ranks "
+                        "run on, by host name); on one host this simulates machines, whose links are then this host's")
     args = parser.parse_args(argv)
     if args.command == "calibrate" and "RANK" not in os.environ and not args.world_size:
         parser.error("rsdp calibrate: start it with torchrun (measures the process group), or give --world-size W "
                      "to measure host and GEMM times for W ranks in this one process")
+    if args.command == "calibrate" and "RANK" not in os.environ and args.gpus_per_node:
+        parser.error("rsdp calibrate: --gpus-per-node splits the ranks torchrun starts into machines; on the fake process "
+                     "group no link is measured (the --hardware preset's are kept): drop it, or start it with torchrun")
     if args.command == "plan":
         args.batch_sizes = args.batch_sizes or [1]
     if args.seq_len is None:
@@ -119,7 +132,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
     if args.command == "plan" or args.world_size is not None:
         positive["--world-size"] = args.world_size
     if args.command == "plan":
-        positive.update({"--flops": args.flops, "--bandwidth": args.bandwidth, "--loss-chunks": args.loss_chunks})
+        positive.update({"--flops": args.flops, "--bandwidth": args.bandwidth, "--loss-chunks": args.loss_chunks,
+                         "--ring-group-sizes": args.ring_group_sizes})
+    if args.command == "plan" or args.gpus_per_node is not None:
+        positive["--gpus-per-node"] = args.gpus_per_node
     if args.model in ("benchmark", None):
         positive.update({f"--{name}": getattr(args, name) for name in ("vocab_size", "ninp", "nhid", "nhead", "num_decoder_layers")})
     for flag, value in positive.items():
@@ -143,6 +159,8 @@ _FIXES = {
     "--loss-chunks": "pass 1 for cross-entropy over the whole logits, or the number of sequence chunks, e.g. --loss-chunks 8",
     "--flops": "pass the achieved FLOP/s per device, e.g. --flops 4e14, or leave it out (--hardware's)",
     "--bandwidth": "pass bytes/s per device, e.g. --bandwidth 4.5e11, or leave it out (--hardware's)",
+    "--gpus-per-node": "pass the devices of one machine, e.g. --gpus-per-node 8, or leave it out (--hardware's)",
+    "--ring-group-sizes": "pass divisors of the world within one machine, e.g. --ring-group-sizes 1 8, or leave it out",
 }
 
 
@@ -152,6 +170,8 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     return hardware.cost_model(
         args.world_size, param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32 if bf16 else None,
         flops_per_s=args.flops, bandwidth_bytes_per_s=args.bandwidth, latency_s=args.latency,
+        gpus_per_node=args.gpus_per_node,
+        allowed_ring_group_sizes=tuple(sorted(set(args.ring_group_sizes))) if args.ring_group_sizes else None,
     ).with_optimizer(args.optimizer)
 
 
@@ -191,15 +211,15 @@ def main(argv: list[str] | None = None) -> None:
     except NoPlanFits as error:
         chosen, no_plan = None, error
     uniform = {}
-    for strategy in Strategy:
+    for choice in choices_of(tuple(Strategy), cost_model.ring_group_sizes()):
         best = None  # the batch size of most tokens/s per device that fits, else the smallest
         for size, counts in counted.items():
-            peak, seconds = predict_uniform(counts, units, strategy, cost_model)
+            peak, seconds = predict_uniform(counts, units, choice.strategy, cost_model, choice.ring_group_size)
             entry = {"local_batch_size": size, **_prediction(peak, seconds, size, args.seq_len)}
             key = (peak <= args.budget, entry["tokens_per_s_per_device"] if peak <= args.budget else -peak)
             if best is None or key > best[0]:
                 best = (key, entry)
-        uniform[strategy.value] = best[1]
+        uniform[str(choice)] = best[1]
     elapsed = time.perf_counter() - started
     report = {
         "model": args.model, "world_size": args.world_size, "seq_len": args.seq_len,
@@ -209,11 +229,15 @@ def main(argv: list[str] | None = None) -> None:
         "loss_chunks": args.loss_chunks,
         "budget_bytes": args.budget, "cost_model": {k: str(v) for k, v in vars(cost_model).items()},
         "peak_bytes_are": "reserved" if cost_model.peak_is_reserved else "allocated",
-        "strategies": uniform,
+        "gpus_per_node": cost_model.gpus_per_node,
+        # each strategy everywhere (rsdp in flat rings), and rsdp everywhere in rings of groups of g ("rsdp g=G")
+        "strategies": {name: entry for name, entry in uniform.items() if name in Strategy._value2member_map_},
+        "ring_groups": {name: entry for name, entry in uniform.items() if name not in Strategy._value2member_map_},
         "plan": None if chosen is None else {
             "local_batch_size": chosen.batch_size,
             **_prediction(chosen.predicted_peak_bytes, chosen.predicted_step_seconds, chosen.batch_size, args.seq_len),
             "modules": {name or "(root)": s.value for name, s in chosen.strategies.items()},
+            "ring_group_sizes": {name or "(root)": g for name, g in chosen.ring_group_sizes.items()},
         },
         "smallest_fitting_budget_bytes": no_plan.needed_bytes if no_plan else None,
         "planning_seconds": elapsed,
@@ -221,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     GiB = 2**30
     trained = f"LoRA rank {args.lora_rank}" if args.lora_rank else "every parameter"
     trained += f", {' '.join(args.frozen)} frozen" if args.frozen else ""
-    heading = f"{args.world_size} devices (cost model), {args.model}, seq {args.seq_len}, " \
+    machines = "" if not cost_model.spans_machines else f" on machines of {cost_model.gpus_per_node}"
+    heading = f"{args.world_size} devices{machines} (cost model), {args.model}, seq {args.seq_len}, " \
               f"activation checkpointing {args.activation_checkpoint}, {args.mixed_precision}, " \
               f"{args.training_dtype} parameters, {args.optimizer}, training {trained}"
     print(f"plan for {heading}:\n{chosen}\n" if chosen else f"no plan for {heading}\n")
@@ -250,8 +275,12 @@ def _calibrated(args: argparse.Namespace) -> None:
           f"{hardware.other_flops_per_s or 0:.4g}); partial GEMM efficiency "
           + ", ".join(f"W={w}: {e:.3f}" for w, e in hardware.partial_gemm_efficiency.items())
           + f"; host per ring step {hardware.ring_step_host_s * 1e6:.1f} us")
-    for op, link in hardware.links.items():
-        print(f"{op}: latency {link.latency_s * 1e6:.1f} us per hop, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s")
+    levels = [("", hardware.links)]
+    if hardware.inter_node_links:
+        levels = [("within a machine, ", hardware.links), (f"between machines of {hardware.gpus_per_node}, ", hardware.inter_node_links)]
+    for level, links in levels:
+        for op, link in links.items():
+            print(f"{level}{op}: latency {link.latency_s * 1e6:.1f} us per hop, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s")
 
 
 def _measured(args: argparse.Namespace) -> None:

@@ -149,6 +149,7 @@ def _plan(
         flops_per_s=parallelism.dp_flops_per_s,
         bandwidth_bytes_per_s=parallelism.dp_bandwidth_bytes_per_s,
         latency_s=parallelism.dp_latency_s,
+        allowed_ring_group_sizes=(1,),  # the plan is applied by strategy alone here: flat rings
     ).with_optimizer(parallelism.dp_optimizer)
     sample = torch.zeros(training.local_batch_size, training.seq_len + 1, dtype=torch.long, device="meta")
     counted = torchtitan_moe_for_counting(flash_attention_for_counting(copy.deepcopy(model)))  # on the meta device: no memory
