@@ -81,8 +81,10 @@ within one, or between where a group is several machines. Gathered weights and r
 move in ``param_dtype``, reductions and partials in ``reduce_dtype``. The optimizer step is memory-bound: its traffic per parameter byte over the device's
 memory bandwidth (where known). FSDP2's own work beside the wire (copies into and out of the
 collectives' buffers, the pre-division, its hooks) is charged per parameter byte with the compute where
-``rsdp calibrate`` measured it (``fsdp_overhead_s_per_byte``, ``replicate_overhead_s_per_byte``; the GPU
-presets leave it out). Not modelled: the first gather of a pass (not overlapped with anything).
+``rsdp calibrate`` measured it (``fsdp_overhead_s_per_byte``, ``replicate_overhead_s_per_byte``; the H100
+presets fit FSDP2's to this project's one-GPU step and leave replicate's out); a ring of groups (g > 1) pays FSDP2's figure too, since its all-gathers within the
+group copy every weight byte in and out of their buffers as FSDP2's do (an assumption: not measured
+for the ring of groups). Not modelled: the first gather of a pass (not overlapped with anything).
 
 The estimate is within 15% of what a run measures, so far from above (``tests/test_planner.py`` runs
 plans of several shapes, every strategy and mixed, and compares): where the timing of a buffer depends
@@ -900,6 +902,8 @@ class _Parallelism:
             # and elementwise work are not split. A step computes g/W of the layer.
             # A measured efficiency above 1 (timing noise on a loaded host) is no speed-up: no negative penalty.
             efficiency = min(cost.partial_efficiency(group), 1.0)
+            if group > 1:  # its group's all-gathers copy every weight byte in and out of their buffers, as FSDP2's do
+                compute += self.params * cost.fsdp_overhead_s_per_byte[backward]
             penalty = linear / (cost.gemm_flops_per_s or cost.flops_per_s) * (1 / efficiency - 1)
             gemms = (compute + penalty) / rings / steps
             host = cost.ring_step_host_s
