@@ -10,12 +10,14 @@ checkpoints. 3 ranks hold the 8 experts in blocks of 3, 3 and 2.
 """
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from models import assert_close, assert_param_grads_match, local_rows, rank_and_world
+from models import assert_close, assert_param_grads_match, assert_params_match, local_rows, rank_and_world
 from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
 from test_checkpoint import load, save
@@ -25,9 +27,11 @@ pytest.importorskip("transformers")
 
 
 def shard_moe(model, strategy: str):
-    """Each decoder layer, then the root, with ``rsdp_shard`` or FSDP2's ``fully_shard``."""
+    """Each decoder layer, then the root (a peft model's, after ``get_peft_model``), with ``rsdp_shard``
+    or FSDP2's ``fully_shard``."""
     shard = rsdp_shard if strategy == "rsdp" else fully_shard
-    for layer in model.model.layers:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in base.model.layers:
         shard(layer)
     shard(model)
     return model
@@ -162,3 +166,101 @@ def generate_case(family: str, implementation: str) -> list:
 @pytest.mark.parametrize("family, implementation, world", [("gpt_oss", "grouped_mm", 3), ("qwen3_moe", "eager", 4)])
 def test_moe_generate_with_the_kv_cache_matches_the_unsharded_model(ranks, family, implementation, world):
     ranks.run(world, generate_case, family, implementation)
+
+
+EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def lora_moe(family: str, implementation: str, dtype, experts: int, adapters: tuple[str, ...]):
+    """The tiny MoE with peft LoRA on both expert weights (``target_parameters``: peft's ``ParamWrapper``,
+    nested), one adapter per name in ``adapters``, each of rank 2; ``lora_B`` drawn (peft starts it at
+    zero)."""
+    peft = pytest.importorskip("peft")
+    model = tiny_moe(family, implementation, dtype, experts=experts)
+    config = dict(r=2, lora_alpha=4, target_modules=[], target_parameters=EXPERT_WEIGHTS)
+    model = peft.get_peft_model(model, peft.LoraConfig(**config), adapter_name=adapters[0])
+    for name in adapters[1:]:
+        model.add_adapter(name, peft.LoraConfig(**config))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    return model
+
+
+def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...]) -> None:
+    """An SGD step of LoRA on the experts, every adapter active, against the unsharded float64 model:
+    loss, every adapter's gradient, the adapters after the steps; then the logits with the adapters
+    disabled (``disable_adapter()``: the base experts alone)."""
+    rank, world = rank_and_world()
+    dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
+    reference = lora_moe(family, implementation if dtype == torch.float64 else "eager", torch.float64, experts, adapters)
+    model = copy.deepcopy(reference).to(dtype)
+    model.base_model.set_adapter(list(adapters))
+    reference.base_model.set_adapter(list(adapters))
+    model.get_base_model().config._experts_implementation = implementation
+    shard_moe(model, "rsdp")
+    tolerance = TOLERANCE if dtype == torch.float64 else FLOAT32_TOLERANCE
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    reference_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    tokens = torch.randint(3, VOCAB, (world * 2, 6), generator=torch.Generator().manual_seed(10))
+    mine = local_rows(tokens, rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+    gathered = [str(w.message) for w in caught if "has no ring form" in str(w.message)]
+    assert not gathered, gathered  # the experts rotate on their ring, not gathered op by op for peft's code
+    reference_loss = reference(input_ids=tokens, labels=tokens).loss
+    reference_loss.backward()
+    total = loss.detach().double().clone()
+    dist.all_reduce(total)
+    assert_close(total / world, reference_loss.detach().double(), what="loss", **tolerance)
+    assert_param_grads_match(model, reference, 1.0, **tolerance)
+    optimizer.step(), reference_optimizer.step()
+    assert_params_match(model, reference, **tolerance)
+    probe = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), model.disable_adapter(), reference.disable_adapter():
+        assert_close(model(input_ids=probe).logits.double(), reference(input_ids=probe).logits, what="logits, adapters disabled", **tolerance)
+
+
+@pytest.mark.parametrize(
+    "family, implementation, world, experts, adapters",
+    [
+        ("mixtral", "eager", 3, 8, ("default",)),  # blocks of 3, 3, 2 experts: lora_B's columns are strided
+        ("gpt_oss", "grouped_mm", 2, 8, ("default", "other")),  # [experts, in, out] weights; two adapters at once
+        ("qwen3_moe", "batched_mm", 4, 2, ("default",)),  # blocks of 1, 1 and none
+    ],
+)
+def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters):
+    ranks.run(world, lora_case, family, implementation, experts, adapters)
+
+
+def lora_refusal_case(kind: str) -> str:
+    """The error, on this rank, for LoRA on experts that the expert ring cannot apply per block."""
+    peft = pytest.importorskip("peft")
+    if kind == "merged":
+        model = lora_moe("mixtral", "eager", torch.float64, 8, ("default",))
+        model.merge_adapter()
+    else:  # gpt-oss's expert bias, [experts, out]: peft adapts it as one 2-D weight across the experts
+        model = peft.get_peft_model(
+            tiny_moe("gpt_oss", "eager"), peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj_bias"])
+        )
+    with pytest.raises(ValueError) as refused:
+        shard_moe(model, "rsdp")
+        tokens = torch.randint(3, VOCAB, (1, 6))
+        model(input_ids=tokens, labels=tokens)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("merged", r"experts 'mlp.experts' have LoRA adapters merged into \['gate_up_proj', 'down_proj'\].*Call unmerge_adapter\(\) first"),
+        ("bias", r"experts 'mlp.experts' has peft LoRA on \['gate_up_proj_bias'\], which are not 3-D.*Drop them from target_parameters"),
+    ],
+)
+def test_lora_on_experts_that_the_ring_cannot_apply_is_refused_on_every_rank(ranks, kind, message):
+    for text in ranks.run(2, lora_refusal_case, kind):
+        assert re.search(message, text), text
