@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import assert_close, assert_param_grads_match, assert_params_match, local_rows, rank_and_world
+from models import assert_close, assert_param_grads_match, assert_params_match, draw_lora_b, local_rows, rank_and_world
 from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
-from test_checkpoint import load, save
+from test_checkpoint import load, save, train
 from test_experts import FLOAT32_TOLERANCE, TOLERANCE, VOCAB, tiny_moe
 
 pytest.importorskip("transformers")
@@ -74,24 +74,18 @@ def test_router_load_balancing_loss_is_exact(ranks, family, implementation, worl
 GLOBAL_ROWS = 12  # divisible by 2, 3 and 4: every world size trains on the same global batches
 
 
-def _global_batch(step: int) -> torch.Tensor:
+def _global_batch(step: int, world: int | None = None) -> torch.Tensor:
+    """The global batch of ``step``, the same rows on every number of ranks (``world``)."""
     return torch.randint(3, VOCAB, (GLOBAL_ROWS, 6), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=tokens, labels=tokens).loss
 
 
 def _train_moe(model, optimizer, steps: range) -> list[float]:
     """AdamW steps on the global batches; returns the global mean losses."""
-    rank, world = rank_and_world()
-    losses = []
-    for step in steps:
-        mine = local_rows(_global_batch(step), rank, world)
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return train(model, optimizer, steps, _global_batch, _lm_loss)
 
 
 def _probe_logits(model) -> torch.Tensor:
@@ -182,10 +176,7 @@ def lora_moe(family: str, implementation: str, dtype, experts: int, adapters: tu
     for name in adapters[1:]:
         model.add_adapter(name, peft.LoraConfig(**config))
     torch.manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.2)
+    draw_lora_b(model, 0.2)
     return model
 
 
@@ -247,11 +238,12 @@ def lora_refusal_case(kind: str) -> str:
         model = peft.get_peft_model(
             tiny_moe("gpt_oss", "eager"), peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj_bias"])
         )
-    with pytest.raises(ValueError) as refused:
-        shard_moe(model, "rsdp")
-        tokens = torch.randint(3, VOCAB, (1, 6))
-        model(input_ids=tokens, labels=tokens)
-    return str(refused.value)
+    tokens = torch.randint(3, VOCAB, (1, 6))
+    try:
+        shard_moe(model, "rsdp")(input_ids=tokens, labels=tokens)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"{kind}: LoRA on experts was not refused")
 
 
 @pytest.mark.parametrize(
@@ -262,5 +254,5 @@ def lora_refusal_case(kind: str) -> str:
     ],
 )
 def test_lora_on_experts_that_the_ring_cannot_apply_is_refused_on_every_rank(ranks, kind, message):
-    for text in ranks.run(2, lora_refusal_case, kind):
-        assert re.search(message, text), text
+    errors = ranks.run(2, lora_refusal_case, kind)
+    assert all(re.search(message, error) for error in errors), errors

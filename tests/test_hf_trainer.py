@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import assert_close, full
+from models import assert_close, draw_lora_b, full
 from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
 
@@ -69,10 +69,7 @@ def build_model(name: str, lora: bool, dropout: float = 0.0):
         targets = "all-linear" if name.endswith("-ring") else ["q_proj", "v_proj", "down_proj"]
         config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
         model = peft.get_peft_model(model, config)
-        with torch.no_grad():  # peft starts B at zero: give the adapters a non-trivial start
-            for param_name, param in model.named_parameters():
-                if "lora_B" in param_name:
-                    param.normal_(std=0.1)
+        draw_lora_b(model, 0.1)
     return model
 
 
