@@ -180,10 +180,11 @@ def lora_moe(family: str, implementation: str, dtype, experts: int, adapters: tu
     return model
 
 
-def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...]) -> None:
+def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...], checkpointing: bool) -> None:
     """An SGD step of LoRA on the experts, every adapter active, against the unsharded float64 model:
     loss, every adapter's gradient, the adapters after the steps; then the logits with the adapters
-    disabled (``disable_adapter()``: the base experts alone)."""
+    disabled (``disable_adapter()``: the base experts alone). ``checkpointing``: the decoder layers
+    recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's ring called again."""
     rank, world = rank_and_world()
     dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
     reference = lora_moe(family, implementation if dtype == torch.float64 else "eager", torch.float64, experts, adapters)
@@ -192,6 +193,9 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
     reference.base_model.set_adapter(list(adapters))
     model.get_base_model().config._experts_implementation = implementation
     shard_moe(model, "rsdp")
+    if checkpointing:
+        for m in (model, reference):
+            m.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tolerance = TOLERANCE if dtype == torch.float64 else FLOAT32_TOLERANCE
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     reference_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
@@ -217,15 +221,15 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
 
 
 @pytest.mark.parametrize(
-    "family, implementation, world, experts, adapters",
+    "family, implementation, world, experts, adapters, checkpointing",
     [
-        ("mixtral", "eager", 3, 8, ("default",)),  # blocks of 3, 3, 2 experts: lora_B's columns are strided
-        ("gpt_oss", "grouped_mm", 2, 8, ("default", "other")),  # [experts, in, out] weights; two adapters at once
-        ("qwen3_moe", "batched_mm", 4, 2, ("default",)),  # blocks of 1, 1 and none
+        ("mixtral", "eager", 3, 8, ("default",), True),  # blocks of 3, 3, 2 experts: lora_B's columns are strided
+        ("gpt_oss", "grouped_mm", 2, 8, ("default", "other"), False),  # [experts, in, out] weights; two adapters at once
+        ("qwen3_moe", "batched_mm", 4, 2, ("default",), False),  # blocks of 1, 1 and none
     ],
 )
-def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters):
-    ranks.run(world, lora_case, family, implementation, experts, adapters)
+def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters, checkpointing):
+    ranks.run(world, lora_case, family, implementation, experts, adapters, checkpointing)
 
 
 def lora_refusal_case(kind: str) -> str:
