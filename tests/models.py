@@ -92,6 +92,15 @@ def assert_close(actual, expected, *, what, rtol=1e-9, atol=1e-11):
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
+def draw_lora_b(model: nn.Module, std: float) -> None:
+    """Draw every ``lora_B`` of a peft model from N(0, std²): peft starts them at zero, which would leave
+    ``lora_A`` without a gradient."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=std)
+
+
 def assert_matches_whole(actual, expected, *, what, **tol):
     """``actual`` (a DTensor or a tensor), in ``expected``'s dtype, equals the whole tensor ``expected``.
     A sharded or replicated DTensor is compared where it lies, each rank's local tensor against the same

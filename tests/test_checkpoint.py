@@ -45,14 +45,22 @@ def global_batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1000 + step))
 
 
-def train(model, optimizer, steps: range) -> list[float]:
-    """One AdamW step per global batch (cut to a multiple of the world size); returns the global
-    mean losses."""
+def tiny_lm_batch(step: int, world: int) -> torch.Tensor:
+    """The global batch of ``step``, cut to a multiple of the world size."""
+    return global_batch(step)[: world * (4 // world)]
+
+
+def tiny_lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    return lm_loss(model(tokens), tokens)
+
+
+def train(model, optimizer, steps: range, batch=tiny_lm_batch, loss_of=tiny_lm_loss) -> list[float]:
+    """One optimizer step per global batch ``batch(step, world)``, each rank on its rows, the loss
+    ``loss_of(model, rows)``; returns the global mean losses."""
     rank, world = rank_and_world()
     losses = []
     for step in steps:
-        tokens = global_batch(step)[: world * (4 // world)]
-        loss = lm_loss(model(local_rows(tokens, rank, world)), local_rows(tokens, rank, world))
+        loss = loss_of(model, local_rows(batch(step, world), rank, world))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -18,6 +18,7 @@ from models import (
     assert_close,
     assert_param_grads_match,
     assert_params_match,
+    draw_lora_b,
     full,
     local_rows,
     rank_and_world,
@@ -71,10 +72,7 @@ def _with_lora(model):
     import peft
 
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    with torch.no_grad():  # peft starts B at zero: give the adapters a non-trivial start
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.1)
+    draw_lora_b(model, 0.1)
     return model
 
 

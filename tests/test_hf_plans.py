@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from models import assert_close, assert_param_grads_match, local_rows, rank_and_world
+from models import assert_close, assert_param_grads_match, draw_lora_b, local_rows, rank_and_world
 from rsdp import rsdp_shard
 
 transformers = pytest.importorskip("transformers")
@@ -113,10 +113,7 @@ def tiny_lora_model(model_type: str):
 
     model = peft.get_peft_model(copy.deepcopy(tiny_model(model_type)), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     torch.manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.1)
+    draw_lora_b(model, 0.1)
     return model
 
 

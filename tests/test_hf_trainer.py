@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import assert_close, full
+from models import assert_close, draw_lora_b, full
 from rsdp import rsdp_shard
 from rsdp._compat import fully_shard
 
@@ -43,11 +43,19 @@ def attention_for(name: str) -> str:
     return "sdpa" if name.endswith("-ring") else "eager"
 
 
+# The MoE model's experts implementation: batched_mm takes float64 (grouped_mm's kernel does not) and
+# uses every expert's weights, which DDP needs.
+MOE_EXPERTS = "batched_mm"
+
+
 def _config(name: str, dropout: float):
     common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=32, attention_dropout=dropout, attn_implementation=attention_for(name))  # fmt: skip
     if name == "qwen2" or name == "qwen2-ring":
         return transformers.Qwen2Config(num_key_value_heads=2, **common)
+    if name == "qwen3_moe":  # 8 experts on the expert ring, the router's load-balancing loss in the loss
+        return transformers.Qwen3MoeConfig(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
+                                           output_router_logits=True, router_aux_loss_coef=0.1, experts_implementation=MOE_EXPERTS, **common)  # fmt: skip
     # 4 KV heads with a ring plan on 4 ranks: planned heads must divide by the ranks. "tied": a Llama whose
     # LM head is its embedding.
     return transformers.LlamaConfig(num_key_value_heads=4 if name == "llama-ring" else 2, tie_word_embeddings=name == "tied", **common)
@@ -61,10 +69,7 @@ def build_model(name: str, lora: bool, dropout: float = 0.0):
         targets = "all-linear" if name.endswith("-ring") else ["q_proj", "v_proj", "down_proj"]
         config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
         model = peft.get_peft_model(model, config)
-        with torch.no_grad():  # peft starts B at zero: give the adapters a non-trivial start
-            for param_name, param in model.named_parameters():
-                if "lora_B" in param_name:
-                    param.normal_(std=0.1)
+        draw_lora_b(model, 0.1)
     return model
 
 
@@ -213,8 +218,9 @@ def trainer_matches_fsdp2_and_ddp_case(name: str, trainer_kind: str, lora: bool,
 def reload_in_one_process(name: str, lora: bool, path: str):
     if lora:
         return peft.PeftModel.from_pretrained(build_model(name, lora=False), path)
-    # float64, as config.json says; the attention kernel is not part of the config.
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention_for(name))
+    # float64, as config.json says; the attention and experts kernels are not part of the config.
+    experts = {"experts_implementation": MOE_EXPERTS} if name == "qwen3_moe" else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention_for(name), **experts)
     assert model.config.architectures == [type(model).__name__], model.config.architectures
     return model
 
@@ -230,7 +236,7 @@ def reloaded_reference(runs, name: str, lora: bool):
 @pytest.mark.parametrize(
     "name, world, lora, checkpointing",
     [("tied", 2, False, False), ("qwen2", 4, False, False), ("qwen2-ring", 2, False, False), ("llama-ring", 4, False, False),
-     ("llama", 4, True, True), ("qwen2-ring", 2, True, False)],  # fmt: skip
+     ("llama", 4, True, True), ("qwen2-ring", 2, True, False), ("qwen3_moe", 2, False, False)],  # fmt: skip
 )
 def test_trainer_matches_fsdp2_and_ddp(ranks, tmp_path, name, world, lora, checkpointing):
     """Gradient accumulation without reduction on the first micro-step, clipping, evaluate(), and

@@ -57,12 +57,13 @@ def gpt_oss_small_rsdp():
 
 
 # model config -> what the run under test sets: rsdp everywhere; auto with the MoE block pinned to rsdp;
-# replicate for block 0 and rsdp elsewhere. Every MoE block under rsdp rotates its experts on the expert ring.
+# fsdp with block 0 replicated and block 1's MoE rsdp inside its fsdp block (under activation
+# checkpointing, whose wrapper fully_shard wraps). Every MoE under rsdp rotates its experts on the expert ring.
 RUNS = {
     "qwen3_moe_small_rsdp": ["--parallelism.dp_strategy=rsdp"],
     "deepseek_v3_small_rsdp": ["--parallelism.dp_strategy=auto", "--parallelism.dp_memory_budget=150MiB",
                                "--parallelism.dp_overrides=layers.1=rsdp"],
-    "gpt_oss_small_rsdp": ["--parallelism.dp_overrides=layers.0=replicate"],
+    "gpt_oss_small_rsdp": ["--parallelism.dp_strategy=fsdp", "--parallelism.dp_overrides=layers.0=replicate,layers.1.moe=rsdp"],
 }
 
 

@@ -17,6 +17,7 @@ from .._compat import (
 )
 from ._ddp_habits import check_same_weights, record_replacement, replaced, watch_state_dicts
 from ._embedding import RingEmbedding
+from ._expert_lora import LoraExpertsBlock, peft_wrappers
 from ._experts import ExpertRing, ExpertsBlock, is_experts_module
 from ._grouped_experts import GroupedExpertsBlock, is_grouped_experts
 from ._linear import RingLinear
@@ -92,8 +93,10 @@ def rsdp_shard(
     for name, param in newly_sharded:
         record_replacement(param, replacement[id(param)], f"{type(module).__qualname__}.{name}")
     names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
-    experts = [ExpertsBlock(owner, names[id(owner)]) for owner in managed if is_experts_module(owner)]
+    experts = _experts_blocks(managed, names)
     experts += [GroupedExpertsBlock(owner, names[id(owner)]) for owner in managed if is_grouped_experts(owner)]
+    # peft's LoRA on experts is used whole at every step too.
+    adapter_linears |= {id(linear) for block in experts for linear in block.adapter_linears}
     ring_slots = _make_ring_layers(state, managed, sub_blocks + experts, names, adapter_linears)
     _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward, adapter_linears)
 
@@ -106,6 +109,20 @@ def rsdp_shard(
     watch_state_dicts(module, [key_prefixes[id(owner)] + name for owner, name, _ in slots], mesh)
     _swap_class(module, RSDPModule, "RSDP")
     return module
+
+
+def _experts_blocks(managed: list[nn.Module], names: dict[int, str]) -> list[ExpertsBlock]:
+    """The Hugging Face experts modules of ``managed`` on rings of their own; those under peft's LoRA
+    (``ParamWrapper``s around them, ``_expert_lora.py``) called through their outermost wrapper."""
+    parents = {id(child): parent for parent in managed for child in parent.children()}
+    blocks = []
+    for owner in filter(is_experts_module, managed):
+        wrappers = peft_wrappers(owner, parents)
+        if wrappers:  # named as the model calls it: the outermost wrapper's name
+            blocks.append(LoraExpertsBlock(owner, names[id(wrappers[-1])], wrappers))
+        else:
+            blocks.append(ExpertsBlock(owner, names[id(owner)]))
+    return blocks
 
 
 def _planned_sub_blocks(module: nn.Module, managed: list[nn.Module], ring_plan: dict, mesh: DeviceMesh) -> list:
@@ -176,8 +193,9 @@ def _make_ring_layers(
     for block in blocks:
         # Its forward steps run the module's code, which reads the gathered vectors a rider would bring.
         block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__, carries_collectives=False)
-        _swap_class(block.module, RingSubBlock, "RingSub")
-        block.module._rsdp_sub_block = block
+        call_site = block.call_site if isinstance(block, ExpertRing) else block.module
+        _swap_class(call_site, RingSubBlock, "RingSub")
+        call_site._rsdp_sub_block = block
         if isinstance(block, ExpertRing):  # its parameters are the ring's, and its operands' outside it
             ring_slots.update((id(block.module), name) for _, name in block.param_slots)
             block.module._rsdp_ring = block.ring

@@ -70,10 +70,12 @@ class ExpertRing:
 
     keeps_graphs = False  # see the module's pitfalls
     per_shard = shard_parts = ()  # no parameter is used whole at every step
+    adapter_linears = ()  # LoRA adapters the steps use whole (peft's on the experts: _expert_lora.py)
     advice = ""  # what ends a sub-block's refusal: no ring_plan entry names an experts module
 
     def __init__(self, module: nn.Module, name: str, experts: int):
         self.module, self.name, self.experts = module, name, experts
+        self.call_site = module  # the module whose call runs the ring (a LoRA wrapper's: _expert_lora.py)
         self.forward = type(module).forward  # the module's own forward, run once per block of experts
         self.signature = inspect.signature(self.forward)
         where = f"rsdp_shard: experts {name or type(module).__qualname__!r}"

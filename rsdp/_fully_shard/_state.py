@@ -427,6 +427,11 @@ def _check_callers_are_sharded(module: nn.Module, ranks: int) -> None:
     for caller in calling_modules():
         if caller is module:
             continue
+        if isinstance(get_module_state(caller), FSDPState):
+            # fully_shard manages every parameter below it that no nested unit does, and its forward
+            # holds them unsharded, as plain tensors: those between it and ``module`` (the block an
+            # activation-checkpoint wrapper that fully_shard wraps holds) are its own.
+            return
         if _managed(caller):
             break
         model = caller

@@ -1,0 +1,124 @@
+"""peft's LoRA on a Hugging Face experts module's 3-D weights (``LoraConfig(target_parameters=...)``) on
+the expert ring: each step adds its block's low-rank update to the block's weights.
+
+peft adapts a parameter with a ``ParamWrapper`` around the module that holds it, nested once per
+targeted parameter (``mlp.experts`` becomes wrapper(wrapper(experts))). Its forward registers a
+``torch.nn.utils.parametrize`` on the experts' weight for the call, ``W + scaling · lhs @ rhs`` per
+expert (one ``baddbmm`` over the experts), then calls the experts. That cannot run on the ring: the
+parametrization replaces the sharded parameter for the whole call, where the ring installs one block
+of experts per step. So the ring takes the outermost wrapper's call instead (its class is swapped,
+not the experts'), and each step adds the update itself, for the block's experts only, to the block's
+weights before running the experts' own forward (``ExpertsBlock.run_step``).
+
+The adapters are small (``r`` rows per expert) and used whole at every step, like a planned
+sub-block's LoRA adapters (``_sub_block.py``): gathered, then the step's part of them installed (the
+sub-block ring's ``per_shard`` parameters with ``shard_parts``), their gradients summed over the steps
+and reduced like a norm's. peft lays them out per expert: ``lora_A`` is ``[experts · r, in]``, expert
+e's rows ``e·r .. (e+1)·r``; ``lora_B`` is ``[out, r · experts]``, expert e's columns ``j·experts + e``
+(``reshape(out, r, experts)``). A block's part keeps those layouts for the block's experts, and peft's
+own ``get_delta_factors`` turns it into the step's factors, with the wrapper's ``num_experts`` the
+block's size for the call.
+
+Pitfalls:
+- Only the adapters a wrapper has active apply, none under ``disable_adapter()``; adapters merged into
+  the weights (``merge_adapter()``) are refused at the call: the merged update would be added again.
+- A wrapper must adapt a ``[experts, ...]`` 3-D weight of the experts module itself; peft's 2-D case (an
+  expert bias ``[experts, out]``, adapted as one Linear) mixes experts and is refused at ``rsdp_shard``.
+- The update is folded in the weights' dtype with autocast off, as peft's parametrization folds it.
+"""
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from ._experts import ExpertsBlock
+
+
+def peft_wrappers(experts: nn.Module, parents: dict[int, nn.Module]) -> list[nn.Module]:
+    """peft's ``ParamWrapper`` modules around ``experts``, innermost first (``parents``: id(child) ->
+    parent). A wrapper holds the module it adapts as ``base_layer`` and names the parameter
+    (``parameter_name``)."""
+    wrappers, inner = [], experts
+    while (parent := parents.get(id(inner))) is not None and getattr(parent, "base_layer", None) is inner and hasattr(parent, "parameter_name"):
+        wrappers.append(parent)
+        inner = parent
+    return wrappers
+
+
+class LoraExpertsBlock(ExpertsBlock):
+    """A Hugging Face experts module under peft's ``ParamWrapper`` LoRA on a ring (see the module's
+    docstring): called through its outermost wrapper, each step's weights ``W + scaling · lhs @ rhs``
+    for the block's experts."""
+
+    def __init__(self, module: nn.Module, name: str, wrappers: list[nn.Module]):
+        super().__init__(module, name)
+        self.wrappers = wrappers
+        self.call_site = wrappers[-1]
+        slots = [name for _, name in self.param_slots]
+        where = f"rsdp_shard: experts {name!r}"
+        bad = [w.parameter_name for w in wrappers if w.parameter_name not in slots or getattr(module, w.parameter_name).dim() != 3]
+        if bad:
+            raise ValueError(
+                f"{where} has peft LoRA on {bad}, which are not 3-D [experts, out, in] weights; LoRA on an expert ring "
+                "adapts whole experts' matrices only. Drop them from target_parameters (e.g. keep "
+                "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])."
+            )
+        self.slot_of = [slots.index(w.parameter_name) for w in wrappers]
+        self.adapter_linears = [linear for w in wrappers for linears in (w.lora_A, w.lora_B) for linear in linears.values()]
+        self.per_shard, self.shard_parts = [], []
+        for wrapper in wrappers:
+            for adapter, linear in wrapper.lora_A.items():
+                self._add_part(linear, self._a_rows, wrapper.r[adapter])
+            for adapter, linear in wrapper.lora_B.items():
+                self._add_part(linear, self._b_columns, wrapper.r[adapter])
+
+    def _add_part(self, linear: nn.Linear, part, rank: int) -> None:
+        for param_name, value in linear._parameters.items():
+            if value is not None:
+                self.per_shard.append((linear, param_name))
+                self.shard_parts.append(lambda full, shard, part=part, rank=rank: part(full, shard, rank))
+
+    def _a_rows(self, full: torch.Tensor, shard: int, rank: int) -> torch.Tensor:
+        """``lora_A``'s rows of the block's experts: ``[count · r, in]``."""
+        layout = self.layout()
+        return full[layout.start(shard) * rank : (layout.start(shard) + layout.rows_of(shard)) * rank]
+
+    def _b_columns(self, full: torch.Tensor, shard: int, rank: int) -> torch.Tensor:
+        """``lora_B``'s columns of the block's experts, in peft's order: ``[out, r · count]``."""
+        layout = self.layout()
+        start, count = layout.start(shard), layout.rows_of(shard)
+        return full.reshape(full.shape[0], rank, self.experts)[:, :, start : start + count].reshape(full.shape[0], rank * count)
+
+    def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        merged = [w.parameter_name for w in self.wrappers if w.merged]
+        if merged:
+            raise ValueError(
+                f"rsdp: experts {self.name!r} have LoRA adapters merged into {merged}; on the expert ring each step "
+                "adds the adapters' update itself. Call unmerge_adapter() first."
+            )
+        return super().call_arguments(args, kwargs)
+
+    def run_step(self, call, arguments, shard: int, operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's weights with their active adapters' update for its experts, then the experts' step."""
+        operands = list(operands)
+        count = self.layout().rows_of(shard)
+        for wrapper, slot in zip(self.wrappers, self.slot_of):
+            if wrapper.disable_adapters:
+                continue
+            for adapter in [a for a in wrapper.active_adapters if a in wrapper.lora_A]:
+                with _num_experts(wrapper, count):
+                    lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
+                with torch.autocast(operands[slot].device.type, enabled=False):
+                    operands[slot] = torch.baddbmm(operands[slot], lhs.to(operands[slot].dtype), rhs.to(operands[slot].dtype), alpha=scaling)
+        return super().run_step(call, arguments, shard, operands)
+
+
+@contextlib.contextmanager
+def _num_experts(wrapper: nn.Module, count: int):
+    """The wrapper's ``num_experts`` the block's, for peft's reshapes of the block's adapter parts."""
+    before, wrapper.num_experts = wrapper.num_experts, count
+    try:
+        yield
+    finally:
+        wrapper.num_experts = before

@@ -1,0 +1,262 @@
+"""Hugging Face MoE models under rsdp's expert ring, beyond one training step (``test_experts.py``): the
+router's load-balancing loss, DCP checkpoints exchanged with FSDP2 across world sizes, and ``generate()``
+with the KV cache on ranks whose sequences end apart.
+
+Tiny Mixtral, Qwen3-MoE and gpt-oss causal LMs with 8 experts, built from config objects
+(``test_experts.tiny_moe``), ``rsdp_shard`` on each decoder layer then the root. References: the
+unsharded float64 model, run on each rank's rows as DDP would (the load-balancing loss is per batch,
+not per token, so the global batch would be another loss); FSDP2 (``fully_shard`` the same way) for
+checkpoints. 3 ranks hold the 8 experts in blocks of 3, 3 and 2.
+"""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from models import assert_close, assert_param_grads_match, assert_params_match, draw_lora_b, local_rows, rank_and_world
+from rsdp import rsdp_shard
+from rsdp._compat import fully_shard
+from test_checkpoint import load, save, train
+from test_experts import FLOAT32_TOLERANCE, TOLERANCE, VOCAB, tiny_moe
+
+pytest.importorskip("transformers")
+
+
+def shard_moe(model, strategy: str):
+    """Each decoder layer, then the root (a peft model's, after ``get_peft_model``), with ``rsdp_shard``
+    or FSDP2's ``fully_shard``."""
+    shard = rsdp_shard if strategy == "rsdp" else fully_shard
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in base.model.layers:
+        shard(layer)
+    shard(model)
+    return model
+
+
+def router_loss_case(family: str, implementation: str) -> float:
+    """``output_router_logits=True``: the loss is the LM loss plus ``router_aux_loss_coef`` times the
+    load-balancing loss of this rank's batch; the loss, the load-balancing loss and every gradient
+    (the router's through both) against the unsharded float64 model on each rank's rows."""
+    rank, world = rank_and_world()
+    dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
+    router = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+    reference = tiny_moe(family, implementation if dtype == torch.float64 else "eager", **router)
+    model = shard_moe(copy.deepcopy(reference).to(dtype), "rsdp")
+    model.config._experts_implementation = implementation
+    tolerance = TOLERANCE if dtype == torch.float64 else FLOAT32_TOLERANCE
+    tokens = torch.randint(3, VOCAB, (world * 2, 6), generator=torch.Generator().manual_seed(1))
+    output = model(input_ids=local_rows(tokens, rank, world), labels=local_rows(tokens, rank, world))
+    output.loss.backward()
+    references = [reference(input_ids=rows, labels=rows) for rows in (local_rows(tokens, r, world) for r in range(world))]
+    assert_close(output.aux_loss.double(), references[rank].aux_loss.double(), what=f"{family} load-balancing loss", **tolerance)
+    (sum(r.loss for r in references) / world).backward()  # DDP's gradient: the mean of the ranks'
+    total = output.loss.detach().double().clone()
+    dist.all_reduce(total)
+    expected = sum(r.loss.detach().double() for r in references) / world
+    assert_close(total / world, expected, what=f"{family} loss", **tolerance)
+    assert_param_grads_match(model, reference, 1.0, **tolerance)
+    return output.aux_loss.item()
+
+
+@pytest.mark.parametrize(
+    "family, implementation, world",
+    [("qwen3_moe", "grouped_mm", 2), ("mixtral", "eager", 3), ("gpt_oss", "batched_mm", 4)],
+)
+def test_router_load_balancing_loss_is_exact(ranks, family, implementation, world):
+    aux_losses = ranks.run(world, router_loss_case, family, implementation)
+    assert len(set(aux_losses)) == world  # each rank's batch balances its own way: per-rank losses differ
+
+
+GLOBAL_ROWS = 12  # divisible by 2, 3 and 4: every world size trains on the same global batches
+
+
+def _global_batch(step: int, world: int | None = None) -> torch.Tensor:
+    """The global batch of ``step``, the same rows on every number of ranks (``world``)."""
+    return torch.randint(3, VOCAB, (GLOBAL_ROWS, 6), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def _train_moe(model, optimizer, steps: range) -> list[float]:
+    """AdamW steps on the global batches; returns the global mean losses."""
+    return train(model, optimizer, steps, _global_batch, _lm_loss)
+
+
+def _probe_logits(model) -> torch.Tensor:
+    """The same batch on every rank, so every rank returns the full logits."""
+    with torch.no_grad():
+        return model(input_ids=_global_batch(-1)).logits
+
+
+def checkpoint_case(strategy: str, path: str, role: str) -> dict:
+    """``save``: two AdamW steps, a DCP checkpoint of model and optimizer, then two more steps.
+    ``load``: a differently initialised model loads it, then runs those two steps. The second of them
+    moves the weights by the loaded optimizer state, so its loss checks that state too."""
+    torch.manual_seed(0 if role == "save" else 7)
+    model = tiny_moe("qwen3_moe", "eager")
+    if role == "load":
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_()
+    model = shard_moe(model, strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if role == "save":
+        _train_moe(model, optimizer, range(2))
+        save(model, optimizer, path)
+    else:
+        load(model, optimizer, path)
+    return {"logits": _probe_logits(model), "losses": _train_moe(model, optimizer, range(2, 4))}
+
+
+@pytest.mark.parametrize("saved, loaded", [(("rsdp", 2), ("fsdp", 3)), (("fsdp", 4), ("rsdp", 3))], ids=lambda side: f"{side[0]}x{side[1]}")
+def test_moe_checkpoint_loads_across_strategies_and_world_sizes(ranks, tmp_path, saved, loaded):
+    """The experts are ``Shard(0)`` DTensors under both (blocks of 4, 4 on 2 ranks; 3, 3, 2 on 3; 2 each on 4):
+    DCP reshards them like any parameter, Adam's moments with them."""
+    path = str(tmp_path / "checkpoint")
+    before = ranks.run(saved[1], checkpoint_case, saved[0], path, "save")[0]
+    after = ranks.run(loaded[1], checkpoint_case, loaded[0], path, "load")[0]
+    assert_close(after["logits"], before["logits"], what="logits after loading", **TOLERANCE)
+    assert_close(torch.tensor(after["losses"]), torch.tensor(before["losses"]), what="losses after loading", **TOLERANCE)
+
+
+def generate_case(family: str, implementation: str) -> list:
+    """Greedy (under ``torch.inference_mode()``) and sampled ``generate()`` with the KV cache, each rank
+    on its own prompt: token for token the unsharded model's. Then rank 0 stops at an EOS that no other
+    rank's sequence produces, and the others go on: ``generate`` keeps the ranks' forwards in step."""
+    rank, world = rank_and_world()
+    dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
+    reference = tiny_moe(family, implementation, dtype, use_cache=True)
+    model = shard_moe(copy.deepcopy(reference), "rsdp")
+    prompts = torch.randint(3, VOCAB, (world, 5), generator=torch.Generator().manual_seed(0))
+    mine = prompts[rank : rank + 1]
+    for what, options in {"greedy": dict(do_sample=False), "sampled": dict(do_sample=True, top_k=0, temperature=1.5)}.items():
+        torch.manual_seed(7 + rank)
+        with torch.inference_mode(what == "greedy"):
+            generated = model.generate(mine, max_new_tokens=4, pad_token_id=0, **options)
+        torch.manual_seed(7 + rank)
+        expected = reference.generate(mine, max_new_tokens=4, pad_token_id=0, **options)
+        assert torch.equal(generated, expected), f"{what}: {generated.tolist()} != {expected.tolist()}"
+    with torch.no_grad():
+        continuations = reference.generate(prompts, max_new_tokens=4, do_sample=False, pad_token_id=0)[:, 5:].tolist()
+    others = {token for continuation in continuations[1:] for token in continuation}
+    first = continuations[0]
+    ends = [token for at, token in enumerate(first[:-1]) if token not in others and token not in first[:at]]
+    assert ends, f"no token ends rank 0's row only ({continuations}); change the seed"
+    options = dict(max_new_tokens=4, do_sample=False, eos_token_id=ends[0], pad_token_id=0)
+    generated = model.generate(mine, **options)
+    assert torch.equal(generated, reference.generate(mine, **options)), f"early EOS: {generated.tolist()}"
+    lengths = [None] * world
+    dist.all_gather_object(lengths, generated.shape[1])
+    assert lengths[0] < min(lengths[1:]), f"rank 0 did not stop first: {lengths}"
+    return generated.tolist()
+
+
+@pytest.mark.parametrize("family, implementation, world", [("gpt_oss", "grouped_mm", 3), ("qwen3_moe", "eager", 4)])
+def test_moe_generate_with_the_kv_cache_matches_the_unsharded_model(ranks, family, implementation, world):
+    ranks.run(world, generate_case, family, implementation)
+
+
+EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def lora_moe(family: str, implementation: str, dtype, experts: int, adapters: tuple[str, ...]):
+    """The tiny MoE with peft LoRA on both expert weights (``target_parameters``: peft's ``ParamWrapper``,
+    nested), one adapter per name in ``adapters``, each of rank 2; ``lora_B`` drawn (peft starts it at
+    zero)."""
+    peft = pytest.importorskip("peft")
+    model = tiny_moe(family, implementation, dtype, experts=experts)
+    config = dict(r=2, lora_alpha=4, target_modules=[], target_parameters=EXPERT_WEIGHTS)
+    model = peft.get_peft_model(model, peft.LoraConfig(**config), adapter_name=adapters[0])
+    for name in adapters[1:]:
+        model.add_adapter(name, peft.LoraConfig(**config))
+    torch.manual_seed(2)
+    draw_lora_b(model, 0.2)
+    return model
+
+
+def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...], checkpointing: bool) -> None:
+    """An SGD step of LoRA on the experts, every adapter active, against the unsharded float64 model:
+    loss, every adapter's gradient, the adapters after the steps; then the logits with the adapters
+    disabled (``disable_adapter()``: the base experts alone). ``checkpointing``: the decoder layers
+    recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's ring called again."""
+    rank, world = rank_and_world()
+    dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
+    reference = lora_moe(family, implementation if dtype == torch.float64 else "eager", torch.float64, experts, adapters)
+    model = copy.deepcopy(reference).to(dtype)
+    model.base_model.set_adapter(list(adapters))
+    reference.base_model.set_adapter(list(adapters))
+    model.get_base_model().config._experts_implementation = implementation
+    shard_moe(model, "rsdp")
+    if checkpointing:
+        for m in (model, reference):
+            m.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tolerance = TOLERANCE if dtype == torch.float64 else FLOAT32_TOLERANCE
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    reference_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    tokens = torch.randint(3, VOCAB, (world * 2, 6), generator=torch.Generator().manual_seed(10))
+    mine = local_rows(tokens, rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+    gathered = [str(w.message) for w in caught if "has no ring form" in str(w.message)]
+    assert not gathered, gathered  # the experts rotate on their ring, not gathered op by op for peft's code
+    reference_loss = reference(input_ids=tokens, labels=tokens).loss
+    reference_loss.backward()
+    total = loss.detach().double().clone()
+    dist.all_reduce(total)
+    assert_close(total / world, reference_loss.detach().double(), what="loss", **tolerance)
+    assert_param_grads_match(model, reference, 1.0, **tolerance)
+    optimizer.step(), reference_optimizer.step()
+    assert_params_match(model, reference, **tolerance)
+    probe = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad(), model.disable_adapter(), reference.disable_adapter():
+        assert_close(model(input_ids=probe).logits.double(), reference(input_ids=probe).logits, what="logits, adapters disabled", **tolerance)
+
+
+@pytest.mark.parametrize(
+    "family, implementation, world, experts, adapters, checkpointing",
+    [
+        ("mixtral", "eager", 3, 8, ("default",), True),  # blocks of 3, 3, 2 experts: lora_B's columns are strided
+        ("gpt_oss", "grouped_mm", 2, 8, ("default", "other"), False),  # [experts, in, out] weights; two adapters at once
+        ("qwen3_moe", "batched_mm", 4, 2, ("default",), False),  # blocks of 1, 1 and none
+    ],
+)
+def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters, checkpointing):
+    ranks.run(world, lora_case, family, implementation, experts, adapters, checkpointing)
+
+
+def lora_refusal_case(kind: str) -> str:
+    """The error, on this rank, for LoRA on experts that the expert ring cannot apply per block."""
+    peft = pytest.importorskip("peft")
+    if kind == "merged":
+        model = lora_moe("mixtral", "eager", torch.float64, 8, ("default",))
+        model.merge_adapter()
+    else:  # gpt-oss's expert bias, [experts, out]: peft adapts it as one 2-D weight across the experts
+        model = peft.get_peft_model(
+            tiny_moe("gpt_oss", "eager"), peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj_bias"])
+        )
+    tokens = torch.randint(3, VOCAB, (1, 6))
+    try:
+        shard_moe(model, "rsdp")(input_ids=tokens, labels=tokens)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError(f"{kind}: LoRA on experts was not refused")
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("merged", r"experts 'mlp.experts' have LoRA adapters merged into \['gate_up_proj', 'down_proj'\].*Call unmerge_adapter\(\) first"),
+        ("bias", r"experts 'mlp.experts' has peft LoRA on \['gate_up_proj_bias'\], which are not 3-D.*Drop them from target_parameters"),
+    ],
+)
+def test_lora_on_experts_that_the_ring_cannot_apply_is_refused_on_every_rank(ranks, kind, message):
+    errors = ranks.run(2, lora_refusal_case, kind)
+    assert all(re.search(message, error) for error in errors), errors
