@@ -52,7 +52,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import current_graph_task_id, send_and_receive
+from .._compat import all_gather_flat, current_graph_task_id, reduce_scatter_flat, send_and_receive
+from ._param import ShardLayout, shard_layout
+from ._wire import BlockRegions, Message
 
 
 class Phase(enum.IntEnum):
@@ -108,15 +110,28 @@ class NextFirst(Passenger, typing.Protocol):
 
 class Ring:
     """One rsdp module's ring: its group and neighbours, and (``context``) the ``RingContext`` of its
-    model, which ``rsdp_shard`` sets and may later replace by its root's (``join``)."""
+    model, which ``rsdp_shard`` sets and may later replace by its root's (``join``).
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, context):
+    ``size`` and ``rank`` are the shard dimension's (W ranks, this rank's place); the ring passes
+    messages among ``owners``, which are ranks, or on a ring of groups (``group_size`` g > 1) the W/g
+    groups of g consecutive ranks (``owner``: this rank's group; ``within``: its process group). Ring
+    layers compute with owners' shards, laid out by ``layout`` (``_param.ShardLayout``)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, context, group_size: int = 1):
         self.join(context)
         self.group = group
         self.device = device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._down, self._up = (self.rank - 1) % self.size, (self.rank + 1) % self.size  # group ranks
+        self.group_size = group_size
+        self.owners, self.owner = self.size // group_size, self.rank // group_size
+        # Group ranks; on a ring of groups the rank at this rank's place in the next group.
+        self._down, self._up = (self.rank - group_size) % self.size, (self.rank + group_size) % self.size
+        self.within = within_group(group, group_size) if group_size > 1 else None
+
+    def layout(self, rows: int) -> ShardLayout:
+        """How ``rows`` rows split over this ring's owners."""
+        return shard_layout(rows, self.owners, self.group_size)
 
     def join(self, context) -> None:
         """Use ``context`` (a ``RingContext``) and its ring buffers (``buffers``, where ring layers lay out
@@ -124,10 +139,10 @@ class Ring:
         self.context, self.buffers = context, context.buffers
 
     def weight_shard_at(self, step: int) -> int:
-        return (self.rank + step) % self.size
+        return (self.owner + step) % self.owners
 
     def partial_shard_at(self, step: int) -> int:
-        return (self.rank + 1 + step) % self.size
+        return (self.owner + 1 + step) % self.owners
 
     def exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int) -> list:
         """Start sending ``send`` down and receiving ``receive`` from up, as one batch; returns the works."""
@@ -176,6 +191,116 @@ class Ring:
                     raise
             ring_pass.receive(step, on_arrival)
         return ring_pass.finish()
+
+    def circulate_blocks(
+        self,
+        message: Message,
+        tag: int,
+        start: Callable[[torch.Tensor], None],
+        during: Callable[[int, torch.Tensor], None] | None,
+        gathered: int,
+        fill: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """``circulate`` on a ring of groups: ``message`` (laid out in blocks, ``layout``) makes W/g - 1
+        exchanges between groups, each rank's of its own place's shards (``message.members``).
+
+        ``start`` writes this rank's first message (its own shards of segments ``:gathered``) into the
+        buffer it is given. At step k the rank's group all-gathers segments ``:gathered`` of the shards
+        its ranks hold into the block of ``weight_shard_at(k)`` and ``during(k, block)`` uses it, while
+        the next shards travel. The other segments are partials: ``fill(t, block)`` writes this rank's
+        contribution to block t into them; the group sums the contributions by a reduce-scatter, each
+        rank's piece added to the partial of its place that travels on toward its owner (the partial of
+        ``partial_shard_at(k)`` is held at step k, and the owner's own at the end). Returns the message
+        held last (``message.members``' layout: this rank's reduced shards of the partials).
+
+        Every rank issues the same exchanges and collectives in the same order, whatever the data. No
+        rider or passenger rides these exchanges: a deferred hop goes alone first."""
+        context = self.context
+        context.deferred_hops.flush()
+        members = message.members
+        regions = message.block_regions(gathered)
+        pair = self.buffers.pair(members.nbytes, self.device)
+        scratch = self.buffers.scratch(regions.scratch_nbytes, self.device)
+        block, staging = scratch[: message.nbytes], scratch[regions.staging_at :]
+        current, held = pair[0], 0
+        start(current)
+        if fill is not None:
+            fill(self.partial_shard_at(0), block)
+            self._reduce_within(regions, block, staging, current, add_held=False)
+        for step in range(self.owners):
+            works = []
+            if step + 1 < self.owners:
+                incoming = pair[1 - held]
+                works = self.exchange(current, incoming, tag)
+            try:
+                if regions.weights:
+                    self._gather_within(regions, current, block, staging)
+                if during is not None:
+                    during(step, block)
+                if fill is not None and works:
+                    fill(self.partial_shard_at(step + 1), block)
+            except BaseException:
+                drain(works, context.waited_works)
+                raise
+            if works:
+                wait_for(works, context.waited_works)
+                current, held = incoming, 1 - held
+                if fill is not None:
+                    self._reduce_within(regions, block, staging, current, add_held=True)
+        return current
+
+    def _gather_within(self, regions: BlockRegions, held: torch.Tensor, block: torch.Tensor, staging: torch.Tensor) -> None:
+        """The group's shards of the gathered segments (``held``: this rank's) into their block: one
+        all-gather, and one copy per segment out of the staging area when there are several."""
+        if len(regions.weights) == 1:
+            ((block_region, member_region),) = regions.weights
+            all_gather_flat(block[block_region], held[member_region], group=self.within)
+            return
+        size = regions.gathered_end
+        gathered = staging[: self.group_size * size]
+        all_gather_flat(gathered, held[:size], group=self.within)
+        by_rank = gathered.view(self.group_size, size)
+        for block_region, member_region in regions.weights:
+            block[block_region].view(self.group_size, -1).copy_(by_rank[:, member_region])
+
+    def _reduce_within(self, regions: BlockRegions, block: torch.Tensor, staging: torch.Tensor, held: torch.Tensor, add_held: bool) -> None:
+        """Sum the group's contributions to the partials in ``block`` into ``held``'s, each rank's piece
+        at its place: the partials that arrived (``add_held``) are added to this rank's piece first, so
+        that the reduce-scatter writes the sum over them. One reduce-scatter when the partials share a
+        dtype (several are staged rank-major first), else one per partial."""
+        place, size = self.rank % self.group_size, self.group_size
+        if len(regions.partials) == 1 or regions.partial_dtype is None:
+            for block_region, member_region, dtype in regions.partials:
+                into = held[regions.partials_start + member_region.start : regions.partials_start + member_region.stop].view(dtype)
+                summed = block[block_region].view(dtype)
+                if add_held:
+                    summed[place * into.numel() : (place + 1) * into.numel()].add_(into)
+                reduce_scatter_flat(into, summed, group=self.within)
+            return
+        into = held[regions.partials_start :]
+        by_rank = staging[: size * into.numel()].view(size, into.numel())
+        for block_region, member_region, _ in regions.partials:
+            by_rank[:, member_region].copy_(block[block_region].view(size, -1))
+        into, summed = into.view(regions.partial_dtype), by_rank.view(-1).view(regions.partial_dtype)
+        if add_held:
+            summed[place * into.numel() : (place + 1) * into.numel()].add_(into)
+        reduce_scatter_flat(into, summed, group=self.within)
+
+
+_within_groups: dict[tuple[dist.ProcessGroup, int], dist.ProcessGroup] = {}
+within_group_names: set[str] = set()  # the process groups of rings' groups, for ``rsdp.memory.CommCounter``
+
+
+def within_group(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
+    """The process group of this rank's group of ``size`` consecutive ranks of ``group``, made once per
+    (group, size): every rank of a group makes it together (only they take part)."""
+    key = (group, size)
+    if key not in _within_groups:
+        first = dist.get_rank(group) // size * size
+        ranks = [dist.get_global_rank(group, rank) for rank in range(first, first + size)]
+        made = _within_groups[key] = dist.new_group(ranks, use_local_synchronization=True)
+        within_group_names.add(made.group_name)
+    return _within_groups[key]
 
 
 class _RingPass:

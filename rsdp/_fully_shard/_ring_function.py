@@ -204,19 +204,27 @@ def ring_backward(
     # Its first message carries partials: not prefetchable, but its last exchange may carry the next
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
-    scratch = grads.nbytes if contribution.computes_ahead else None
-    with layer.driver.run(Phase.BACKWARD, weights_only if unsynced else message, pair=message.nbytes, scratch=scratch) as run:
+    travelling = weights_only if unsynced else message
+    if ring.group_size > 1:  # the ring's messages are a rank's shards, the blocks a scratch (``circulate_blocks``)
+        pair = travelling.members.nbytes
+        scratch = max(travelling.block_regions(weight_segments).scratch_nbytes, grads.nbytes if unsynced else 0)
+    else:
+        pair, scratch = message.nbytes, grads.nbytes if contribution.computes_ahead else None
+    with layer.driver.run(Phase.BACKWARD, travelling, pair=pair, scratch=scratch) as run:
         contribution.reserve(run, grads)
         if unsynced:
             totals = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
-            for shard in range(ring.size):
+            for shard in range(ring.owners):
                 contribution.add_to(shard, _unsynced_shards(state, grads, totals, shard))
         if unsynced or not grad_keys:
             if weight_segments:
-                run.turn(
-                    lambda buffer: weights.pack(weights_only.views(buffer, ring.rank)),
-                    lambda step, buffer: weights.use(ring.weight_shard_at(step), weights_only.views(buffer, ring.weight_shard_at(step))),
-                )
+                def use(step: int, buffer: torch.Tensor) -> None:
+                    weights.use(ring.weight_shard_at(step), weights_only.views(buffer, ring.weight_shard_at(step)))
+
+                if ring.group_size > 1:
+                    run.turn_blocks(lambda buffer: weights.pack(weights_only.members.views(buffer, ring.rank)), use, weight_segments)
+                else:
+                    run.turn(lambda buffer: weights.pack(weights_only.views(buffer, ring.rank)), use)
             return None
         earlier = [state.take_unsynced(key) for key in grad_keys]
         return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution)
@@ -251,6 +259,20 @@ def _reduce_on_ring(
             earlier = add_unsynced
     ahead = contribution.computes_ahead
 
+    if ring.group_size > 1:
+        def fill(shard: int, block: torch.Tensor) -> None:
+            contribution.start(shard, message.views(block, shard, weight_segments), earlier)
+
+        def use(step: int, block: torch.Tensor) -> None:
+            shard = ring.weight_shard_at(step)
+            weights.use(shard, weights_only.views(block, shard))
+
+        final = run.turn_blocks(
+            lambda buffer: weights.pack(weights_only.members.views(buffer, ring.rank)) if weight_segments else None,
+            use if weight_segments else None, weight_segments, fill,
+        )
+        return finished_gradients(state, message.members, weight_segments, final)
+
     def start(buffer: torch.Tensor) -> None:
         if weight_segments:
             weights.pack(weights_only.views(buffer, ring.rank))
@@ -261,7 +283,7 @@ def _reduce_on_ring(
         if weight_segments:
             shard = ring.weight_shard_at(step)
             weights.use(shard, weights_only.views(buffer, shard))
-        if ahead and step + 1 < ring.size:
+        if ahead and step + 1 < ring.owners:
             contribution.ahead(ring.partial_shard_at(step + 1), earlier)
 
     final = run.turn(start, during, contribution.arrival(ring, message, weight_segments, earlier))

@@ -1,0 +1,118 @@
+"""A ring of groups (``rsdp_shard(..., ring_group_size=g)``): exact against the fp64 reference for
+every g dividing W on 4, 6 and 8 ranks (shapes that split unevenly, some shards empty), and the
+exchanges it makes: W/g - 1 between groups per ring and pass, and one collective within the group
+per step (docs/design.md, "A ring of groups")."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from models import TinyLM, assert_param_grads_match, local_rows, rank_and_world, train_and_compare, twin
+from rsdp import rsdp_shard
+from rsdp.memory import CommCounter
+from test_training import bf16_case
+
+
+def groups_lm(seed, group, *, vocab=13, dim=6, hidden=7, layers=2, checkpointing=False):
+    """A TinyLM (tied embedding and head, q/k/v sharing a ring, norms) sharded with ``group``, and its
+    fp64 reference."""
+    torch.manual_seed(seed)
+    model = TinyLM(vocab=vocab, dim=dim, heads=2, hidden=hidden, layers=layers, checkpointing=checkpointing).double()
+    reference = twin(model)
+    for layer in model.layers:
+        rsdp_shard(layer, ring_group_size=group)
+    rsdp_shard(model, ring_group_size=group)
+    return model, reference
+
+
+def trajectory_case(seed, group, steps=2, micro_batches=1, sync_last_only=False, **config):
+    model, reference = groups_lm(seed, group, **config)
+    train_and_compare(model, reference, steps=steps, rows=1, seq=5, micro_batches=micro_batches, sync_last_only=sync_last_only)
+
+
+@pytest.mark.parametrize("world,group", [(4, 2), (4, 4), (6, 2), (6, 3), (8, 2), (8, 4), (8, 8)])
+def test_trajectory_for_every_group_size(ranks, world, group):
+    """13 vocabulary rows, 6 features and 7 hidden ones split unevenly over 4, 6 and 8 ranks (empty
+    shards, so empty and short blocks); from the second step the prefetch and the vectors' schedule
+    are in play where they apply."""
+    ranks.run(world, trajectory_case, world + group, group)
+
+
+def test_activation_checkpointing_and_unsynced_micro_batches(ranks):
+    """Checkpointed blocks recompute their rings of groups in backward; micro-batches without
+    synchronisation keep full-size local gradients, added to the partials by the last."""
+    ranks.run(4, trajectory_case, 3, 2, checkpointing=True, micro_batches=2, sync_last_only=True)
+
+
+def test_bf16_policy_matches_fsdp2(ranks):
+    ranks.run(4, bf16_case, 11, functools.partial(rsdp_shard, ring_group_size=2))
+
+
+def linear_exchanges_case(group, bias):
+    """The point-to-point exchanges and within-group collectives of one Linear's forward and backward."""
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    linear = nn.Linear(5, 11, bias=bias).double()
+    reference = twin(linear)
+    rsdp_shard(linear, ring_group_size=group)
+    x = torch.randn(world * 2, 5, dtype=torch.float64)
+    counts = []
+    linear(local_rows(x, rank, world)).sum().backward()  # the first forward checks its callers (one all-reduce)
+    linear.zero_grad()
+    with CommCounter() as forward:
+        y = linear(local_rows(x, rank, world).requires_grad_())  # its gradient rotates the weights in backward
+    with CommCounter() as backward:
+        y.square().sum().backward()
+    reference(x).square().sum().backward()
+    assert_param_grads_match(linear, reference, 1 / world)
+    for comm in (forward, backward):
+        counts.append((comm.between_groups.messages, comm.within_groups.messages, dict(comm.calls)))
+    return counts, forward.between_groups.nbytes, backward.within_groups.nbytes
+
+
+@pytest.mark.parametrize("world,group", [(4, 2), (6, 3), (8, 4)])
+def test_exchanges_per_ring(ranks, world, group):
+    """W/g - 1 exchanges between groups per ring and pass; one all-gather within the group per step
+    (weight and bias together), and in backward one reduce-scatter per step (the two partials of one
+    dtype together) after the first one."""
+    owners = world // group
+    (forward, backward), between_bytes, _ = ranks.run(world, linear_exchanges_case, group, True)[0]
+    assert forward == (owners - 1, owners, {"c10d::send": owners - 1, "c10d::_allgather_base_": owners})
+    assert backward == (
+        owners - 1, 2 * owners, {"c10d::send": owners - 1, "c10d::_allgather_base_": owners, "c10d::_reduce_scatter_base_": owners}
+    )
+    chunk = -(-11 // world)  # rows per rank, padded
+    assert between_bytes == (owners - 1) * chunk * (5 + 1) * 8  # this rank's shard of weight and bias
+
+
+def test_group_of_every_rank_is_fsdp_pattern(ranks):
+    """g = W: no exchange, one all-gather forward, one all-gather and one reduce-scatter backward."""
+    (forward, backward), _, _ = ranks.run(4, linear_exchanges_case, 4, False)[0]
+    assert forward[:2] == (0, 1) and backward[:2] == (0, 2)
+
+
+def bad_group_size_case(size, hsdp, kwargs):
+    if hsdp:
+        kwargs = {**kwargs, "mesh": init_device_mesh("cpu", (2, 2))}
+    try:
+        rsdp_shard(nn.Linear(4, 4), ring_group_size=size, **kwargs)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    "size,hsdp,kwargs,expected",
+    [
+        (3, False, {}, "ring_group_size=3 must be a positive integer dividing the shard dimension's size 4"),
+        (0, False, {}, "ring_group_size=0 must be a positive integer"),
+        (2, False, {"ring_plan": {"x": "colwise"}}, "ring_group_size=2 does not compose with ring_plan yet: use ring_group_size=1."),
+        (2, True, {}, "ring_group_size=2 does not compose with a 2-D (HSDP) mesh yet: use ring_group_size=1."),
+    ],
+)
+def test_bad_group_size_errors_on_every_rank(ranks, size, hsdp, kwargs, expected):
+    errors = ranks.run(4, bad_group_size_case, size, hsdp, kwargs)
+    assert all(error is not None and expected in error for error in errors), errors
