@@ -217,24 +217,22 @@ class Ring:
         rider or passenger rides these exchanges: a deferred hop goes alone first."""
         context = self.context
         context.deferred_hops.flush()
-        members = message.members
         regions = message.block_regions(gathered)
-        pair = self.buffers.pair(members.nbytes, self.device)
+        pair = self.buffers.pair(message.members.nbytes, self.device)
         scratch = self.buffers.scratch(regions.scratch_nbytes, self.device)
-        block, staging = scratch[: message.nbytes], scratch[regions.staging_at :]
-        current, held = pair[0], 0
-        start(current)
+        block = scratch[: message.nbytes]
+        sides = [self._within(regions, buffer, scratch) for buffer in pair]  # the collectives' views, per buffer held
+        held = 0
+        start(pair[0])
         if fill is not None:
             fill(self.partial_shard_at(0), block)
-            self._reduce_within(regions, block, staging, current, add_held=False)
+            sides[0].reduce(add_held=False)
         for step in range(self.owners):
             works = []
             if step + 1 < self.owners:
-                incoming = pair[1 - held]
-                works = self.exchange(current, incoming, tag)
+                works = self.exchange(pair[held], pair[1 - held], tag)
             try:
-                if regions.weights:
-                    self._gather_within(regions, current, block, staging)
+                sides[held].gather()
                 if during is not None:
                     during(step, block)
                 if fill is not None and works:
@@ -244,47 +242,76 @@ class Ring:
                 raise
             if works:
                 wait_for(works, context.waited_works)
-                current, held = incoming, 1 - held
+                held = 1 - held
                 if fill is not None:
-                    self._reduce_within(regions, block, staging, current, add_held=True)
-        return current
+                    sides[held].reduce(add_held=True)
+        return pair[held]
 
-    def _gather_within(self, regions: BlockRegions, held: torch.Tensor, block: torch.Tensor, staging: torch.Tensor) -> None:
-        """The group's shards of the gathered segments (``held``: this rank's) into their block: one
-        all-gather, and one copy per segment out of the staging area when there are several."""
+    def _within(self, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor) -> "_WithinGroup":
+        """The collectives within the group for ``held`` (one of the ring buffers), made once per pool
+        generation and buffer: the views they use cost host time, and a ring of groups runs them at
+        every step. Fresh buffers (selective checkpointing's, outside the pool) get fresh ones."""
+        if self.buffers.place_of(held) is None:
+            return _WithinGroup(self, regions, held, scratch)
+        # The buffers are the pool's own tensors, the same until it replaces them (a new generation);
+        # their memory may be freed and given again between passes, and views follow it.
+        key = (self.buffers.generation, id(held), id(scratch))
+        within = regions.collectives.get(key)
+        if within is None or within.held is not held or within.scratch is not scratch:
+            if len(regions.collectives) >= 4:  # two buffers held, a scratch: the others are of older buffers
+                regions.collectives.clear()
+            within = regions.collectives[key] = _WithinGroup(self, regions, held, scratch)
+        return within
+
+
+class _WithinGroup:
+    """What a ring of groups does within its group with one message buffer ``held`` (this rank's
+    shards) and the scratch (the block, and the staging area behind it): ``gather`` all-gathers the
+    group's shards of the gathered segments into the block; ``reduce`` sums the group's contributions to
+    the partials in the block into ``held``'s, each rank's piece at its place. Several segments go in one
+    collective, staged rank-major (``_wire.BlockRegions``); partials of several dtypes go one by one."""
+
+    def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor):
+        self.held, self.scratch, self.group = held, scratch, ring.within
+        size, place = ring.group_size, ring.rank % ring.group_size
+        block, staging = scratch[: regions.staging_at], scratch[regions.staging_at :]
+        self.gathers, self.unstage = [], []  # (output, input) of each all-gather; (block, staged) copies after
         if len(regions.weights) == 1:
             ((block_region, member_region),) = regions.weights
-            all_gather_flat(block[block_region], held[member_region], group=self.within)
-            return
-        size = regions.gathered_end
-        gathered = staging[: self.group_size * size]
-        all_gather_flat(gathered, held[:size], group=self.within)
-        by_rank = gathered.view(self.group_size, size)
-        for block_region, member_region in regions.weights:
-            block[block_region].view(self.group_size, -1).copy_(by_rank[:, member_region])
+            self.gathers.append((block[block_region], held[member_region]))
+        elif regions.weights:
+            gathered = staging[: size * regions.gathered_end]
+            self.gathers.append((gathered, held[: regions.gathered_end]))
+            by_rank = gathered.view(size, regions.gathered_end)
+            self.unstage = [(block[b].view(size, -1), by_rank[:, m]) for b, m in regions.weights]
+        # (this rank's partials, the group's contributions, this rank's place in them) of each
+        # reduce-scatter, and the (staged, block) copies before.
+        self.reductions, self.stage = [], []
+        partials = held[regions.partials_start :]
+        if len(regions.partials) > 1 and regions.partial_dtype is not None:
+            by_rank = staging[: size * partials.numel()].view(size, partials.numel())
+            self.stage = [(by_rank[:, m], block[b].view(size, -1)) for b, m, _ in regions.partials]
+            pieces = [(partials.view(regions.partial_dtype), by_rank.view(-1).view(regions.partial_dtype))]
+        else:
+            pieces = [(partials[m].view(dtype), block[b].view(dtype)) for b, m, dtype in regions.partials]
+        for into, summed in pieces:
+            self.reductions.append((into, summed, summed[place * into.numel() : (place + 1) * into.numel()]))
 
-    def _reduce_within(self, regions: BlockRegions, block: torch.Tensor, staging: torch.Tensor, held: torch.Tensor, add_held: bool) -> None:
-        """Sum the group's contributions to the partials in ``block`` into ``held``'s, each rank's piece
-        at its place: the partials that arrived (``add_held``) are added to this rank's piece first, so
-        that the reduce-scatter writes the sum over them. One reduce-scatter when the partials share a
-        dtype (several are staged rank-major first), else one per partial."""
-        place, size = self.rank % self.group_size, self.group_size
-        if len(regions.partials) == 1 or regions.partial_dtype is None:
-            for block_region, member_region, dtype in regions.partials:
-                into = held[regions.partials_start + member_region.start : regions.partials_start + member_region.stop].view(dtype)
-                summed = block[block_region].view(dtype)
-                if add_held:
-                    summed[place * into.numel() : (place + 1) * into.numel()].add_(into)
-                reduce_scatter_flat(into, summed, group=self.within)
-            return
-        into = held[regions.partials_start :]
-        by_rank = staging[: size * into.numel()].view(size, into.numel())
-        for block_region, member_region, _ in regions.partials:
-            by_rank[:, member_region].copy_(block[block_region].view(size, -1))
-        into, summed = into.view(regions.partial_dtype), by_rank.view(-1).view(regions.partial_dtype)
-        if add_held:
-            summed[place * into.numel() : (place + 1) * into.numel()].add_(into)
-        reduce_scatter_flat(into, summed, group=self.within)
+    def gather(self) -> None:
+        for output, input in self.gathers:
+            all_gather_flat(output, input, group=self.group)
+        for block, staged in self.unstage:
+            block.copy_(staged)
+
+    def reduce(self, add_held: bool) -> None:
+        """The partials that arrived (``add_held``) are added to this rank's piece of the contributions
+        first, so that the reduce-scatter writes the sum over them."""
+        for staged, block in self.stage:
+            staged.copy_(block)
+        for into, summed, mine in self.reductions:
+            if add_held:
+                mine.add_(into)
+            reduce_scatter_flat(into, summed, group=self.group)
 
 
 _within_groups: dict[tuple[dist.ProcessGroup, int], dist.ProcessGroup] = {}

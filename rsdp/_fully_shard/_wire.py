@@ -90,6 +90,7 @@ class BlockRegions:
             members.nbytes - self.partials_start if len(self.partials) > 1 and self.partial_dtype is not None else 0,
         )
         self.scratch_nbytes = self.staging_at + group * staged
+        self.collectives: dict = {}  # the ring's collectives over these regions, per buffer (``_ring._WithinGroup``)
 
 
 class Views(list):
