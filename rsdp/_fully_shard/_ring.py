@@ -52,7 +52,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import all_gather_flat, current_graph_task_id, reduce_scatter_flat, send_and_receive
+from .._compat import current_graph_task_id, gather_in_group, send_and_receive, sum_scatter_in_group
 from ._param import ShardLayout, shard_layout
 from ._wire import BlockRegions, Message
 
@@ -299,7 +299,7 @@ class _WithinGroup:
 
     def gather(self) -> None:
         for output, input in self.gathers:
-            all_gather_flat(output, input, group=self.group)
+            gather_in_group(self.group, output, input)
         for block, staged in self.unstage:
             block.copy_(staged)
 
@@ -311,7 +311,7 @@ class _WithinGroup:
         for into, summed, mine in self.reductions:
             if add_held:
                 mine.add_(into)
-            reduce_scatter_flat(into, summed, group=self.group)
+            sum_scatter_in_group(self.group, into, summed)
 
 
 _within_groups: dict[tuple[dist.ProcessGroup, int], dist.ProcessGroup] = {}
