@@ -58,6 +58,7 @@ def parallelize(
     default: Strategy | str = Strategy.RSDP,
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    ring_group_size: int = 1,
 ) -> nn.Module:
     """Apply a strategy to each module ``policy`` names, and ``default`` to the root.
 
@@ -75,6 +76,8 @@ def parallelize(
         mesh: 1-D, or 2-D ``(replicate, shard)`` for group sharding. ``None``: 1-D over the default
             process group.
         mp_policy: mixed precision for every unit.
+        ring_group_size: every rsdp unit's ring of groups (``rsdp_shard``'s ``ring_group_size``): g
+            dividing the shard dimension's size; 1, a ring of ranks.
 
     Returns:
         ``model``, parallelized.
@@ -90,7 +93,7 @@ def parallelize(
     _check_ties(model, units)
     names = dict((module, name) for name, module in model.named_modules())
     for module, strategy in sorted(units.items(), key=lambda item: -_depth(names[item[0]])):
-        _apply(module, strategy, mesh, mp_policy or MixedPrecisionPolicy(), is_root=module is model)
+        _apply(module, strategy, mesh, mp_policy or MixedPrecisionPolicy(), is_root=module is model, ring_group_size=ring_group_size)
     if units[model] is not Strategy.FSDP:
         # Under an rsdp or replicate root every FSDP unit would be an FSDP root of its own (see
         # share_fsdp_contexts): make them one tree, as an FSDP root does.
@@ -207,9 +210,9 @@ def _state_of(module: nn.Module):
     return get_module_state(module) or get_module_state(unwrap_activation_checkpoint(module))
 
 
-def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *, is_root: bool) -> None:
+def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *, is_root: bool, ring_group_size: int) -> None:
     if strategy is Strategy.RSDP:
-        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy)
+        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy, ring_group_size=ring_group_size)
     elif strategy is Strategy.FSDP:
         # A non-root FSDP unit under an rsdp or replicate parent becomes an FSDP root of its own, and
         # FSDP roots keep their parameters unsharded after forward unless told otherwise.
