@@ -11,16 +11,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import TinyLM, assert_param_grads_match, local_rows, rank_and_world, train_and_compare, twin
-from rsdp import rsdp_shard
+from rsdp import ring_checkpoint_context, rsdp_shard
 from rsdp.memory import CommCounter
 from test_training import bf16_case
 
 
-def groups_lm(seed, group, *, vocab=13, dim=6, hidden=7, layers=2, checkpointing=False):
-    """A TinyLM (tied embedding and head, q/k/v sharing a ring, norms) sharded with ``group``, and its
-    fp64 reference."""
+def groups_lm(seed, group, *, vocab=13, dim=6, hidden=7, layers=2, **config):
+    """A TinyLM (tied embedding and head, q/k/v sharing a ring, norms; ``config``: its checkpointing)
+    sharded with ``group``, and its fp64 reference."""
     torch.manual_seed(seed)
-    model = TinyLM(vocab=vocab, dim=dim, heads=2, hidden=hidden, layers=layers, checkpointing=checkpointing).double()
+    model = TinyLM(vocab=vocab, dim=dim, heads=2, hidden=hidden, layers=layers, **config).double()
     reference = twin(model)
     for layer in model.layers:
         rsdp_shard(layer, ring_group_size=group)
@@ -45,6 +45,11 @@ def test_activation_checkpointing_and_unsynced_micro_batches(ranks):
     """Checkpointed blocks recompute their rings of groups in backward; micro-batches without
     synchronisation keep full-size local gradients, added to the partials by the last."""
     ranks.run(4, trajectory_case, 3, 2, checkpointing=True, micro_batches=2, sync_last_only=True)
+
+
+def test_ring_outputs_kept_under_selective_checkpointing(ranks):
+    """rsdp's checkpoint context keeps the rings' outputs (fresh ring buffers for each request)."""
+    ranks.run(4, trajectory_case, 4, 2, checkpointing=True, checkpoint_context=ring_checkpoint_context)
 
 
 def test_bf16_policy_matches_fsdp2(ranks):

@@ -50,7 +50,7 @@ MODEL_FLAGS = {
     "experts": (0, "experts per layer: 0 for the dense model, more for a Mixtral MoE (moe_lm.py; nhid is each expert's)"),
 }
 # The other flags every script takes and compare.py forwards to them.
-RUN_FLAGS = ("max_batch", "warmup", "nproc", "device", "dtype")
+RUN_FLAGS = ("max_batch", "warmup", "nproc", "device", "dtype", "ring_group_size")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LEARNING_RATE = 1e-4
 MODEL_SEED = 0  # every rank builds the same initial model
@@ -126,6 +126,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, help="local ranks to start when not under torchrun [4, or one per GPU]")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    run.add_argument("--ring_group_size", type=int, default=1,
+                     help="rtp (rsdp): a ring of groups of this many ranks (rsdp_shard's ring_group_size), with no ring plan when > 1")
     run.add_argument("--json", metavar="PATH", help="write the results here")
     return parser
 
@@ -141,6 +143,8 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
         parser.error(f"--nproc {args.nproc} needs one GPU per rank; this machine has {torch.cuda.device_count()}")
     if args.max_batch < 1 or args.warmup < 0 or args.nproc < 1 or args.experts < 0:
         parser.error("--max_batch and --nproc must be at least 1, --warmup and --experts at least 0")
+    if args.ring_group_size < 1 or args.nproc % args.ring_group_size:
+        parser.error(f"--ring_group_size {args.ring_group_size} must divide --nproc ({args.nproc})")
     return args
 
 
