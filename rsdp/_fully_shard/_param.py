@@ -80,6 +80,13 @@ def shard_layout(rows: int, world: int, group: int = 1) -> ShardLayout:
     return ShardLayout(rows, world, group)
 
 
+@functools.lru_cache(maxsize=None)
+def owners_layout(owners: int, group: int, rows: int) -> ShardLayout:
+    """``shard_layout(rows, owners, group)``, its arguments in the order a ring binds them
+    (``Ring.layout``): a cache hit is then no Python call, and ring layers look layouts up at every pass."""
+    return shard_layout(rows, owners, group)
+
+
 def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple:
     """``Shard(dim)`` on a 1-D mesh; replicated across groups and sharded within them on a 2-D one (HSDP)."""
     return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .._compat import current_graph_task_id, gather_in_group, send_and_receive, sum_scatter_in_group
-from ._param import ShardLayout, shard_layout
+from ._param import ShardLayout, owners_layout
 from ._wire import BlockRegions, Message
 
 
@@ -128,10 +128,8 @@ class Ring:
         # Group ranks; on a ring of groups the rank at this rank's place in the next group.
         self._down, self._up = (self.rank - group_size) % self.size, (self.rank + group_size) % self.size
         self.within = within_group(group, group_size) if group_size > 1 else None
-
-    def layout(self, rows: int) -> ShardLayout:
-        """How ``rows`` rows split over this ring's owners."""
-        return shard_layout(rows, self.owners, self.group_size)
+        # ``layout(rows)``: how ``rows`` rows split over this ring's owners.
+        self.layout: Callable[[int], ShardLayout] = functools.partial(owners_layout, self.owners, group_size)
 
     def join(self, context) -> None:
         """Use ``context`` (a ``RingContext``) and its ring buffers (``buffers``, where ring layers lay out
