@@ -27,6 +27,13 @@ planned sub-block's partials an early exchange of the next ring (``_Boarding``).
 Messages live in the ring buffers of the model's ``RingContext`` (``_buffers.py``); ``circulate``
 asks for them at the size of its message and its passengers.
 
+On a ring of groups (``group_size`` g > 1, docs/design.md "A ring of groups") the owners are the W/g
+groups of g consecutive ranks, and ``circulate_blocks`` is the step loop: a rank passes its own place's
+shards to the same place in the previous group, its group all-gathers the shards held into a block
+(the g shards of one group, contiguous rows) for the step to use, and in backward reduce-scatters the
+contributions to the block's partials, each rank's piece travelling on to its owner. No rider or
+passenger rides its exchanges.
+
 Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
   disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
@@ -40,6 +47,8 @@ Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - A buffer is received into only after the send that last read it was waited for (ping-pong).
 - On CUDA, ProcessGroupNCCL runs P2P on its own stream, orders it after the compute that produced the
   buffers, and ``wait()`` makes the compute stream wait for the received data.
+- On a ring of groups each step issues its exchange (shard group) before its group's collectives (the
+  group's process group), on every rank in the same order: NCCL matches both by order.
 """
 
 import dataclasses

@@ -15,7 +15,8 @@ it, so that what every ring does is written once:
 4. **Turn** (``RingRun.turn``, the only caller of ``Ring.circulate``): the next ring's first
    message rides the last exchange (the phase's prefetch, ``next_first``), and a pending collective
    rides every exchange where the ring carries one (``Rider``: the vectors' all-gather on a forward
-   ring, their gradients' reduce-scatter on a backward one).
+   ring, their gradients' reduce-scatter on a backward one). A ring of groups turns with
+   ``RingRun.turn_blocks`` (``Ring.circulate_blocks``), which nothing rides and which is not prefetched.
 5. **Ends**: a planned sub-block defers its partials' last hop to the next ring (``defer_last_hop``),
    and a backward pass trims the ring buffers once its result is copied out (``RingBuffers.trim``).
 

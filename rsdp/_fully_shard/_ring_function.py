@@ -182,6 +182,21 @@ class RingWeights:
     def __init__(self, pack: Callable[[Views], None], use: Callable[[int, Views], None]):
         self.pack, self.use = pack, use
 
+    def rotation(self, ring: Ring, message: Message) -> tuple[Callable[[torch.Tensor], None], Callable[[int, torch.Tensor], None]]:
+        """``(start, during)`` for a ring of ``message``, whose leading segments are these weights: this
+        rank's shards packed into its first message (one rank's layout, ``message.members``, on a ring
+        of groups), and at step k the weights held used."""
+        members = message.members
+
+        def start(buffer: torch.Tensor) -> None:
+            self.pack(members.views(buffer, ring.rank))
+
+        def during(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.weight_shard_at(step)
+            self.use(shard, message.views(buffer, shard))
+
+        return start, during
+
 
 def ring_backward(
     layer: RingLayer,
@@ -218,13 +233,11 @@ def ring_backward(
                 contribution.add_to(shard, _unsynced_shards(state, grads, totals, shard))
         if unsynced or not grad_keys:
             if weight_segments:
-                def use(step: int, buffer: torch.Tensor) -> None:
-                    weights.use(ring.weight_shard_at(step), weights_only.views(buffer, ring.weight_shard_at(step)))
-
+                start, during = weights.rotation(ring, weights_only)
                 if ring.group_size > 1:
-                    run.turn_blocks(lambda buffer: weights.pack(weights_only.members.views(buffer, ring.rank)), use, weight_segments)
+                    run.turn_blocks(start, during, weight_segments)
                 else:
-                    run.turn(lambda buffer: weights.pack(weights_only.views(buffer, ring.rank)), use)
+                    run.turn(start, during)
             return None
         earlier = [state.take_unsynced(key) for key in grad_keys]
         return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution)
@@ -260,17 +273,13 @@ def _reduce_on_ring(
     ahead = contribution.computes_ahead
 
     if ring.group_size > 1:
+        # Each step's contribution to a whole block, as a ring of ranks' first partial is made; the ring
+        # reduce-scatters it within the group.
         def fill(shard: int, block: torch.Tensor) -> None:
             contribution.start(shard, message.views(block, shard, weight_segments), earlier)
 
-        def use(step: int, block: torch.Tensor) -> None:
-            shard = ring.weight_shard_at(step)
-            weights.use(shard, weights_only.views(block, shard))
-
-        final = run.turn_blocks(
-            lambda buffer: weights.pack(weights_only.members.views(buffer, ring.rank)) if weight_segments else None,
-            use if weight_segments else None, weight_segments, fill,
-        )
+        start, during = weights.rotation(ring, weights_only) if weight_segments else (_nothing_to_pack, None)
+        final = run.turn_blocks(start, during, weight_segments, fill)
         return finished_gradients(state, message.members, weight_segments, final)
 
     def start(buffer: torch.Tensor) -> None:
@@ -288,6 +297,10 @@ def _reduce_on_ring(
 
     final = run.turn(start, during, contribution.arrival(ring, message, weight_segments, earlier))
     return finished_gradients(state, message, weight_segments, final)
+
+
+def _nothing_to_pack(buffer: torch.Tensor) -> None:
+    """The first message of a ring whose partials alone travel: they are filled in by the ring."""
 
 
 def sharded(param: nn.Parameter | None, module: nn.Module, name: str) -> DTensor | None:
