@@ -7,24 +7,26 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import TinyLM, assert_param_grads_match, local_rows, rank_and_world, train_and_compare, twin
 from rsdp import ring_checkpoint_context, rsdp_shard
 from rsdp.memory import CommCounter
+from test_experts import tiny_moe
 from test_training import bf16_case
 
 
-def groups_lm(seed, group, *, vocab=13, dim=6, hidden=7, layers=2, **config):
+def groups_lm(seed, group, *, vocab=13, dim=6, hidden=7, layers=2, mesh=None, **config):
     """A TinyLM (tied embedding and head, q/k/v sharing a ring, norms; ``config``: its checkpointing)
     sharded with ``group``, and its fp64 reference."""
     torch.manual_seed(seed)
     model = TinyLM(vocab=vocab, dim=dim, heads=2, hidden=hidden, layers=layers, **config).double()
     reference = twin(model)
     for layer in model.layers:
-        rsdp_shard(layer, ring_group_size=group)
-    rsdp_shard(model, ring_group_size=group)
+        rsdp_shard(layer, ring_group_size=group, mesh=mesh)
+    rsdp_shard(model, ring_group_size=group, mesh=mesh)
     return model, reference
 
 
@@ -50,6 +52,18 @@ def test_activation_checkpointing_and_unsynced_micro_batches(ranks):
 def test_ring_outputs_kept_under_selective_checkpointing(ranks):
     """rsdp's checkpoint context keeps the rings' outputs (fresh ring buffers for each request)."""
     ranks.run(4, trajectory_case, 4, 2, checkpointing=True, checkpoint_context=ring_checkpoint_context)
+
+
+def hsdp_case(seed, replicas, group):
+    """Groups within each replica's shard dimension; gradients all-reduced over the replicas."""
+    mesh = init_device_mesh("cpu", (replicas, dist.get_world_size() // replicas))
+    model, reference = groups_lm(seed, group, layers=1, mesh=mesh)
+    train_and_compare(model, reference, steps=2, rows=1, seq=5, micro_batches=2)
+
+
+def test_hsdp_mesh(ranks):
+    """A 2 x 4 (replicate x shard) mesh with groups of 2 in each replica's shard dimension."""
+    ranks.run(8, hsdp_case, 5, 2, 2)
 
 
 def test_bf16_policy_matches_fsdp2(ranks):
@@ -99,6 +113,21 @@ def test_group_of_every_rank_is_fsdp_pattern(ranks):
     assert forward[:2] == (0, 1) and backward[:2] == (0, 2)
 
 
+def experts_refused_case():
+    model = tiny_moe("mixtral", "eager")
+    try:
+        rsdp_shard(model.model.layers[0], ring_group_size=2)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_experts_are_refused_on_every_rank(ranks):
+    expected = "ring_group_size=2 does not compose with experts modules yet: use ring_group_size=1 in the rsdp_shard call"
+    errors = ranks.run(2, experts_refused_case)
+    assert all(error is not None and error.startswith(f"rsdp_shard: {expected}") for error in errors), errors
+
+
 def bad_group_size_case(size, hsdp, kwargs):
     if hsdp:
         kwargs = {**kwargs, "mesh": init_device_mesh("cpu", (2, 2))}
@@ -115,7 +144,7 @@ def bad_group_size_case(size, hsdp, kwargs):
         (3, False, {}, "ring_group_size=3 must be a positive integer dividing the shard dimension's size 4"),
         (0, False, {}, "ring_group_size=0 must be a positive integer"),
         (2, False, {"ring_plan": {"x": "colwise"}}, "ring_group_size=2 does not compose with ring_plan yet: use ring_group_size=1."),
-        (2, True, {}, "ring_group_size=2 does not compose with a 2-D (HSDP) mesh yet: use ring_group_size=1."),
+        (3, True, {}, "ring_group_size=3 must be a positive integer dividing the shard dimension's size 2"),
     ],
 )
 def test_bad_group_size_errors_on_every_rank(ranks, size, hsdp, kwargs, expected):

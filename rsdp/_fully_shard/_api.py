@@ -74,7 +74,8 @@ def rsdp_shard(
             computing with a group's block (its g shards, all-gathered within the group; gradients
             reduce-scattered within it). 1 (the default) is a ring of ranks; W is one all-gather,
             FSDP's pattern. Parameters stay ``Shard(0)`` over all W ranks (docs/design.md, "A ring of
-            groups"). Not yet with ``ring_plan``, experts modules or a 2-D mesh.
+            groups"); on a 2-D mesh the groups form within each replica's shard dimension. Not yet
+            with ``ring_plan`` or experts modules.
 
     Returns:
         ``module``, now an :class:`RSDPModule` (or the checkpoint wrapper around one).
@@ -92,8 +93,8 @@ def rsdp_shard(
     managed, nested = _managed_and_nested_modules(module)
     if ring_group_size > 1 and any(is_experts_module(owner) or is_grouped_experts(owner) for owner in managed):
         raise ValueError(
-            f"rsdp_shard: ring_group_size={ring_group_size} does not compose with experts modules yet; "
-            "use ring_group_size=1 for the module holding the experts (or shard it in its own rsdp_shard call)."
+            f"rsdp_shard: ring_group_size={ring_group_size} does not compose with experts modules yet: use "
+            "ring_group_size=1 in the rsdp_shard call that shards the module holding the experts."
         )
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy(), ring_group_size)
     sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
@@ -367,10 +368,6 @@ def _check_ring_group_size(size, mesh: DeviceMesh, has_ring_plan: bool) -> None:
         return
     if has_ring_plan:
         raise ValueError(f"rsdp_shard: ring_group_size={size} does not compose with ring_plan yet: use ring_group_size=1.")
-    if mesh.ndim == 2:
-        raise ValueError(
-            f"rsdp_shard: ring_group_size={size} does not compose with a 2-D (HSDP) mesh yet: use ring_group_size=1."
-        )
 
 
 def _check_not_managed(module: nn.Module) -> None:
