@@ -68,7 +68,8 @@ class BlockRegions:
     segments go in one collective over the members' bytes ``[:gathered_end]`` (or, for partials of
     one dtype, ``[partials_start:]``), laid out rank-major in a staging area behind the block: one copy
     per segment between staging and block (``weights``: block and member byte slices; ``partials``:
-    block, member slices from ``partials_start``, dtype). ``staging`` is the most bytes that needs."""
+    block, member slices from ``partials_start``, dtype). The staging area starts at ``staging_at``
+    in the scratch buffer, whose size with the block before it is ``scratch_nbytes``."""
 
     def __init__(self, message: "Message", gathered: int):
         members, group = message.members, message.segments[0].layout.group if message.segments else 1
