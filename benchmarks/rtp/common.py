@@ -334,6 +334,8 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "bytes_sent": comm.bytes_sent,
         "comm_by_op": dict(comm.by_op),
         "exchanges": sum(comm.calls.values()),
+        "between_groups": (comm.between_groups.messages, comm.between_groups.nbytes),
+        "within_groups": (comm.within_groups.messages, comm.within_groups.nbytes),
         "final_loss": final_loss,
     }
     dist.all_gather_object(per_rank, mine)
@@ -366,6 +368,10 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "rank0_bytes_sent_by_op": per_rank[0]["comm_by_op"],
         # Sends plus collectives one rank issues per step: each synchronises it with its peers.
         "exchanges_per_step": max(r["exchanges"] for r in per_rank),
+        # Rank 0's, as (messages, bytes): point-to-point sends (a ring's exchanges, between groups on a
+        # ring of groups) and the collectives within a ring's groups (rsdp.memory.CommCounter).
+        "rank0_between_groups_per_step": per_rank[0]["between_groups"],
+        "rank0_within_groups_per_step": per_rank[0]["within_groups"],
         # Mean over ranks: the data-parallel mean of each rank's own batch (tp's ranks all agree).
         "final_loss": sum(r["final_loss"] for r in per_rank) / worker.world_size,
     }
@@ -398,6 +404,10 @@ def _print_summary(results: dict) -> None:
         f"(max over ranks; per rank: {per_rank})\n"
         f"  sent per step  {format_bytes(results['bytes_sent_per_step'])} per rank (max over ranks), in "
         f"{results['exchanges_per_step']} exchanges (sends + collectives)\n"
+        f"  rank 0's       {results['rank0_between_groups_per_step'][0]} sends between groups "
+        f"({format_bytes(results['rank0_between_groups_per_step'][1])}), "
+        f"{results['rank0_within_groups_per_step'][0]} collectives within groups "
+        f"({format_bytes(results['rank0_within_groups_per_step'][1])})\n"
         f"  final loss     {results['final_loss']:.4f}",
         flush=True,
     )
