@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import TinyLM, assert_param_grads_match, local_rows, rank_and_world, train_and_compare, twin
+from models import TinyLM, assert_param_grads_match, lm_loss, local_rows, rank_and_world, train_and_compare, twin
 from rsdp import ring_checkpoint_context, rsdp_shard
 from rsdp.memory import CommCounter
 from test_experts import tiny_moe
@@ -38,9 +38,9 @@ def trajectory_case(seed, group, steps=2, micro_batches=1, sync_last_only=False,
 @pytest.mark.parametrize("world,group", [(4, 2), (4, 4), (6, 2), (6, 3), (8, 2), (8, 4), (8, 8)])
 def test_trajectory_for_every_group_size(ranks, world, group):
     """13 vocabulary rows, 6 features and 7 hidden ones split unevenly over 4, 6 and 8 ranks (empty
-    shards, so empty and short blocks); from the second step the prefetch and the vectors' schedule
-    are in play where they apply."""
-    ranks.run(world, trajectory_case, world + group, group, layers=1)
+    shards, so empty and short blocks); with no final norm, from the second step the blocks' norms
+    ride the first forward ring (its group's all-gathers)."""
+    ranks.run(world, trajectory_case, world + group, group, layers=1, final_norm=False)
 
 
 def test_activation_checkpointing_and_unsynced_micro_batches(ranks):
@@ -64,6 +64,23 @@ def hsdp_case(seed, replicas, group):
 def test_hsdp_mesh(ranks):
     """A 2 x 4 (replicate x shard) mesh with groups of 2 in each replica's shard dimension."""
     ranks.run(8, hsdp_case, 5, 2, 2)
+
+
+def forward_exchanges_case(group):
+    model, _ = groups_lm(1, group, final_norm=False)
+    tokens = torch.randint(0, 13, (1, 5))
+    for _ in range(2):  # the second records where the norms ride
+        lm_loss(model(tokens), tokens).backward()
+    with CommCounter() as forward:
+        lm_loss(model(tokens), tokens)
+    return dict(forward.calls), forward.between_groups.messages, forward.within_groups.messages
+
+
+def test_norms_ride_the_forward_ring(ranks):
+    """10 rings of 2 groups: 10 exchanges between groups, 20 all-gathers within them, and the blocks'
+    norms' all-gather in none of its own: it rides the first ring's."""
+    for calls, between, within in ranks.run(4, forward_exchanges_case, 2):
+        assert calls == {"c10d::send": 10, "c10d::_allgather_base_": 20} and (between, within) == (10, 20), calls
 
 
 def test_bf16_policy_matches_fsdp2(ranks):

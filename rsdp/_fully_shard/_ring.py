@@ -31,8 +31,8 @@ On a ring of groups (``group_size`` g > 1, docs/design.md "A ring of groups") th
 groups of g consecutive ranks, and ``circulate_blocks`` is the step loop: a rank passes its own place's
 shards to the same place in the previous group, its group all-gathers the shards held into a block
 (the g shards of one group, contiguous rows) for the step to use, and in backward reduce-scatters the
-contributions to the block's partials, each rank's piece travelling on to its owner. No rider or
-passenger rides its exchanges.
+contributions to the block's partials, each rank's piece travelling on to its owner. A forward's
+all-gather rider travels behind a rank's shards and is gathered with them; no passenger rides.
 
 Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
@@ -207,6 +207,7 @@ class Ring:
         during: Callable[[int, torch.Tensor], None] | None,
         gathered: int,
         fill: Callable[[int, torch.Tensor], None] | None = None,
+        rider: "Rider | None" = None,
     ) -> torch.Tensor:
         """``circulate`` on a ring of groups: ``message`` (laid out in blocks, ``layout``) makes W/g - 1
         exchanges between groups, each rank's of its own place's shards (``message.members``).
@@ -220,17 +221,25 @@ class Ring:
         ``partial_shard_at(k)`` is held at step k, and the owner's own at the end). Returns the message
         held last (``message.members``' layout: this rank's reduced shards of the partials).
 
-        Every rank issues the same exchanges and collectives in the same order, whatever the data. No
-        rider or passenger rides these exchanges: a deferred hop goes alone first."""
+        A ``rider`` (an all-gather's, with ``arrived_from``) travels behind this rank's shards: each step's
+        all-gather brings the parts of the g ranks whose shards it gathers. No passenger rides these
+        exchanges: a deferred hop goes alone first. Every rank issues the same exchanges and
+        collectives in the same order, whatever the data."""
         context = self.context
         context.deferred_hops.flush()
         regions = message.block_regions(gathered)
-        pair = self.buffers.pair(message.members.nbytes, self.device)
-        scratch = self.buffers.scratch(regions.scratch_nbytes, self.device)
+        rider_at = _aligned(message.members.nbytes)
+        sent = message.members.nbytes if rider is None else rider_at + rider.nbytes
+        pair = self.buffers.pair(sent, self.device)
+        scratch_nbytes = regions.scratch_nbytes if rider is None else regions.staging_at + self.group_size * sent
+        scratch = self.buffers.scratch(max(regions.scratch_nbytes, scratch_nbytes), self.device)
         block = scratch[: message.nbytes]
-        sides = [self._within(regions, buffer, scratch) for buffer in pair]  # the collectives' views, per buffer held
+        # The collectives' views, per buffer held.
+        sides = [self._within(regions, buffer, scratch, None if rider is None else (rider_at, sent)) for buffer in pair]
         held = 0
         start(pair[0])
+        if rider is not None:
+            rider.start(pair[0][rider_at:sent])
         if fill is not None:
             fill(self.partial_shard_at(0), block)
             sides[0].reduce(add_held=False)
@@ -240,6 +249,10 @@ class Ring:
                 works = self.exchange(pair[held], pair[1 - held], tag)
             try:
                 sides[held].gather()
+                if rider is not None:
+                    first = self.weight_shard_at(step) * self.group_size
+                    for place, part in enumerate(sides[held].rider_parts):
+                        rider.arrived_from(first + place, part)
                 if during is not None:
                     during(step, block)
                 if fill is not None and works:
@@ -252,22 +265,24 @@ class Ring:
                 held = 1 - held
                 if fill is not None:
                     sides[held].reduce(add_held=True)
+        if rider is not None:
+            rider.finish(pair[held][rider_at:sent])
         return pair[held]
 
-    def _within(self, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor) -> "_WithinGroup":
+    def _within(self, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple[int, int] | None) -> "_WithinGroup":
         """The collectives within the group for ``held`` (one of the ring buffers), made once per pool
         generation and buffer: the views they use cost host time, and a ring of groups runs them at
         every step. Fresh buffers (selective checkpointing's, outside the pool) get fresh ones."""
         if self.buffers.place_of(held) is None:
-            return _WithinGroup(self, regions, held, scratch)
+            return _WithinGroup(self, regions, held, scratch, rider)
         # The buffers are the pool's own tensors, the same until it replaces them (a new generation);
         # their memory may be freed and given again between passes, and views follow it.
-        key = (self.buffers.generation, id(held), id(scratch))
+        key = (self.buffers.generation, id(held), id(scratch), rider)
         within = regions.collectives.get(key)
         if within is None or within.held is not held or within.scratch is not scratch:
-            if len(regions.collectives) >= 4:  # two buffers held, a scratch: the others are of older buffers
+            if len(regions.collectives) >= 4:  # two buffers held (with a rider or not): the others are of older buffers
                 regions.collectives.clear()
-            within = regions.collectives[key] = _WithinGroup(self, regions, held, scratch)
+            within = regions.collectives[key] = _WithinGroup(self, regions, held, scratch, rider)
         return within
 
 
@@ -276,14 +291,24 @@ class _WithinGroup:
     shards) and the scratch (the block, and the staging area behind it): ``gather`` all-gathers the
     group's shards of the gathered segments into the block; ``reduce`` sums the group's contributions to
     the partials in the block into ``held``'s, each rank's piece at its place. Several segments go in one
-    collective, staged rank-major (``_wire.BlockRegions``); partials of several dtypes go one by one."""
+    collective, staged rank-major (``_wire.BlockRegions``); partials of several dtypes go one by one.
+    A ``rider`` (where its bytes lie behind the message: start, end) is gathered with the weights,
+    staged: ``rider_parts`` are the g ranks' parts of it, in place order."""
 
-    def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor):
+    def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple[int, int] | None):
         self.held, self.scratch, self.group = held, scratch, ring.within
         size, place = ring.group_size, ring.rank % ring.group_size
         block, staging = scratch[: regions.staging_at], scratch[regions.staging_at :]
         self.gathers, self.unstage = [], []  # (output, input) of each all-gather; (block, staged) copies after
-        if len(regions.weights) == 1:
+        self.rider_parts = []
+        if rider is not None:
+            rider_at, end = rider
+            gathered = staging[: size * end]
+            self.gathers.append((gathered, held[:end]))
+            by_rank = gathered.view(size, end)
+            self.unstage = [(block[b].view(size, -1), by_rank[:, m]) for b, m in regions.weights]
+            self.rider_parts = list(by_rank[:, rider_at:end])
+        elif len(regions.weights) == 1:
             ((block_region, member_region),) = regions.weights
             self.gathers.append((block[block_region], held[member_region]))
         elif regions.weights:

@@ -16,7 +16,8 @@ it, so that what every ring does is written once:
    message rides the last exchange (the phase's prefetch, ``next_first``), and a pending collective
    rides every exchange where the ring carries one (``Rider``: the vectors' all-gather on a forward
    ring, their gradients' reduce-scatter on a backward one). A ring of groups turns with
-   ``RingRun.turn_blocks`` (``Ring.circulate_blocks``), which nothing rides and which is not prefetched.
+   ``RingRun.turn_blocks`` (``Ring.circulate_blocks``): not prefetched, and only the vectors'
+   all-gather rides it (gathered with the shards within each group).
 5. **Ends**: a planned sub-block defers its partials' last hop to the next ring (``defer_last_hop``),
    and a backward pass trims the ring buffers once its result is copied out (``RingBuffers.trim``).
 
@@ -159,9 +160,13 @@ class RingRun:
     ) -> torch.Tensor:
         """``turn`` on a ring of groups (``Ring.circulate_blocks``, whose arguments these are): ``start``
         writes this rank's own shards, ``during`` and ``fill`` see the blocks of the run's message,
-        segments ``:gathered`` all-gathered, the others reduce-scattered. Nothing rides it. Returns the
-        message held last, in ``message.members``' layout."""
-        return self.ring.circulate_blocks(self.message, self.tag, start, during, gathered, fill)
+        segments ``:gathered`` all-gathered, the others reduce-scattered. A forward ring carries the
+        pending vectors' all-gather where it may (its group's all-gathers bring every rank's part);
+        nothing else rides it. Returns the message held last, in ``message.members``' layout."""
+        rider = None
+        if self.phase is Phase.FORWARD and self.driver.carries_collectives:
+            rider = self.ring.context.pending_gathers.ring_rider(self.ring, start)
+        return self.ring.circulate_blocks(self.message, self.tag, start, during, gathered, fill, rider)
 
     def defer_last_hop(self, payload: torch.Tensor, arrived: Callable[[torch.Tensor], None]) -> None:
         """The partials' last hop (``payload``, bytes), to ride an exchange of the next ring
