@@ -20,13 +20,14 @@ from test_training import bf16_case
 
 def groups_lm(seed, group, *, vocab=13, dim=6, hidden=7, layers=2, mesh=None, **config):
     """A TinyLM (tied embedding and head, q/k/v sharing a ring, norms; ``config``: its checkpointing)
-    sharded with ``group``, and its fp64 reference."""
+    sharded with ``group`` (an int, or one per block and then the root's), and its fp64 reference."""
     torch.manual_seed(seed)
     model = TinyLM(vocab=vocab, dim=dim, heads=2, hidden=hidden, layers=layers, **config).double()
     reference = twin(model)
-    for layer in model.layers:
-        rsdp_shard(layer, ring_group_size=group, mesh=mesh)
-    rsdp_shard(model, ring_group_size=group, mesh=mesh)
+    groups = group if isinstance(group, tuple) else (group,) * (layers + 1)
+    for layer, size in zip(model.layers, groups):
+        rsdp_shard(layer, ring_group_size=size, mesh=mesh)
+    rsdp_shard(model, ring_group_size=groups[-1], mesh=mesh)
     return model, reference
 
 
@@ -41,6 +42,12 @@ def test_trajectory_for_every_group_size(ranks, world, group):
     shards, so empty and short blocks); with no final norm, from the second step the blocks' norms
     ride the first forward ring (its group's all-gathers)."""
     ranks.run(world, trajectory_case, world + group, group, layers=1, final_norm=False)
+
+
+def test_group_sizes_mixed_in_one_model(ranks):
+    """Blocks on a ring of ranks and of groups of 2, the root (embedding and tied head) one group of 4:
+    prefetch and riders are offered across them, and taken only where they may ride."""
+    ranks.run(4, trajectory_case, 6, (1, 2, 4), steps=3, final_norm=False)
 
 
 def test_activation_checkpointing_and_unsynced_micro_batches(ranks):
