@@ -15,6 +15,7 @@ from models import TinyLM, assert_param_grads_match, lm_loss, local_rows, rank_a
 from rsdp import ring_checkpoint_context, rsdp_shard
 from rsdp.memory import CommCounter
 from test_experts import tiny_moe
+from test_nccl_semantics import under_nccl_semantics
 from test_training import bf16_case
 
 
@@ -48,6 +49,14 @@ def test_group_sizes_mixed_in_one_model(ranks):
     """Blocks on a ring of ranks and of groups of 2, the root (embedding and tied head) one group of 4:
     prefetch and riders are offered across them, and taken only where they may ride."""
     ranks.run(4, trajectory_case, 6, (1, 2, 4), steps=3, final_norm=False)
+
+
+def test_trains_exactly_under_nccl_semantics(ranks):
+    """Tag-blind exchanges, sends read and receives written (NaN until then) at ``wait()``
+    (``tests/test_nccl_semantics.py``): a ring of groups reads no buffer before its exchange is
+    waited for, and writes none while it is being sent."""
+    for exchanges, _ in ranks.run(4, under_nccl_semantics, trajectory_case, 7, 2, final_norm=False):
+        assert exchanges > 0
 
 
 def test_activation_checkpointing_and_unsynced_micro_batches(ranks):
