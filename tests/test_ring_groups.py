@@ -1,7 +1,7 @@
 """A ring of groups (``rsdp_shard(..., ring_group_size=g)``): exact against the fp64 reference for
 every g dividing W on 4, 6 and 8 ranks (shapes that split unevenly, some shards empty), and the
-exchanges it makes: W/g - 1 between groups per ring and pass, and one collective within the group
-per step (docs/design.md, "A ring of groups")."""
+exchanges it makes: W/g - 1 between groups per ring and pass, one all-gather within the group per
+step and in backward one reduce-scatter (docs/design.md, "A ring of groups")."""
 
 import functools
 
