@@ -20,7 +20,14 @@ ops than the split, however little it adds: the split's excess over the model is
 at this size, and rsdp+plan's excess over the split is the ring's own bookkeeping (packing, exchanges,
 buffers, a backward per shard), to compare with FSDP2's excess over the model.
 
+A ring of groups (``--ring-group-size G``, repeatable) adds a row "rsdp g=G": rsdp_shard with
+``ring_group_size=G``, W/G steps per ring. Ring plans do not compose with groups yet, so there is no
+"rsdp+plan g=G" row. The counts split a step's communication between groups (the ring's exchanges,
+point-to-point) and within them (the collectives that assemble and reduce a group's block), in
+messages and bytes per block (``rsdp.memory.CommCounter``).
+
     python benchmarks/host_overhead.py                 # W=8, 4 blocks, 5 rounds of 20 steps
+    python benchmarks/host_overhead.py --ring-group-size 2 --ring-group-size 4
     python benchmarks/host_overhead.py --world 16 --blocks 8 --json out.json
 """
 
@@ -150,19 +157,21 @@ class CallCounter:
 
 
 def build(strategy: str, args) -> nn.Module:
+    """The model of ``strategy``: one of ``STRATEGIES``, ``REFERENCES``, or "rsdp g=G"."""
     torch.manual_seed(0)
     split = args.world if strategy == "unsharded, split" else 1
     model = nn.Sequential(*(LlamaBlock(args.dim, args.heads, args.hidden, split) for _ in range(args.blocks)))
     if strategy in REFERENCES:
         return model
     mesh = init_device_mesh("cpu", (args.world,))
+    group = int(strategy.split("g=")[1]) if "g=" in strategy else 1
     # Every block, then the root (which holds no parameter), as FSDP2's and rsdp's docs advise.
     for block in model:
         if strategy == "fsdp":
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
         else:
-            rsdp_shard(block, mesh=mesh, ring_plan=LLAMA_PLAN if strategy == "rsdp+plan" else None)
-    return fully_shard(model, mesh=mesh) if strategy == "fsdp" else rsdp_shard(model, mesh=mesh)
+            rsdp_shard(block, mesh=mesh, ring_plan=LLAMA_PLAN if strategy == "rsdp+plan" else None, ring_group_size=group)
+    return fully_shard(model, mesh=mesh) if strategy == "fsdp" else rsdp_shard(model, mesh=mesh, ring_group_size=group)
 
 
 def step(model: nn.Module, x: torch.Tensor) -> None:
@@ -181,8 +190,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="sequence length (batch 1)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; strategies alternate within each")
+    parser.add_argument("--ring-group-size", type=int, action="append", default=[], metavar="G",
+                        help="add a row for rsdp on a ring of groups of G ranks (G divides --world); repeatable")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    for group in args.ring_group_size:
+        if group < 1 or args.world % group:
+            parser.error(f"--ring-group-size {group} must divide --world ({args.world})")
     if args.repeats < 3:
         parser.error("--repeats must be at least 3 (timings alternate over rounds)")
     if args.heads % args.world or args.hidden % args.world:
@@ -194,7 +208,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
     x = torch.randn(1, args.tokens, args.dim, requires_grad=True)
-    models = {strategy: build(strategy, args) for strategy in STRATEGIES + REFERENCES}
+    grouped = tuple(f"rsdp g={group}" for group in args.ring_group_size)
+    models = {strategy: build(strategy, args) for strategy in STRATEGIES + grouped + REFERENCES}
     counts = {}
     for strategy, model in models.items():
         for _ in range(3):  # warm-up: rsdp's records (prefetch, riders) are followed from the fourth step
@@ -208,6 +223,10 @@ def main() -> None:
         counts[strategy] = {
             "sends_per_block": comm.calls["c10d::send"] / args.blocks,
             "collectives_per_block": sum(n for op, n in comm.calls.items() if op != "c10d::send") / args.blocks,
+            "between_groups_per_block": comm.between_groups.messages / args.blocks,
+            "between_groups_kib_per_block": comm.between_groups.nbytes / args.blocks / 1024,
+            "within_groups_per_block": comm.within_groups.messages / args.blocks,
+            "within_groups_kib_per_block": comm.within_groups.nbytes / args.blocks / 1024,
             "ops_per_block": ops.ops / args.blocks,
             "views_per_block": ops.views / args.blocks,
             "python_calls_per_block": calls.python / args.blocks,
@@ -232,9 +251,10 @@ def main() -> None:
     )
     print(
         "| strategy | host time per step | × fsdp | per block | per block over unsharded | sends per block | "
-        "collectives per block | aten ops per block (views) | Python calls per block (builtins) |"
+        "collectives per block | between groups per block (KiB) | within groups per block (KiB) | "
+        "aten ops per block (views) | Python calls per block (builtins) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for strategy in models:
         print(
             f"| {strategy} | {median[strategy] * 1e3:.2f} ms | {median[strategy] / median['fsdp']:.2f} | "
@@ -242,6 +262,8 @@ def main() -> None:
             f"{(median[strategy] - median['unsharded']) / args.blocks * 1e6:.0f} µs | "
             f"{counts[strategy]['sends_per_block']:.4g} | "
             f"{counts[strategy]['collectives_per_block']:.4g} | "
+            f"{counts[strategy]['between_groups_per_block']:.4g} ({counts[strategy]['between_groups_kib_per_block']:.4g}) | "
+            f"{counts[strategy]['within_groups_per_block']:.4g} ({counts[strategy]['within_groups_kib_per_block']:.4g}) | "
             f"{counts[strategy]['ops_per_block']:.0f} ({counts[strategy]['views_per_block']:.0f}) | "
             f"{counts[strategy]['python_calls_per_block']:.0f} ({counts[strategy]['builtin_calls_per_block']:.0f}) |"
         )

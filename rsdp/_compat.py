@@ -78,6 +78,33 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _collective_options():
+    """Reusable options of the single-tensor all-gather and reduce-scatter (a sum) of a process group."""
+    from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions, ReduceOp
+
+    scatter = ReduceScatterOptions()
+    scatter.reduceOp = ReduceOp.SUM
+    return AllgatherOptions(), scatter
+
+
+_GATHER_OPTIONS, _SCATTER_OPTIONS = _collective_options()
+# ``ProcessGroup``'s own single-tensor collectives (torch >= 2.10); ``_allgather_base`` /
+# ``_reduce_scatter_base`` before.
+_gather_single = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+_scatter_single = getattr(dist.ProcessGroup, "reduce_scatter_single", None) or dist.ProcessGroup._reduce_scatter_base
+
+
+def gather_in_group(group, output: torch.Tensor, input: torch.Tensor) -> None:
+    """``all_gather_flat`` straight on the process group, without ``torch.distributed``'s checks and
+    logging wrapper: a ring of groups runs one at every step. Waits (on CUDA: the stream waits)."""
+    _gather_single(group, output, input, _GATHER_OPTIONS).wait()
+
+
+def sum_scatter_in_group(group, output: torch.Tensor, input: torch.Tensor) -> None:
+    """``reduce_scatter_flat`` (a sum) straight on the process group, as ``gather_in_group``."""
+    _scatter_single(group, output, input, _SCATTER_OPTIONS).wait()
+
+
 def send_and_receive(group, send: torch.Tensor, to: int, receive: torch.Tensor, source: int, tag: int) -> list:
     """Start sending ``send`` to group rank ``to`` and receiving ``receive`` from group rank ``source``
     as one batch (NCCL runs them as one group, which W=2, where both peers are one rank, needs);
@@ -334,6 +361,7 @@ __all__ = [
     "calling_modules",
     "current_graph_task_id",
     "flatten_mesh",
+    "gather_in_group",
     "flash_attention_op",
     "fully_shard",
     "get_module_state",
@@ -355,6 +383,7 @@ __all__ = [
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",
     "reduce_scatter_flat",
+    "sum_scatter_in_group",
     "replicate",
 ]
 

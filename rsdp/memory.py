@@ -19,9 +19,15 @@ rsdp's ring (``c10d::send``), FSDP2's all-gathers and reduce-scatters, DDP's C++
 functional collectives all go through the dispatcher. Each op is charged the bytes one rank puts on the
 wire under the bandwidth-optimal ring algorithm NCCL uses: a send its size, an all-gather (W-1)/W of
 its output, a reduce-scatter (W-1)/W of its input, an all-reduce 2(W-1)/W of its tensor.
+
+On a ring of groups (``rsdp_shard(..., ring_group_size=g)``) the ring's messages go between groups and
+its blocks are assembled and reduced by collectives within a group: ``between_groups`` counts the
+point-to-point sends (a ring of ranks is a ring of groups of one, so there every ring exchange is
+between groups) and ``within_groups`` the collectives on a ring's group, apart, in messages and bytes.
 """
 
 import collections
+import dataclasses
 import weakref
 
 import torch
@@ -211,6 +217,33 @@ _COMM_OPS = {
 }
 
 
+@dataclasses.dataclass
+class Traffic:
+    """Messages and the bytes they carry, counted by ``CommCounter``."""
+
+    messages: int = 0
+    nbytes: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.messages += 1
+        self.nbytes += nbytes
+
+
+def _on_ring_group(args) -> bool:
+    """Whether a collective runs on the process group of a ring's group (its group is an argument)."""
+    from ._fully_shard._ring import within_group_names  # the engine, imported once measuring runs
+
+    for arg in args:
+        if isinstance(arg, str) and arg in within_group_names:
+            return True
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(arg).group_name in within_group_names
+            except RuntimeError:
+                continue
+    return False
+
+
 class CommCounter(TorchDispatchMode):
     """Context manager counting the bytes this rank sends, per op, while active.
 
@@ -226,6 +259,8 @@ class CommCounter(TorchDispatchMode):
         self.bytes_sent = 0
         self.by_op: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
+        self.between_groups = Traffic()  # point-to-point sends: a ring's exchanges
+        self.within_groups = Traffic()  # collectives on a ring's group (``ring_group_size``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -234,6 +269,10 @@ class CommCounter(TorchDispatchMode):
             self.bytes_sent += sent
             self.by_op[name] += sent
             self.calls[name] += 1
+            if name == "c10d::send":
+                self.between_groups.add(sent)
+            elif _on_ring_group(args):
+                self.within_groups.add(sent)
         elif "c10d" in name and "wait" not in name and "wrap" not in name and "recv" not in name:
             raise NotImplementedError(f"CommCounter does not know how many bytes {name} sends")
         return func(*args, **(kwargs or {}))

@@ -58,6 +58,7 @@ def parallelize(
     default: Strategy | str = Strategy.RSDP,
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    ring_group_size: int = 1,
 ) -> nn.Module:
     """Apply a strategy to each module ``policy`` names, and ``default`` to the root.
 
@@ -75,12 +76,21 @@ def parallelize(
         mesh: 1-D, or 2-D ``(replicate, shard)`` for group sharding. ``None``: 1-D over the default
             process group.
         mp_policy: mixed precision for every unit.
+        ring_group_size: every rsdp unit's ring of groups (``rsdp_shard``'s ``ring_group_size``): g
+            dividing the shard dimension's size; 1, a ring of ranks. A ``Plan`` gives each module's
+            own (``Plan.ring_group_sizes``) and refuses this one.
 
     Returns:
         ``model``, parallelized.
     """
     rules = policy.strategies if hasattr(policy, "strategies") else policy
     ring_group_sizes = getattr(policy, "ring_group_sizes", {})  # a Plan's, per module name
+    if hasattr(policy, "ring_group_sizes") and ring_group_size != 1:
+        raise ValueError(
+            f"parallelize: a Plan chooses each rsdp module's ring group size, and ring_group_size={ring_group_size} "
+            f"would override it; pass one of them (plan with --ring-group-sizes {ring_group_size} to make the plan's "
+            f"rings groups of {ring_group_size})"
+        )
     if not isinstance(rules, Mapping):
         raise TypeError(
             f"parallelize: policy must map module names or types to strategies (or be a Plan), got "
@@ -93,7 +103,7 @@ def parallelize(
     names = dict((module, name) for name, module in model.named_modules())
     for module, strategy in sorted(units.items(), key=lambda item: -_depth(names[item[0]])):
         _apply(module, strategy, mesh, mp_policy or MixedPrecisionPolicy(), is_root=module is model,
-               ring_group_size=group_of.get(module, 1))
+               ring_group_size=group_of.get(module, ring_group_size))
     if units[model] is not Strategy.FSDP:
         # Under an rsdp or replicate root every FSDP unit would be an FSDP root of its own (see
         # share_fsdp_contexts): make them one tree, as an FSDP root does.
@@ -227,11 +237,9 @@ def _state_of(module: nn.Module):
     return get_module_state(module) or get_module_state(unwrap_activation_checkpoint(module))
 
 
-def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *, is_root: bool, ring_group_size: int = 1) -> None:
+def _apply(module: nn.Module, strategy: Strategy, mesh: DeviceMesh, mp_policy, *, is_root: bool, ring_group_size: int) -> None:
     if strategy is Strategy.RSDP:
-        # Only a ring of groups names its size: rsdp_shard's flat ring is its default.
-        groups = {} if ring_group_size == 1 else {"ring_group_size": ring_group_size}
-        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy, **groups)
+        rsdp_shard(module, mesh=mesh, mp_policy=mp_policy, ring_group_size=ring_group_size)
     elif strategy is Strategy.FSDP:
         # A non-root FSDP unit under an rsdp or replicate parent becomes an FSDP root of its own, and
         # FSDP roots keep their parameters unsharded after forward unless told otherwise.

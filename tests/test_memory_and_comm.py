@@ -1,5 +1,7 @@
 """Peak memory and communication volume against FSDP2, measured (deterministic on CPU)."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,13 +13,13 @@ from rsdp._compat import fully_shard
 from rsdp.memory import CommCounter, MemoryTracker
 
 
-def linear_stack_peak(strategy, dim, layers, rows):
+def linear_stack_peak(strategy, dim, layers, rows, ring_group_size=1):
     """Peak bytes above the sharded parameters in one forward+backward of a stack of Linears,
     after a warm-up step, with gradients freed as ``zero_grad()`` does."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(dim, dim, bias=False) for _ in range(layers)))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    shard = rsdp_shard if strategy == "rsdp" else fully_shard
+    shard = functools.partial(rsdp_shard, ring_group_size=ring_group_size) if strategy == "rsdp" else fully_shard
     for layer in model:
         shard(layer, mesh=mesh)
     shard(model, mesh=mesh)
@@ -46,6 +48,19 @@ def test_peak_memory_against_fsdp2_on_4_ranks(ranks):
         ratio = peaks["rsdp"] / peaks["fsdp"]
         print(f"rank {rank}: fsdp {peaks['fsdp'] / 2**20:.2f} MiB, rsdp {peaks['rsdp'] / 2**20:.2f} MiB, ratio {ratio:.3f}")
         assert ratio <= 0.6, f"rank {rank}: rsdp peak {peaks['rsdp']} B is {ratio:.2f} of fsdp's {peaks['fsdp']} B"
+
+
+def group_memory_case(dim, layers, rows):
+    return {group: linear_stack_peak("rsdp", dim, layers, rows, group) for group in (1, 2, 4)} | {
+        "fsdp": linear_stack_peak("fsdp", dim, layers, rows)
+    }
+
+
+def test_peak_memory_of_a_ring_of_groups_on_4_ranks(ranks):
+    """A ring of groups holds a block (g/W of a layer) besides its messages: its peak lies between the
+    ring of ranks' and FSDP2's, and grows with g."""
+    for peaks in ranks.run(4, group_memory_case, 256, 4, 8):
+        assert peaks[1] < peaks[2] < peaks[4] < peaks["fsdp"], peaks
 
 
 def tracker_counts_what_it_should_case():

@@ -157,8 +157,8 @@ def test_single_level_plans_are_the_flat_rings_plans(tiny):
 
 
 def test_parallelize_passes_a_plans_ring_group_size_where_it_is_not_1(tiny, monkeypatch):
-    """The apply path: rsdp_shard gets ``ring_group_size=g`` for a module the plan puts in groups of g > 1
-    (recorded here; the engine's keyword is another change's) and no keyword for flat rings (run)."""
+    """The apply path: rsdp_shard gets each module's ``ring_group_size`` as the plan chose it (run on the
+    fake process group), and a plan refuses a ``ring_group_size`` of the call's own."""
     import rsdp.policy
 
     by_size, units = tiny
@@ -166,7 +166,7 @@ def test_parallelize_passes_a_plans_ring_group_size_where_it_is_not_1(tiny, monk
     real, calls = rsdp.policy.rsdp_shard, []
 
     def recording(module, **kwargs):
-        calls.append((module, kwargs.pop("ring_group_size", 1)))
+        calls.append((module, kwargs.get("ring_group_size", 1)))
         return real(module, **kwargs)
 
     monkeypatch.setattr(rsdp.policy, "rsdp_shard", recording)
@@ -179,6 +179,8 @@ def test_parallelize_passes_a_plans_ring_group_size_where_it_is_not_1(tiny, monk
         with _fake_group(WORLD, "the apply path") as mesh:
             parallelize(model, chosen, mesh=mesh)
         assert {names[module]: size for module, size in calls} == chosen.ring_group_sizes
+    with _fake_group(WORLD, "the apply path") as mesh, pytest.raises(ValueError, match="a Plan chooses"):
+        parallelize(untied_lm(vocab=512, dim=64, hidden=128, layers=3), chosen, mesh=mesh, ring_group_size=2)
 
 
 def test_a_plans_group_on_a_module_that_is_not_rsdp_is_refused(tiny):

@@ -136,8 +136,11 @@ def assert_losses_match(logged: dict[int, tuple], expected: dict[int, tuple]) ->
         ["--parallelism.dp_strategy=replicate"],
         # layers.2.feed_forward: a name inside a block, as before activation checkpointing wrapped it
         ["--parallelism.dp_overrides=layers.0=replicate,layers.1=fsdp,layers.2.feed_forward=fsdp,lm_head=fsdp"],
+        # rsdp on a ring of groups: on 2 ranks one group, each ring one all-gather (tests/test_ring_groups.py
+        # has the rings of several groups)
+        ["--parallelism.dp_ring_group_size=2"],
     ],
-    ids=["fsdp", "replicate", "mixed"],
+    ids=["fsdp", "replicate", "mixed", "ring-groups"],
 )
 def test_strategy_trains_like_torchtitan_fsdp(workdir, torchtitan_fsdp, flags):
     """rsdp's run is the checkpoint test's, auto's the budget test's (each launch is ~5-10 s)."""
@@ -220,6 +223,8 @@ def test_a_failing_rank_fails_the_launch_with_its_error(workdir):
         (dict(dp_strategy="auto", dp_memory_budget="lots"), "not a size"),
         (dict(dp_strategy="rsdp", dp_memory_budget="60GiB"), "would do nothing with dp_strategy=rsdp: only dp_strategy=auto"),
         (dict(dp_hardware="h100-pcie"), "parallelism.dp_hardware: .* neither a preset"),
+        (dict(dp_ring_group_size=0), "dp_ring_group_size=0 must be a positive integer"),
+        (dict(dp_strategy="auto", dp_memory_budget="60GiB", dp_ring_group_size=2), "dp_ring_group_size=2 with dp_strategy=auto"),
     ],
 )
 def test_bad_parallelism_flags_are_named(fields, message):

@@ -173,14 +173,14 @@ def test_no_grad_and_abandoned_forward_then_training(ranks):
     ranks.run(2, eval_and_idle_forward_case, 10)
 
 
-def bf16_case(seed):
-    """The same bf16 policy under rsdp and under FSDP2: outputs and gradients agree within bf16
-    tolerance, and sharded parameters and gradients stay fp32."""
+def bf16_case(seed, rsdp=rsdp_shard):
+    """The same bf16 policy under rsdp (``rsdp``: how it shards) and under FSDP2: outputs and gradients
+    agree within bf16 tolerance, and sharded parameters and gradients stay fp32."""
     rank, world = rank_and_world()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (world,))
     models = {}
-    for name, shard in (("rsdp", rsdp_shard), ("fsdp", fully_shard)):
+    for name, shard in (("rsdp", rsdp), ("fsdp", fully_shard)):
         torch.manual_seed(seed)
         model = TinyLM(vocab=33, dim=16, heads=2, hidden=24, layers=2)
         for layer in model.layers:

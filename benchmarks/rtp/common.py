@@ -50,7 +50,7 @@ MODEL_FLAGS = {
     "experts": (0, "experts per layer: 0 for the dense model, more for a Mixtral MoE (moe_lm.py; nhid is each expert's)"),
 }
 # The other flags every script takes and compare.py forwards to them.
-RUN_FLAGS = ("max_batch", "warmup", "nproc", "device", "dtype")
+RUN_FLAGS = ("max_batch", "warmup", "nproc", "device", "dtype", "ring_group_size")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LEARNING_RATE = 1e-4
 MODEL_SEED = 0  # every rank builds the same initial model
@@ -126,6 +126,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, help="local ranks to start when not under torchrun [4, or one per GPU]")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    run.add_argument("--ring_group_size", type=int, default=1,
+                     help="rtp (rsdp): a ring of groups of this many ranks (rsdp_shard's ring_group_size), with no ring plan when > 1")
     run.add_argument("--json", metavar="PATH", help="write the results here")
     return parser
 
@@ -141,6 +143,8 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
         parser.error(f"--nproc {args.nproc} needs one GPU per rank; this machine has {torch.cuda.device_count()}")
     if args.max_batch < 1 or args.warmup < 0 or args.nproc < 1 or args.experts < 0:
         parser.error("--max_batch and --nproc must be at least 1, --warmup and --experts at least 0")
+    if args.ring_group_size < 1 or args.nproc % args.ring_group_size:
+        parser.error(f"--ring_group_size {args.ring_group_size} must divide --nproc ({args.nproc})")
     return args
 
 
@@ -330,6 +334,8 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "bytes_sent": comm.bytes_sent,
         "comm_by_op": dict(comm.by_op),
         "exchanges": sum(comm.calls.values()),
+        "between_groups": (comm.between_groups.messages, comm.between_groups.nbytes),
+        "within_groups": (comm.within_groups.messages, comm.within_groups.nbytes),
         "final_loss": final_loss,
     }
     dist.all_gather_object(per_rank, mine)
@@ -362,6 +368,10 @@ def _benchmark(strategy: Strategy, worker: Worker) -> dict:
         "rank0_bytes_sent_by_op": per_rank[0]["comm_by_op"],
         # Sends plus collectives one rank issues per step: each synchronises it with its peers.
         "exchanges_per_step": max(r["exchanges"] for r in per_rank),
+        # Rank 0's, as (messages, bytes): point-to-point sends (a ring's exchanges, between groups on a
+        # ring of groups) and the collectives within a ring's groups (rsdp.memory.CommCounter).
+        "rank0_between_groups_per_step": per_rank[0]["between_groups"],
+        "rank0_within_groups_per_step": per_rank[0]["within_groups"],
         # Mean over ranks: the data-parallel mean of each rank's own batch (tp's ranks all agree).
         "final_loss": sum(r["final_loss"] for r in per_rank) / worker.world_size,
     }
@@ -394,6 +404,10 @@ def _print_summary(results: dict) -> None:
         f"(max over ranks; per rank: {per_rank})\n"
         f"  sent per step  {format_bytes(results['bytes_sent_per_step'])} per rank (max over ranks), in "
         f"{results['exchanges_per_step']} exchanges (sends + collectives)\n"
+        f"  rank 0's       {results['rank0_between_groups_per_step'][0]} sends between groups "
+        f"({format_bytes(results['rank0_between_groups_per_step'][1])}), "
+        f"{results['rank0_within_groups_per_step'][0]} collectives within groups "
+        f"({format_bytes(results['rank0_within_groups_per_step'][1])})\n"
         f"  final loss     {results['final_loss']:.4f}",
         flush=True,
     )

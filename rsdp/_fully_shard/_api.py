@@ -35,6 +35,7 @@ def rsdp_shard(
     reshard_after_forward: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     ring_plan: dict | None = None,
+    ring_group_size: int = 1,
 ) -> nn.Module:
     """Shard ``module``'s parameters and rotate its Linear and Embedding weights on a ring.
 
@@ -69,6 +70,13 @@ def rsdp_shard(
             rotate as one ring, their parent's whole forward per shard (``_sub_block.py``);
             ``"replicated_with_grad_allreduce"`` parameters inside (per-head q/k norms) run with each
             shard. Other entries leave their modules to rsdp's own sharding.
+        ring_group_size: g, dividing the shard dimension's size W: the ranks form W/g groups of g
+            consecutive ranks and the ring passes shards between groups, W/g steps per ring, each
+            computing with a group's block (its g shards, all-gathered within the group; gradients
+            reduce-scattered within it). 1 (the default) is a ring of ranks; W is one all-gather,
+            FSDP's pattern. Parameters stay ``Shard(0)`` over all W ranks (docs/design.md, "A ring of
+            groups"); on a 2-D mesh the groups form within each replica's shard dimension. Not yet
+            with ``ring_plan`` or experts modules.
 
     Returns:
         ``module``, now an :class:`RSDPModule` (or the checkpoint wrapper around one).
@@ -76,11 +84,20 @@ def rsdp_shard(
     mesh = _validated_mesh(mesh)
     wrapper, module = module, unwrap_activation_checkpoint(module)
     if wrapper is not module:
-        rsdp_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ring_plan=ring_plan)
+        rsdp_shard(
+            module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ring_plan=ring_plan,
+            ring_group_size=ring_group_size,
+        )
         return wrapper
     _check_not_managed(module)
-    state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy())
+    _check_ring_group_size(ring_group_size, mesh, bool(ring_plan))
     managed, nested = _managed_and_nested_modules(module)
+    if ring_group_size > 1 and any(is_experts_module(owner) or is_grouped_experts(owner) for owner in managed):
+        raise ValueError(
+            f"rsdp_shard: ring_group_size={ring_group_size} does not compose with experts modules yet: use "
+            "ring_group_size=1 in the rsdp_shard call that shards the module holding the experts."
+        )
+    state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy(), ring_group_size)
     sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
     column_split = {id(block.row.weight) for block in sub_blocks}
     # A planned sub-block's LoRA adapters are used whole at every ring step: gathered, matrices too.
@@ -355,6 +372,20 @@ def _validated_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
             "mesh, e.g. mesh['dp_replicate', 'dp_shard'] sliced from a larger one."
         )
     return mesh
+
+
+def _check_ring_group_size(size, mesh: DeviceMesh, has_ring_plan: bool) -> None:
+    """A ring of groups needs g to divide W; the same arguments on every rank raise alike there."""
+    world = mesh.size(mesh.ndim - 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
+        raise ValueError(
+            f"rsdp_shard: ring_group_size={size!r} must be a positive integer dividing the shard dimension's "
+            f"size {world} (the ranks form {world}/g groups), e.g. ring_group_size=1."
+        )
+    if size == 1:
+        return
+    if has_ring_plan:
+        raise ValueError(f"rsdp_shard: ring_group_size={size} does not compose with ring_plan yet: use ring_group_size=1.")
 
 
 def _check_not_managed(module: nn.Module) -> None:

@@ -368,6 +368,10 @@ class _RingAllGather:
     def arrived(self, step: int, region: torch.Tensor) -> None:
         self.segments[self.ring.weight_shard_at(step)].copy_(self._segment(region))
 
+    def arrived_from(self, rank: int, region: torch.Tensor) -> None:
+        """On a ring of groups: the part of rank ``rank`` (a group's all-gather brings g at a step)."""
+        self.segments[rank].copy_(self._segment(region))
+
     def finish(self, region: torch.Tensor) -> None:
         for module, start, stop in self.parts:
             module._unpack(self.segments[:, start:stop])

@@ -1,16 +1,16 @@
 """The Embedding ring: the table's rows (the vocabulary) split over the ring.
 
-Forward: the table rotates; at each step every token's row is selected from the shard held with a
-precomputed ``[W, N]`` mask and a clamped row index (``_shard_selection``). Backward needs no weights:
+Forward: the table rotates; at each step every token's row is selected from the shard held (a block
+on a ring of groups: the same code over ``ring.layout``'s owners) with a precomputed ``[W, N]`` mask and a clamped row index (``_shard_selection``). Backward needs no weights:
 each rank adds its tokens' gradient rows (``index_add_``) into the travelling partial of each shard, a
 sparse contribution (``_ring_function.SparseContribution``). Tokens equal to ``padding_idx`` contribute
 no gradient.
 
 Pitfalls:
 - Nothing on the ring path reads a device value on the host: rows are selected with masks, never
-  ``nonzero()``, and indices are validated on the device. Each rank ORs its "some index is out of
-  range" byte into the message, which carries it round the ring, so every rank raises after the last
-  step, not one (``torch._assert_async``; a device-side assert on CUDA).
+  ``nonzero()``, and indices are validated on the device. Each rank puts its "some index is out of
+  range" byte into its first message, and every rank ORs together the bytes of the shards it holds, so
+  every rank raises after the last step, not one (``torch._assert_async``; a device-side assert on CUDA).
 - ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` need the whole table or global counts: such an
   Embedding is refused at ``rsdp_shard`` (``ring_mixin_for``).
 """
@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from .._compat import assert_async
 from ._checkpoint import kept_or_run
-from ._param import ShardLayout, shard_layout
+from ._param import ShardLayout
 from ._ring_function import RingLayer, SparseContribution, check_device, local_shard, ring_backward
 from ._wire import segment
 
@@ -32,10 +32,10 @@ class RingEmbeddingFunction(torch.autograd.Function):
     def forward(ctx, indices, weight, layer: RingLayer, num_embeddings: int, padding_idx):
         state, ring = layer.state, layer.ring
         dtype = state.compute_dtype(weight.dtype)
-        layout = shard_layout(num_embeddings, ring.size)
-        # The table's rows, and one byte: "some rank saw an index out of range", OR-ed on the way.
+        layout = ring.layout(num_embeddings)
+        # The table's rows, and one byte per rank: "this rank saw an index out of range".
         message = layer.ring.buffers.message_of(
-            (segment(layout, weight.shape[1:], dtype), segment(shard_layout(ring.size, ring.size), torch.Size(), torch.uint8))
+            (segment(layout, weight.shape[1:], dtype), segment(ring.layout(ring.size), torch.Size(), torch.uint8))
         )
         flat_indices = indices.reshape(-1)
 
@@ -45,27 +45,20 @@ class RingEmbeddingFunction(torch.autograd.Function):
             out = torch.zeros(*indices.shape, *weight.shape[1:], dtype=dtype, device=weight.device)
             out2d = out.view(flat_indices.numel(), math.prod(weight.shape[1:]))
             scratch = torch.empty_like(out2d)
-
-            def start(buffer: torch.Tensor) -> None:
-                rows, flag = message.views(buffer, ring.rank)
-                rows.copy_(weight)
-                flag.copy_(out_of_range)
+            seen = torch.zeros(ring.group_size, dtype=torch.uint8, device=weight.device)  # the flags of the shards held
 
             def during(step: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(step)
-                rows, _ = message.views(buffer, shard)
+                rows, flags = message.views(buffer, shard)
+                seen.bitwise_or_(flags)
                 if layout.rows_of(shard):
                     torch.index_select(rows.reshape(rows.shape[0], -1), 0, rows_in[shard], out=scratch)
                     out2d.add_(scratch.masked_fill_(~selects[shard].unsqueeze(1), 0))
 
-            def on_arrival(step: int, buffer: torch.Tensor) -> None:
-                _, flag = message.views(buffer, ring.weight_shard_at(step))
-                flag.bitwise_or_(out_of_range)
-
-            final = layer.driver.forward(message, during, start=start, on_arrival=on_arrival)  # the flag: not prefetchable
-            _, flag = message.views(final, ring.weight_shard_at(ring.size - 1))
+            # The flag is known only once called: not prefetchable.
+            layer.driver.forward(message, during, [weight, out_of_range], prefetchable=False)
             assert_async(
-                (flag | out_of_range) == 0,
+                seen.amax() == 0,
                 f"rsdp Embedding: an index is out of range [0, {num_embeddings}) on at least one rank "
                 "(every rank raises this; check the token ids against num_embeddings)",
             )
@@ -86,7 +79,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
         layer = ctx.layer
         ring = layer.ring
         reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
-        layout = shard_layout(ctx.num_embeddings, ring.size)
+        layout = ring.layout(ctx.num_embeddings)
         message = layer.ring.buffers.message_of((segment(layout, ctx.trailing, reduce_dtype),))
         selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
         dy = grad_out.reshape(flat_indices.numel(), math.prod(ctx.trailing))

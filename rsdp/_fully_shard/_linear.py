@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from ._checkpoint import kept_or_run
-from ._param import ShardLayout, shard_layout
+from ._param import ShardLayout
 from ._ring_function import (
     DenseContribution,
     RingLayer,
@@ -141,7 +141,7 @@ class _GroupForward:
         self.out_features = out_features = tuple(member.out_features for member in members)
         self.weights = params[0::2]
         self.dtype = dtype = layer.state.matmul_dtype(self.weights[0].dtype)
-        self.layouts = layouts = [shard_layout(rows, ring.size) for rows in out_features]
+        self.layouts = layouts = [ring.layout(rows) for rows in out_features]
         # Every member's weight, then the biases there are: the weights of one shard are then adjacent
         # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
         self.order = order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
@@ -160,7 +160,7 @@ class _GroupForward:
         if stacked is None:
             self.columns = outs2d[0].split(self.layouts[0].sizes, 1)
         else:
-            products = x2d.new_empty(x2d.shape[0], ring.size, stacked.width)
+            products = x2d.new_empty(x2d.shape[0], ring.owners, stacked.width)
             self.columns = products.unbind(1)
         layer.driver.forward(self.message, self.during, [self.params[index] for index in self.order])
         if stacked is not None:
@@ -214,7 +214,7 @@ class _GroupBackward:
         self.n_params = len(need_params)
         dtype = ctx.dtype  # the forward's (autocast's, if it was on then)
         reduce_dtype = ctx.layer.state.reduce_dtype(weights[0].dtype)
-        self.layouts = layouts = [shard_layout(rows, ring.size) for rows in ctx.out_features]
+        self.layouts = layouts = [ring.layout(rows) for rows in ctx.out_features]
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
 
         # Gradients in the message: (member, is_bias) for every parameter that needs one, the weights'
@@ -299,7 +299,7 @@ class RingInputSplitFunction(torch.autograd.Function):
         state, ring = layer.state, layer.ring
         in_features, out_features = full_shape
         dtype = state.matmul_dtype(weight.dtype)
-        layout = shard_layout(in_features, ring.size)
+        layout = ring.layout(in_features)
         message = layer.ring.buffers.message_of((segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
 
@@ -328,7 +328,7 @@ class RingInputSplitFunction(torch.autograd.Function):
         state, ring = layer.state, layer.ring
         in_features, out_features = ctx.full_shape
         dtype = ctx.dtype
-        layout = shard_layout(in_features, ring.size)
+        layout = ring.layout(in_features)
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         dy = grad_out.reshape(-1, out_features).to(dtype)
         weight_segments = [segment(layout, weight.shape[1:], dtype)] if need_x else []

@@ -4,6 +4,12 @@ A parameter of ``n`` rows is split like ``torch.chunk`` (and like DTensor's ``Sh
 shard is padded to ``chunk = ceil(n / world)`` rows, so the last ranks may be short or empty. Only the
 unpadded rows are stored (the local tensor of the DTensor parameter); padding exists on the wire alone,
 because every rank must send and receive the same number of elements at each ring step (``_wire.py``).
+
+On a ring of groups (``_ring.py``) a ring layer computes with *blocks*: block ``T`` is the union of the
+shards of the ``group`` consecutive ranks ``T*group ...``. Since only trailing shards are short, a
+block's real rows are contiguous, and a block is a shard of a layout of ``world / group`` owners whose
+chunk is ``group`` shard chunks (``shard_layout(rows, owners, group)``): a ring layer's code is the
+same on a ring of ranks and on a ring of groups.
 """
 
 import functools
@@ -19,16 +25,24 @@ from .._compat import DTensor, Replicate, Shard
 
 @dataclass(frozen=True, eq=False)
 class ShardLayout:
-    """How ``rows`` rows split over ``world`` ranks, torch.chunk-style. Made by ``shard_layout`` only,
-    one per (rows, world), so it compares and hashes by identity: layouts key the messages' caches,
-    looked up at every ring, and a generated ``__hash__`` would be a Python call each time."""
+    """How ``rows`` rows split over ``world`` owners, torch.chunk-style; an owner is a rank, or a group of
+    ``group`` consecutive ranks whose block is their shards together (padded to ``group`` rank chunks).
+    Made by ``shard_layout`` only, one per (rows, world, group), so it compares and hashes by identity:
+    layouts key the messages' caches, looked up at every ring, and a generated ``__hash__`` would be a
+    Python call each time."""
 
     rows: int
     world: int
+    group: int = 1
 
     @functools.cached_property
     def chunk(self) -> int:
-        return math.ceil(self.rows / self.world)
+        return self.group * math.ceil(self.rows / (self.world * self.group))
+
+    @functools.cached_property
+    def members(self) -> "ShardLayout":
+        """The layout of the ranks' own shards: ``world * group`` owners of one rank each."""
+        return self if self.group == 1 else shard_layout(self.rows, self.world * self.group)
 
     @functools.cached_property
     def _bounds(self) -> tuple[tuple[int, int], ...]:
@@ -60,10 +74,17 @@ class ShardLayout:
 
 
 @functools.lru_cache(maxsize=None)
-def shard_layout(rows: int, world: int) -> ShardLayout:
-    """The one ``ShardLayout`` of ``rows`` rows over ``world`` ranks, so that ring steps, which look up
-    its bounds, find them computed (a fresh layout per call computes them again)."""
-    return ShardLayout(rows, world)
+def shard_layout(rows: int, world: int, group: int = 1) -> ShardLayout:
+    """The one ``ShardLayout`` of ``rows`` rows over ``world`` owners of ``group`` ranks each, so that
+    ring steps, which look up its bounds, find them computed (a fresh layout per call computes them again)."""
+    return ShardLayout(rows, world, group)
+
+
+@functools.lru_cache(maxsize=None)
+def owners_layout(owners: int, group: int, rows: int) -> ShardLayout:
+    """``shard_layout(rows, owners, group)``, its arguments in the order a ring binds them
+    (``Ring.layout``): a cache hit is then no Python call, and ring layers look layouts up at every pass."""
+    return shard_layout(rows, owners, group)
 
 
 def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple:

@@ -27,6 +27,13 @@ planned sub-block's partials an early exchange of the next ring (``_Boarding``).
 Messages live in the ring buffers of the model's ``RingContext`` (``_buffers.py``); ``circulate``
 asks for them at the size of its message and its passengers.
 
+On a ring of groups (``group_size`` g > 1, docs/design.md "A ring of groups") the owners are the W/g
+groups of g consecutive ranks, and ``circulate_blocks`` is the step loop: a rank passes its own place's
+shards to the same place in the previous group, its group all-gathers the shards held into a block
+(the g shards of one group, contiguous rows) for the step to use, and in backward reduce-scatters the
+contributions to the block's partials, each rank's piece travelling on to its owner. A forward's
+all-gather rider travels behind a rank's shards and is gathered with them; no passenger rides.
+
 Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
   disagree about the order of layers fail loudly instead of exchanging the wrong tensors.
@@ -40,6 +47,8 @@ Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - A buffer is received into only after the send that last read it was waited for (ping-pong).
 - On CUDA, ProcessGroupNCCL runs P2P on its own stream, orders it after the compute that produced the
   buffers, and ``wait()`` makes the compute stream wait for the received data.
+- On a ring of groups each step issues its exchange (shard group) before its group's collectives (the
+  group's process group), on every rank in the same order: NCCL matches both by order.
 """
 
 import dataclasses
@@ -52,7 +61,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import current_graph_task_id, send_and_receive
+from .._compat import current_graph_task_id, gather_in_group, send_and_receive, sum_scatter_in_group
+from ._param import ShardLayout, owners_layout
+from ._wire import BlockRegions, Message
 
 
 class Phase(enum.IntEnum):
@@ -108,15 +119,26 @@ class NextFirst(Passenger, typing.Protocol):
 
 class Ring:
     """One rsdp module's ring: its group and neighbours, and (``context``) the ``RingContext`` of its
-    model, which ``rsdp_shard`` sets and may later replace by its root's (``join``)."""
+    model, which ``rsdp_shard`` sets and may later replace by its root's (``join``).
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, context):
+    ``size`` and ``rank`` are the shard dimension's (W ranks, this rank's place); the ring passes
+    messages among ``owners``, which are ranks, or on a ring of groups (``group_size`` g > 1) the W/g
+    groups of g consecutive ranks (``owner``: this rank's group; ``within``: its process group). Ring
+    layers compute with owners' shards, laid out by ``layout`` (``_param.ShardLayout``)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, context, group_size: int = 1):
         self.join(context)
         self.group = group
         self.device = device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._down, self._up = (self.rank - 1) % self.size, (self.rank + 1) % self.size  # group ranks
+        self.group_size = group_size
+        self.owners, self.owner = self.size // group_size, self.rank // group_size
+        # Group ranks; on a ring of groups the rank at this rank's place in the next group.
+        self._down, self._up = (self.rank - group_size) % self.size, (self.rank + group_size) % self.size
+        self.within = within_group(group, group_size) if group_size > 1 else None
+        # ``layout(rows)``: how ``rows`` rows split over this ring's owners.
+        self.layout: Callable[[int], ShardLayout] = functools.partial(owners_layout, self.owners, group_size)
 
     def join(self, context) -> None:
         """Use ``context`` (a ``RingContext``) and its ring buffers (``buffers``, where ring layers lay out
@@ -124,10 +146,10 @@ class Ring:
         self.context, self.buffers = context, context.buffers
 
     def weight_shard_at(self, step: int) -> int:
-        return (self.rank + step) % self.size
+        return (self.owner + step) % self.owners
 
     def partial_shard_at(self, step: int) -> int:
-        return (self.rank + 1 + step) % self.size
+        return (self.owner + 1 + step) % self.owners
 
     def exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int) -> list:
         """Start sending ``send`` down and receiving ``receive`` from up, as one batch; returns the works."""
@@ -176,6 +198,168 @@ class Ring:
                     raise
             ring_pass.receive(step, on_arrival)
         return ring_pass.finish()
+
+    def circulate_blocks(
+        self,
+        message: Message,
+        tag: int,
+        start: Callable[[torch.Tensor], None],
+        during: Callable[[int, torch.Tensor], None] | None,
+        gathered: int,
+        fill: Callable[[int, torch.Tensor], None] | None = None,
+        rider: "Rider | None" = None,
+    ) -> torch.Tensor:
+        """``circulate`` on a ring of groups: ``message`` (laid out in blocks, ``layout``) makes W/g - 1
+        exchanges between groups, each rank's of its own place's shards (``message.members``).
+
+        ``start`` writes this rank's first message (its own shards of segments ``:gathered``) into the
+        buffer it is given. At step k the rank's group all-gathers segments ``:gathered`` of the shards
+        its ranks hold into the block of ``weight_shard_at(k)`` and ``during(k, block)`` uses it, while
+        the next shards travel. The other segments are partials: ``fill(t, block)`` writes this rank's
+        contribution to block t into them; the group sums the contributions by a reduce-scatter, each
+        rank's piece added to the partial of its place that travels on toward its owner (the partial of
+        ``partial_shard_at(k)`` is held at step k, and the owner's own at the end). Returns the message
+        held last (``message.members``' layout: this rank's reduced shards of the partials).
+
+        A ``rider`` (an all-gather's, with ``arrived_from``) travels behind this rank's shards: each step's
+        all-gather brings the parts of the g ranks whose shards it gathers. No passenger rides these
+        exchanges: a deferred hop goes alone first. Every rank issues the same exchanges and
+        collectives in the same order, whatever the data."""
+        context = self.context
+        context.deferred_hops.flush()
+        regions = message.block_regions(gathered)
+        rider_at = _aligned(message.members.nbytes)
+        sent = message.members.nbytes if rider is None else rider_at + rider.nbytes
+        pair = self.buffers.pair(sent, self.device)
+        scratch_nbytes = regions.scratch_nbytes if rider is None else regions.staging_at + self.group_size * sent
+        scratch = self.buffers.scratch(max(regions.scratch_nbytes, scratch_nbytes), self.device)
+        block = scratch[: message.nbytes]
+        # The collectives' views, per buffer held.
+        sides = [self._within(regions, buffer, scratch, None if rider is None else (rider_at, sent)) for buffer in pair]
+        held = 0
+        start(pair[0])
+        if rider is not None:
+            rider.start(pair[0][rider_at:sent])
+        if fill is not None:
+            fill(self.partial_shard_at(0), block)
+            sides[0].reduce(add_held=False)
+        for step in range(self.owners):
+            works = []
+            if step + 1 < self.owners:
+                works = self.exchange(pair[held], pair[1 - held], tag)
+            try:
+                sides[held].gather()
+                if rider is not None:
+                    first = self.weight_shard_at(step) * self.group_size
+                    for place, part in enumerate(sides[held].rider_parts):
+                        rider.arrived_from(first + place, part)
+                if during is not None:
+                    during(step, block)
+                if fill is not None and works:
+                    fill(self.partial_shard_at(step + 1), block)
+            except BaseException:
+                drain(works, context.waited_works)
+                raise
+            if works:
+                wait_for(works, context.waited_works)
+                held = 1 - held
+                if fill is not None:
+                    sides[held].reduce(add_held=True)
+        if rider is not None:
+            rider.finish(pair[held][rider_at:sent])
+        return pair[held]
+
+    def _within(self, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple[int, int] | None) -> "_WithinGroup":
+        """The collectives within the group for ``held`` (one of the ring buffers), made once per pool
+        generation and buffer: the views they use cost host time, and a ring of groups runs them at
+        every step. Fresh buffers (selective checkpointing's, outside the pool) get fresh ones."""
+        if self.buffers.place_of(held) is None:
+            return _WithinGroup(self, regions, held, scratch, rider)
+        # The buffers are the pool's own tensors, the same until it replaces them (a new generation);
+        # their memory may be freed and given again between passes, and views follow it.
+        key = (self.buffers.generation, id(held), id(scratch), rider)
+        within = regions.collectives.get(key)
+        if within is None or within.held is not held or within.scratch is not scratch:
+            if len(regions.collectives) >= 4:  # two buffers held (with a rider or not): the others are of older buffers
+                regions.collectives.clear()
+            within = regions.collectives[key] = _WithinGroup(self, regions, held, scratch, rider)
+        return within
+
+
+class _WithinGroup:
+    """What a ring of groups does within its group with one message buffer ``held`` (this rank's
+    shards) and the scratch (the block, and the staging area behind it): ``gather`` all-gathers the
+    group's shards of the gathered segments into the block; ``reduce`` sums the group's contributions to
+    the partials in the block into ``held``'s, each rank's piece at its place. Several segments go in one
+    collective, staged rank-major (``_wire.BlockRegions``); partials of several dtypes go one by one.
+    A ``rider`` (where its bytes lie behind the message: start, end) is gathered with the weights,
+    staged: ``rider_parts`` are the g ranks' parts of it, in place order."""
+
+    def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple[int, int] | None):
+        self.held, self.scratch, self.group = held, scratch, ring.within
+        size, place = ring.group_size, ring.rank % ring.group_size
+        block, staging = scratch[: regions.staging_at], scratch[regions.staging_at :]
+        self.gathers, self.unstage = [], []  # (output, input) of each all-gather; (block, staged) copies after
+        self.rider_parts = []
+        if rider is not None:
+            rider_at, end = rider
+            gathered = staging[: size * end]
+            self.gathers.append((gathered, held[:end]))
+            by_rank = gathered.view(size, end)
+            self.unstage = [(block[b].view(size, -1), by_rank[:, m]) for b, m in regions.weights]
+            self.rider_parts = list(by_rank[:, rider_at:end])
+        elif len(regions.weights) == 1:
+            ((block_region, member_region),) = regions.weights
+            self.gathers.append((block[block_region], held[member_region]))
+        elif regions.weights:
+            gathered = staging[: size * regions.gathered_end]
+            self.gathers.append((gathered, held[: regions.gathered_end]))
+            by_rank = gathered.view(size, regions.gathered_end)
+            self.unstage = [(block[b].view(size, -1), by_rank[:, m]) for b, m in regions.weights]
+        # (this rank's partials, the group's contributions, this rank's place in them) of each
+        # reduce-scatter, and the (staged, block) copies before.
+        self.reductions, self.stage = [], []
+        partials = held[regions.partials_start :]
+        if len(regions.partials) > 1 and regions.partial_dtype is not None:
+            by_rank = staging[: size * partials.numel()].view(size, partials.numel())
+            self.stage = [(by_rank[:, m], block[b].view(size, -1)) for b, m, _ in regions.partials]
+            pieces = [(partials.view(regions.partial_dtype), by_rank.view(-1).view(regions.partial_dtype))]
+        else:
+            pieces = [(partials[m].view(dtype), block[b].view(dtype)) for b, m, dtype in regions.partials]
+        for into, summed in pieces:
+            self.reductions.append((into, summed, summed[place * into.numel() : (place + 1) * into.numel()]))
+
+    def gather(self) -> None:
+        for output, input in self.gathers:
+            gather_in_group(self.group, output, input)
+        for block, staged in self.unstage:
+            block.copy_(staged)
+
+    def reduce(self, add_held: bool) -> None:
+        """The partials that arrived (``add_held``) are added to this rank's piece of the contributions
+        first, so that the reduce-scatter writes the sum over them."""
+        for staged, block in self.stage:
+            staged.copy_(block)
+        for into, summed, mine in self.reductions:
+            if add_held:
+                mine.add_(into)
+            sum_scatter_in_group(self.group, into, summed)
+
+
+_within_groups: dict[tuple[dist.ProcessGroup, int], dist.ProcessGroup] = {}
+within_group_names: set[str] = set()  # the process groups of rings' groups, for ``rsdp.memory.CommCounter``
+
+
+def within_group(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
+    """The process group of this rank's group of ``size`` consecutive ranks of ``group``, made once per
+    (group, size): every rank of a group makes it together (only they take part)."""
+    key = (group, size)
+    if key not in _within_groups:
+        first = dist.get_rank(group) // size * size
+        ranks = [dist.get_global_rank(group, rank) for rank in range(first, first + size)]
+        made = _within_groups[key] = dist.new_group(ranks, use_local_synchronization=True)
+        within_group_names.add(made.group_name)
+    return _within_groups[key]
 
 
 class _RingPass:

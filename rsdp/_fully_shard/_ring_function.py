@@ -182,6 +182,21 @@ class RingWeights:
     def __init__(self, pack: Callable[[Views], None], use: Callable[[int, Views], None]):
         self.pack, self.use = pack, use
 
+    def rotation(self, ring: Ring, message: Message) -> tuple[Callable[[torch.Tensor], None], Callable[[int, torch.Tensor], None]]:
+        """``(start, during)`` for a ring of ``message``, whose leading segments are these weights: this
+        rank's shards packed into its first message (one rank's layout, ``message.members``, on a ring
+        of groups), and at step k the weights held used."""
+        members = message.members
+
+        def start(buffer: torch.Tensor) -> None:
+            self.pack(members.views(buffer, ring.rank))
+
+        def during(step: int, buffer: torch.Tensor) -> None:
+            shard = ring.weight_shard_at(step)
+            self.use(shard, message.views(buffer, shard))
+
+        return start, during
+
 
 def ring_backward(
     layer: RingLayer,
@@ -204,19 +219,25 @@ def ring_backward(
     # Its first message carries partials: not prefetchable, but its last exchange may carry the next
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
-    scratch = grads.nbytes if contribution.computes_ahead else None
-    with layer.driver.run(Phase.BACKWARD, weights_only if unsynced else message, pair=message.nbytes, scratch=scratch) as run:
+    travelling = weights_only if unsynced else message
+    if ring.group_size > 1:  # the ring's messages are a rank's shards, the blocks a scratch (``circulate_blocks``)
+        pair = travelling.members.nbytes
+        scratch = max(travelling.block_regions(weight_segments).scratch_nbytes, grads.nbytes if unsynced else 0)
+    else:
+        pair, scratch = message.nbytes, grads.nbytes if contribution.computes_ahead else None
+    with layer.driver.run(Phase.BACKWARD, travelling, pair=pair, scratch=scratch) as run:
         contribution.reserve(run, grads)
         if unsynced:
             totals = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
-            for shard in range(ring.size):
+            for shard in range(ring.owners):
                 contribution.add_to(shard, _unsynced_shards(state, grads, totals, shard))
         if unsynced or not grad_keys:
             if weight_segments:
-                run.turn(
-                    lambda buffer: weights.pack(weights_only.views(buffer, ring.rank)),
-                    lambda step, buffer: weights.use(ring.weight_shard_at(step), weights_only.views(buffer, ring.weight_shard_at(step))),
-                )
+                start, during = weights.rotation(ring, weights_only)
+                if ring.group_size > 1:
+                    run.turn_blocks(start, during, weight_segments)
+                else:
+                    run.turn(start, during)
             return None
         earlier = [state.take_unsynced(key) for key in grad_keys]
         return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution)
@@ -251,6 +272,16 @@ def _reduce_on_ring(
             earlier = add_unsynced
     ahead = contribution.computes_ahead
 
+    if ring.group_size > 1:
+        # Each step's contribution to a whole block, as a ring of ranks' first partial is made; the ring
+        # reduce-scatters it within the group.
+        def fill(shard: int, block: torch.Tensor) -> None:
+            contribution.start(shard, message.views(block, shard, weight_segments), earlier)
+
+        start, during = weights.rotation(ring, weights_only) if weight_segments else (_nothing_to_pack, None)
+        final = run.turn_blocks(start, during, weight_segments, fill)
+        return finished_gradients(state, message.members, weight_segments, final)
+
     def start(buffer: torch.Tensor) -> None:
         if weight_segments:
             weights.pack(weights_only.views(buffer, ring.rank))
@@ -261,11 +292,15 @@ def _reduce_on_ring(
         if weight_segments:
             shard = ring.weight_shard_at(step)
             weights.use(shard, weights_only.views(buffer, shard))
-        if ahead and step + 1 < ring.size:
+        if ahead and step + 1 < ring.owners:
             contribution.ahead(ring.partial_shard_at(step + 1), earlier)
 
     final = run.turn(start, during, contribution.arrival(ring, message, weight_segments, earlier))
     return finished_gradients(state, message, weight_segments, final)
+
+
+def _nothing_to_pack(buffer: torch.Tensor) -> None:
+    """The first message of a ring whose partials alone travel: they are filled in by the ring."""
 
 
 def sharded(param: nn.Parameter | None, module: nn.Module, name: str) -> DTensor | None:

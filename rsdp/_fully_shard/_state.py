@@ -71,7 +71,7 @@ class RSDPState(FSDPState):
 
     _state_name = "RSDP"
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy):
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, ring_group_size: int = 1):
         super().__init__()
         self._modules = (module,)
         self.mesh = mesh
@@ -84,7 +84,7 @@ class RSDPState(FSDPState):
             else torch.device(mesh.device_type)
         )
         # A context of its own until a root's rsdp_shard (or parallelize) gives it the model's.
-        self.ring = Ring(mesh.get_group(mesh.ndim - 1), self.device, RingContext())
+        self.ring = Ring(mesh.get_group(mesh.ndim - 1), self.device, RingContext(), ring_group_size)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.ring_modules: list[nn.Module] = []
         self.fusion = SharedInputFusion(self)
@@ -131,12 +131,12 @@ class RSDPState(FSDPState):
             reduced.div_(self.gradient_divisor)
 
     def unsynced_gradient(self, key, segment) -> torch.Tensor:
-        """The full-size gradient (every shard, ``[W, padded shard]``) accumulated for one parameter of a
+        """The full-size gradient (every owner's shard, ``[owners, padded shard]``) accumulated for one parameter of a
         ring while gradient sync is off: the memory cost of skipping sync, as with FSDP2. Keyed per
         parameter, so it survives a change of grouping between micro-batches."""
         if key not in self._unsynced:
             numel = segment.layout.chunk * math.prod(segment.trailing)
-            self._unsynced[key] = torch.zeros(self.ring.size, numel, dtype=segment.dtype, device=self.device)
+            self._unsynced[key] = torch.zeros(self.ring.owners, numel, dtype=segment.dtype, device=self.device)
         return self._unsynced[key]
 
     @staticmethod

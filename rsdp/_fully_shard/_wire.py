@@ -59,6 +59,41 @@ def segment(layout: ShardLayout, trailing: torch.Size, dtype: torch.dtype) -> Se
     return Segment(layout, torch.Size(trailing), dtype)
 
 
+class BlockRegions:
+    """Where a block message's segments lie in it and in its members' message (``Message.members``),
+    for the collectives within a group (``Ring.circulate_blocks``).
+
+    A segment's g member shards, each padded to its chunk, are its block's padded rows in rank order,
+    so one segment's all-gather writes its block and its reduce-scatter reads it with no copy. Several
+    segments go in one collective over the members' bytes ``[:gathered_end]`` (or, for partials of
+    one dtype, ``[partials_start:]``), laid out rank-major in a staging area behind the block: one copy
+    per segment between staging and block (``weights``: block and member byte slices; ``partials``:
+    block, member slices from ``partials_start``, dtype). The staging area starts at ``staging_at``
+    in the scratch buffer, whose size with the block before it is ``scratch_nbytes``."""
+
+    def __init__(self, message: "Message", gathered: int):
+        members, group = message.members, message.segments[0].layout.group if message.segments else 1
+        self.weights, self.partials = [], []
+        for index, (block, member) in enumerate(zip(message.segments, members.segments)):
+            block_region = slice(message.offsets[index], message.offsets[index] + block.padded_nbytes)
+            if index < gathered:
+                self.weights.append((block_region, slice(members.offsets[index], members.offsets[index] + member.padded_nbytes)))
+            else:
+                start = members.offsets[index] - members.offsets[gathered]
+                self.partials.append((block_region, slice(start, start + member.padded_nbytes), block.dtype))
+        self.gathered_end = self.weights[-1][1].stop if self.weights else 0
+        self.partials_start = members.offsets[gathered] if gathered < len(members.segments) else members.nbytes
+        dtypes = {dtype for _, _, dtype in self.partials}
+        self.partial_dtype = dtypes.pop() if len(dtypes) == 1 else None
+        self.staging_at = -(-message.nbytes // 16) * 16
+        staged = max(
+            self.gathered_end if len(self.weights) > 1 else 0,
+            members.nbytes - self.partials_start if len(self.partials) > 1 and self.partial_dtype is not None else 0,
+        )
+        self.scratch_nbytes = self.staging_at + group * staged
+        self.collectives: dict = {}  # the ring's collectives over these regions, per buffer (``_ring._WithinGroup``)
+
+
 class Views(list):
     """The views of one shard's segments (a list), and what callers derive from them: a ring step's
     GEMM often wants a transposed or stacked view of a segment, and making it again at every step costs
@@ -113,6 +148,23 @@ class Message:
         self._ring_views: dict[tuple, Views | torch.Tensor] = {}
         self._generation = buffers.generation
         self._flat_dtypes: dict[int, torch.dtype | None] = {}  # first -> the one dtype of segments first:
+        self._block_regions: dict[int, BlockRegions] = {}  # gathered -> ``block_regions(gathered)``
+
+    @functools.cached_property
+    def members(self) -> "Message":
+        """On a ring of groups, where this message holds a block (the shards of a group's ranks), the
+        message of one rank's shards: what travels between groups. Itself on a ring of ranks."""
+        if all(segment.layout.group == 1 for segment in self.segments):
+            return self
+        return self._buffers.message_of(tuple(segment(s.layout.members, s.trailing, s.dtype) for s in self.segments))
+
+    def block_regions(self, gathered: int) -> "BlockRegions":
+        """Where this block message's segments lie in it and in ``members``' (see ``BlockRegions``):
+        segments ``:gathered`` all-gathered within a group, the others partials, reduce-scattered."""
+        regions = self._block_regions.get(gathered)
+        if regions is None:
+            regions = self._block_regions[gathered] = BlockRegions(self, gathered)
+        return regions
 
     def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> Views:
         """Segments ``first:`` of ``buffer`` (a byte tensor holding one message) as shard ``shard``'s

@@ -10,7 +10,8 @@
   wrote (the model is still on the meta device when the plan is made, so it is estimated, not
   measured); by default the preset matching the device; ``dp_flops_per_s`` / ``dp_bandwidth_bytes_per_s``
   / ``dp_latency_s`` override its numbers;
-- ``dp_measure_memory``: log what each step holds per rank, to check a plan against its budget.
+- ``dp_measure_memory``: log what each step holds per rank, to check a plan against its budget;
+- ``dp_ring_group_size``: rsdp modules' ring of groups (``rsdp_shard``'s ``ring_group_size``).
 
 ``RSDPTrainer`` is torchtitan's Trainer with that config, and the measurement.
 """
@@ -71,6 +72,11 @@ class ParallelismConfig(TorchTitanParallelismConfig):
     step's peak above its start, by rsdp's MemoryTracker (on CPU it counts every allocation, which slows
     the step)."""
 
+    dp_ring_group_size: int = 1
+    """rsdp modules pass their shards between groups of this many consecutive ranks of the data-parallel
+    shard dimension, all-gathered within a group (rsdp_shard's ring_group_size; it divides that
+    dimension's size); 1: a ring of ranks."""
+
     dp_loss_chunks: int = field(default=1, init=False)
     """Not a flag: the run's loss, set by RSDPTrainer (torchtitan's chunked loss's num_chunks, else 1),
     which auto counts as it runs."""
@@ -83,6 +89,17 @@ class ParallelismConfig(TorchTitanParallelismConfig):
     def __post_init__(self):
         TorchTitanParallelismConfig.__post_init__(self)
         self.overrides()  # fail at parse time, not after the model is built
+        if self.dp_ring_group_size < 1:
+            raise ValueError(
+                f"parallelism.dp_ring_group_size={self.dp_ring_group_size} must be a positive integer dividing the "
+                "data-parallel shard dimension's size; 1 is a ring of ranks."
+            )
+        if self.dp_strategy == "auto" and self.dp_ring_group_size != 1:
+            raise ValueError(
+                f"parallelism.dp_ring_group_size={self.dp_ring_group_size} with dp_strategy=auto: auto plans rsdp "
+                "as rings of ranks, and groups would hold more than it planned. Pass --parallelism.dp_ring_group_size 1 "
+                "with auto, or name the strategies (dp_strategy rsdp, dp_overrides) to use groups."
+            )
         if self.dp_strategy == "auto" and not self.dp_memory_budget:
             raise ValueError(
                 "parallelism.dp_strategy=auto plans against a memory budget: pass "

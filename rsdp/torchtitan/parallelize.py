@@ -71,7 +71,7 @@ def parallelize_decoder(
     if compile_config.enable and "model" in compile_config.components:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
 
-    apply_data_parallel(model, rules, parallel_dims, training)
+    apply_data_parallel(model, rules, parallel_dims, training, parallelism.dp_ring_group_size)
     return model
 
 
@@ -119,7 +119,7 @@ def data_parallel_rules(
 
 
 def apply_data_parallel(
-    model: nn.Module, rules: dict[str, Strategy], parallel_dims: ParallelDims, training: TrainingConfig
+    model: nn.Module, rules: dict[str, Strategy], parallel_dims: ParallelDims, training: TrainingConfig, ring_group_size: int = 1,
 ) -> None:
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     mp_policy = MixedPrecisionPolicy(
@@ -128,7 +128,7 @@ def apply_data_parallel(
         cast_forward_inputs=False,
     )
     parallelize(model, {name: s for name, s in rules.items() if name}, default=rules.get("", Strategy.RSDP),
-                mesh=parallel_dims.get_mesh(names), mp_policy=mp_policy)
+                mesh=parallel_dims.get_mesh(names), mp_policy=mp_policy, ring_group_size=ring_group_size)
     # torchtitan divides the loss by the global token count: gradients must be summed, not averaged.
     for module in model.modules():
         if isinstance(module, (FSDPModule, RSDPModule)):

@@ -1,0 +1,185 @@
+"""A ring of groups (``rsdp_shard(..., ring_group_size=g)``): exact against the fp64 reference for
+every g dividing W on 4, 6 and 8 ranks (shapes that split unevenly, some shards empty), and the
+exchanges it makes: W/g - 1 between groups per ring and pass, one all-gather within the group per
+step and in backward one reduce-scatter (docs/design.md, "A ring of groups")."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from models import TinyLM, assert_param_grads_match, lm_loss, local_rows, rank_and_world, train_and_compare, twin
+from rsdp import ring_checkpoint_context, rsdp_shard
+from rsdp.memory import CommCounter
+from test_experts import tiny_moe
+from test_nccl_semantics import under_nccl_semantics
+from test_training import bf16_case
+
+
+def groups_lm(seed, group, *, vocab=13, dim=6, hidden=7, layers=2, mesh=None, **config):
+    """A TinyLM (tied embedding and head, q/k/v sharing a ring, norms; ``config``: its checkpointing)
+    sharded with ``group`` (an int, or one per block and then the root's), and its fp64 reference."""
+    torch.manual_seed(seed)
+    model = TinyLM(vocab=vocab, dim=dim, heads=2, hidden=hidden, layers=layers, **config).double()
+    reference = twin(model)
+    groups = group if isinstance(group, tuple) else (group,) * (layers + 1)
+    for layer, size in zip(model.layers, groups):
+        rsdp_shard(layer, ring_group_size=size, mesh=mesh)
+    rsdp_shard(model, ring_group_size=groups[-1], mesh=mesh)
+    return model, reference
+
+
+def trajectory_case(seed, group, steps=2, micro_batches=1, sync_last_only=False, **config):
+    model, reference = groups_lm(seed, group, **config)
+    train_and_compare(model, reference, steps=steps, rows=1, seq=5, micro_batches=micro_batches, sync_last_only=sync_last_only)
+
+
+@pytest.mark.parametrize("world,group", [(4, 2), (4, 4), (6, 2), (6, 3), (8, 2), (8, 4), (8, 8)])
+def test_trajectory_for_every_group_size(ranks, world, group):
+    """13 vocabulary rows, 6 features and 7 hidden ones split unevenly over 4, 6 and 8 ranks (empty
+    shards, so empty and short blocks); with no final norm, from the second step the blocks' norms
+    ride the first forward ring (its group's all-gathers)."""
+    ranks.run(world, trajectory_case, world + group, group, layers=1, final_norm=False)
+
+
+def test_group_sizes_mixed_in_one_model(ranks):
+    """Blocks on a ring of ranks and of groups of 2, the root (embedding and tied head) one group of 4:
+    prefetch and riders are offered across them, and taken only where they may ride."""
+    ranks.run(4, trajectory_case, 6, (1, 2, 4), steps=3, final_norm=False)
+
+
+def test_trains_exactly_under_nccl_semantics(ranks):
+    """Tag-blind exchanges, sends read and receives written (NaN until then) at ``wait()``
+    (``tests/test_nccl_semantics.py``): a ring of groups reads no buffer before its exchange is
+    waited for, and writes none while it is being sent."""
+    for exchanges, _ in ranks.run(4, under_nccl_semantics, trajectory_case, 7, 2, final_norm=False):
+        assert exchanges > 0
+
+
+def test_activation_checkpointing_and_unsynced_micro_batches(ranks):
+    """Checkpointed blocks recompute their rings of groups in backward; micro-batches without
+    synchronisation keep full-size local gradients, added to the partials by the last."""
+    ranks.run(4, trajectory_case, 3, 2, checkpointing=True, micro_batches=2, sync_last_only=True)
+
+
+def test_ring_outputs_kept_under_selective_checkpointing(ranks):
+    """rsdp's checkpoint context keeps the rings' outputs (fresh ring buffers for each request)."""
+    ranks.run(4, trajectory_case, 4, 2, checkpointing=True, checkpoint_context=ring_checkpoint_context)
+
+
+def hsdp_case(seed, replicas, group):
+    """Groups within each replica's shard dimension; gradients all-reduced over the replicas."""
+    mesh = init_device_mesh("cpu", (replicas, dist.get_world_size() // replicas))
+    model, reference = groups_lm(seed, group, layers=1, mesh=mesh)
+    train_and_compare(model, reference, steps=2, rows=1, seq=5, micro_batches=2)
+
+
+def test_hsdp_mesh(ranks):
+    """A 2 x 4 (replicate x shard) mesh with groups of 2 in each replica's shard dimension."""
+    ranks.run(8, hsdp_case, 5, 2, 2)
+
+
+def forward_exchanges_case(group):
+    model, _ = groups_lm(1, group, final_norm=False)
+    tokens = torch.randint(0, 13, (1, 5))
+    for _ in range(2):  # the second records where the norms ride
+        lm_loss(model(tokens), tokens).backward()
+    with CommCounter() as forward:
+        lm_loss(model(tokens), tokens)
+    return dict(forward.calls), forward.between_groups.messages, forward.within_groups.messages
+
+
+def test_norms_ride_the_forward_ring(ranks):
+    """10 rings of 2 groups: 10 exchanges between groups, 20 all-gathers within them, and the blocks'
+    norms' all-gather in none of its own: it rides the first ring's."""
+    for calls, between, within in ranks.run(4, forward_exchanges_case, 2):
+        assert calls == {"c10d::send": 10, "c10d::_allgather_base_": 20} and (between, within) == (10, 20), calls
+
+
+def test_bf16_policy_matches_fsdp2(ranks):
+    ranks.run(4, bf16_case, 11, functools.partial(rsdp_shard, ring_group_size=2))
+
+
+def linear_exchanges_case(group, bias):
+    """The point-to-point exchanges and within-group collectives of one Linear's forward and backward."""
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    linear = nn.Linear(5, 11, bias=bias).double()
+    reference = twin(linear)
+    rsdp_shard(linear, ring_group_size=group)
+    x = torch.randn(world * 2, 5, dtype=torch.float64)
+    counts = []
+    linear(local_rows(x, rank, world)).sum().backward()  # the first forward checks its callers (one all-reduce)
+    linear.zero_grad()
+    with CommCounter() as forward:
+        y = linear(local_rows(x, rank, world).requires_grad_())  # its gradient rotates the weights in backward
+    with CommCounter() as backward:
+        y.square().sum().backward()
+    reference(x).square().sum().backward()
+    assert_param_grads_match(linear, reference, 1 / world)
+    for comm in (forward, backward):
+        counts.append((comm.between_groups.messages, comm.within_groups.messages, dict(comm.calls)))
+    return counts, forward.between_groups.nbytes, backward.within_groups.nbytes
+
+
+@pytest.mark.parametrize("world,group", [(4, 2), (6, 3), (8, 4)])
+def test_exchanges_per_ring(ranks, world, group):
+    """W/g - 1 exchanges between groups per ring and pass; one all-gather within the group per step
+    (weight and bias together), and in backward one reduce-scatter per step (the two partials of one
+    dtype together) after the first one."""
+    owners = world // group
+    (forward, backward), between_bytes, _ = ranks.run(world, linear_exchanges_case, group, True)[0]
+    assert forward == (owners - 1, owners, {"c10d::send": owners - 1, "c10d::_allgather_base_": owners})
+    assert backward == (
+        owners - 1, 2 * owners, {"c10d::send": owners - 1, "c10d::_allgather_base_": owners, "c10d::_reduce_scatter_base_": owners}
+    )
+    chunk = -(-11 // world)  # rows per rank, padded
+    assert between_bytes == (owners - 1) * chunk * (5 + 1) * 8  # this rank's shard of weight and bias
+
+
+def test_group_of_every_rank_is_fsdp_pattern(ranks):
+    """g = W: no exchange, one all-gather forward, one all-gather and one reduce-scatter backward."""
+    (forward, backward), _, _ = ranks.run(4, linear_exchanges_case, 4, False)[0]
+    assert forward[:2] == (0, 1) and backward[:2] == (0, 2)
+
+
+def experts_refused_case():
+    model = tiny_moe("mixtral", "eager")
+    try:
+        rsdp_shard(model.model.layers[0], ring_group_size=2)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_experts_are_refused_on_every_rank(ranks):
+    expected = "ring_group_size=2 does not compose with experts modules yet: use ring_group_size=1 in the rsdp_shard call"
+    errors = ranks.run(2, experts_refused_case)
+    assert all(error is not None and error.startswith(f"rsdp_shard: {expected}") for error in errors), errors
+
+
+def bad_group_size_case(size, hsdp, kwargs):
+    if hsdp:
+        kwargs = {**kwargs, "mesh": init_device_mesh("cpu", (2, 2))}
+    try:
+        rsdp_shard(nn.Linear(4, 4), ring_group_size=size, **kwargs)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    "size,hsdp,kwargs,expected",
+    [
+        (3, False, {}, "ring_group_size=3 must be a positive integer dividing the shard dimension's size 4"),
+        (0, False, {}, "ring_group_size=0 must be a positive integer"),
+        (2, False, {"ring_plan": {"x": "colwise"}}, "ring_group_size=2 does not compose with ring_plan yet: use ring_group_size=1."),
+        (3, True, {}, "ring_group_size=3 must be a positive integer dividing the shard dimension's size 2"),
+    ],
+)
+def test_bad_group_size_errors_on_every_rank(ranks, size, hsdp, kwargs, expected):
+    errors = ranks.run(4, bad_group_size_case, size, hsdp, kwargs)
+    assert all(error is not None and expected in error for error in errors), errors
