@@ -17,7 +17,7 @@ from .._compat import (
 )
 from ._ddp_habits import check_same_weights, record_replacement, replaced, watch_state_dicts
 from ._embedding import RingEmbedding
-from ._experts import ExpertRing, ExpertsBlock, is_experts_module
+from ._experts import ExpertRing, ExpertsBlock, RingExperts, is_experts_module
 from ._grouped_experts import GroupedExpertsBlock, is_grouped_experts
 from ._linear import RingLinear
 from ._param import placements_for, shard_parameter
@@ -175,12 +175,14 @@ def _make_ring_layers(
         state.ring_modules.append(owner)
     for block in blocks:
         # Its forward steps run the module's code, which reads the gathered vectors a rider would bring.
-        block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__, carries_collectives=False)
-        _swap_class(block.module, RingSubBlock, "RingSub")
+        for ring_block in block.stages if isinstance(block, ExpertRing) else (block,):
+            name = ring_block.name or type(block.module).__qualname__
+            ring_block.ring = RingLayer(state, new_layer_tags(), name, carries_collectives=False)
+        _swap_class(block.module, RingExperts if isinstance(block, ExpertRing) else RingSubBlock, "RingSub")
         block.module._rsdp_sub_block = block
-        if isinstance(block, ExpertRing):  # its parameters are the ring's, and its operands' outside it
+        if isinstance(block, ExpertRing):  # its parameters are its rings', and its operands' outside them
             ring_slots.update((id(block.module), name) for _, name in block.param_slots)
-            block.module._rsdp_ring = block.ring
+            block.module._rsdp_ring = block.stages[0].ring
     return ring_slots
 
 

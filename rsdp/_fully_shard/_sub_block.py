@@ -817,7 +817,7 @@ class _SubBlockBackward:
             shard = ring.weight_shard_at(hop)
             views = weights_only.views(buffer, shard)
             into = [self.state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, self.grad_index)]
-            into = [view.t() if transposed else view for view, transposed in zip(into, self.grads_transposed)]
+            into = [view.mT if transposed else view for view, transposed in zip(into, self.grads_transposed)]
             self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
 
         with self.layer.driver.run(Phase.BACKWARD, weights_only) as run:
