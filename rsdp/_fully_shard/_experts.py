@@ -262,12 +262,16 @@ class ExpertsBlock(ExpertRing):
     implementation computes it (see the module's pitfalls)."""
 
     def __init__(self, module: nn.Module, name: str):
-        up = "gate_up_proj" if module.has_gate else "up_proj"
-        biased = module.has_bias
-        first = (up, f"{up}_bias") if biased else (up,)
-        second = ("down_proj", "down_proj_bias") if biased else ("down_proj",)
         self.stored_transposed = module.is_transposed
-        super().__init__(module, name, module.num_experts, first, second)
+        super().__init__(module, name, module.num_experts, *self.ring_parameters(module))
+
+    @staticmethod
+    def ring_parameters(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The parameters of the up projection's ring and of the down projection's (the planner's too)."""
+        up = "gate_up_proj" if module.has_gate else "up_proj"
+        if module.has_bias:
+            return (up, f"{up}_bias"), ("down_proj", "down_proj_bias")
+        return (up,), ("down_proj",)
 
     def call_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """A call's ``(hidden_states, top_k_index, top_k_weights)``, whatever the experts' forward names

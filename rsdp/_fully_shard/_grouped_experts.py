@@ -59,10 +59,14 @@ class GroupedExpertsBlock(ExpertRing):
         self.output_like_input = cast_back or not self.gpt_oss
         if self.gpt_oss:
             self.swiglu, self.limit = gpt_oss.swiglu, module.swiglu_limit
-            first, second = ("mlp1_weight_EGD", "mlp1_bias_EG"), ("mlp2_weight_EDF", "mlp2_bias_ED")
-        else:
-            first, second = ("w1_EFD", "w3_EFD"), ("w2_EDF",)
-        super().__init__(module, name, module.num_experts, first, second)
+        super().__init__(module, name, module.num_experts, *self.ring_parameters(module))
+
+    @staticmethod
+    def ring_parameters(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The parameters of the up projection's ring and of the down projection's (the planner's too)."""
+        if hasattr(module, "mlp1_weight_EGD"):  # gpt-oss's
+            return ("mlp1_weight_EGD", "mlp1_bias_EG"), ("mlp2_weight_EDF", "mlp2_bias_ED")
+        return ("w1_EFD", "w3_EFD"), ("w2_EDF",)
 
     def call_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """A call's ``(x_RD, num_tokens_per_expert_E)``, checked before the rings start, so that every
