@@ -1,6 +1,6 @@
 """The planner on mixture-of-experts models: each strategy's expert transients against measured peaks
-(FSDP2 gathers a layer's experts whole and holds their unsharded gradient; rsdp's expert ring holds
-blocks of whole experts and keeps none of the experts' activations), the published MoE configs, and
+(FSDP2 gathers a layer's experts whole and holds their unsharded gradient; rsdp's expert rings hold
+blocks of whole experts of one projection at a time), the published MoE configs, and
 every model torchtitan ships planned without a traceback."""
 
 import contextlib

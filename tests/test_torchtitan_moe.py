@@ -271,7 +271,7 @@ def test_moe_layer_peak_against_fsdp2_on_four_ranks(ranks):
     """One layer: FSDP2 gathers the experts whole and keeps them (a lone root reshards nothing after
     forward), then adds their unsharded gradient: 2 layers of experts. The expert rings' backward holds
     4/W of them in the up-projection ring's (w1 and w3; ``test_experts.py``'s peak test says which): 1 on
-    4 ranks, measured 0.597 of FSDP2's peak (on 2 ranks 4/W is 2, and rsdp's peak 1.06 of FSDP2's)."""
+    4 ranks, measured 0.597 of FSDP2's peak (on 2 ranks 4/W is 2, and rsdp's peak 1.26 of FSDP2's)."""
     for rank, peaks in enumerate(ranks.run(4, moe_layer_peaks_case, 16, 16)):
         ratio = peaks["rsdp"] / peaks["fsdp"]
         print(f"rank {rank}: fsdp {peaks['fsdp'] / 2**20:.3f} MiB, rsdp {peaks['rsdp'] / 2**20:.3f} MiB, ratio {ratio:.3f}")
