@@ -295,6 +295,29 @@ def test_experts_called_without_one_count_per_expert_are_refused_on_every_rank(r
                          r"experts' token count.*got \[\(4, 256\), \(2,\)\]", text), text
 
 
+def changed_forward_case() -> str:
+    """The error rsdp_shard raises, on this rank, for a GroupedExperts subclass whose grouped GEMM is its
+    own (as a low-precision converter's is): the expert rings compute the stock forward."""
+    from rsdp import rsdp_shard
+
+    experts = moe_layer("qwen3").routed_experts.inner_experts
+
+    class MyExperts(type(experts)):
+        def _grouped_mm(self, *, A, B_t, offs):
+            return super()._grouped_mm(A=A, B_t=B_t, offs=offs) * 2
+
+    experts.__class__ = MyExperts
+    with pytest.raises(ValueError) as refused:
+        rsdp_shard(experts)
+    return str(refused.value)
+
+
+def test_experts_whose_forward_a_subclass_changes_are_refused(ranks):
+    for text in ranks.run(2, changed_forward_case):
+        assert re.search(r"experts '.*MyExperts' \(MyExperts\) change GroupedExperts's forward or grouped GEMM.*"
+                         r"fully_shard instead", text), text
+
+
 # Configuration errors and rules, without processes.
 
 

@@ -51,7 +51,7 @@ class GroupedExpertsBlock(ExpertRing):
         cast_back = getattr(module, "rsdp_output_like_input", False)
         if type(module)._grouped_mm is not stock._grouped_mm or (type(module).forward is not stock.forward and not cast_back):
             raise ValueError(
-                f"rsdp_shard: experts {name or type(module).__qualname__!r} ({type(module).__qualname__}) change "
+                f"rsdp_shard: experts {name or type(module).__qualname__!r} ({type(module).__name__}) change "
                 f"{stock.__qualname__}'s forward or grouped GEMM (a low-precision converter's); the expert rings "
                 "compute the stock one. Shard that module with torch's fully_shard instead."
             )
