@@ -1,5 +1,5 @@
-"""A mixture-of-experts layer's experts as two rings, one per weight: blocks of whole experts rotate,
-the tokens stay.
+"""A mixture-of-experts layer's experts as two rings, one per projection: blocks of whole experts
+rotate, the tokens stay.
 
 A MoE layer's routed experts are 3-D parameters ``[experts, out, in]`` (Hugging Face's ``gate_up_proj``
 and ``down_proj``, torchtitan's ``w1``/``w3`` and ``w2``; biases ``[experts, out]``). rsdp stores each
@@ -18,7 +18,8 @@ A call runs in three parts, written once here for both kinds of experts module (
 3. **The second ring** carries the down projection the same way; the pairs are weighted by the router
    and summed back per token (``combine``).
 
-Each ring is a planned sub-block's ring (``_sub_block.py``): the forward keeps each step's graph, and
+Each ring is a planned sub-block's ring (``_sub_block.py``): the forward keeps each step's graph
+(under activation checkpointing none, and each backward step computes its block's product again), and
 the backward rotates each ring's weights again with its gradient partials, summed on their way to the
 owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
 projection's ring the input's. Rings of one weight each, rather than one ring of all, make every
@@ -45,6 +46,11 @@ Pitfalls:
 - torch's grouped GEMM takes float32, bfloat16 and float16; other dtypes (float64) run one ``mm`` per
   expert of the block, the same products.
 - Each call reads its per-expert token counts to the host once (a device-to-host copy on a GPU).
+- The kept graphs hold the experts' activations as the stock experts do (the sorted rows, the
+  intermediate, the activation): where many tokens meet small experts they outweigh the ring buffers'
+  saving; activation checkpointing drops them.
+- On a GPU, torch's grouped GEMM wants 16-byte-aligned strides and addresses; a message's segments are
+  aligned to their element size only (``_wire.py``), which real expert shapes keep 16-byte aligned.
 """
 
 import inspect
@@ -160,9 +166,9 @@ class ExpertStage:
     """One of an experts module's two rings (``ExpertRing.stages``): its parameters, and at each step
     its ``product`` of the rows routed to the block held. The interface the sub-block ring
     (``_sub_block.py``) drives: ``param_slots``, ``per_shard``, ``param_transposed``, ``transposed``,
-    ``segments``, ``keeps_graphs``, ``run_step``."""
+    ``segments``, ``run_step``; a call keeps each step's graph unless saved-tensor hooks (activation
+    checkpointing) are on (its weights are re-pointed: see ``expert_product``)."""
 
-    keeps_graphs = True  # each step's graph is kept (its weights are re-pointed: see ``expert_product``)
     per_shard = shard_parts = ()  # no parameter is used whole at every step
     advice = ""  # a sub-block's refusal names plan entries; no ring_plan entry names an experts module
 
