@@ -143,6 +143,10 @@ def sharded_like(local: torch.Tensor, param: DTensor) -> DTensor:
     return DTensor(local, param._spec, requires_grad=False)
 
 
+# A grouped GEMM over row offsets (float32, bfloat16, float16), as torchtitan's experts call it; None
+# where torch has none (then an expert ring multiplies expert by expert).
+grouped_mm = getattr(torch, "_grouped_mm", None)
+
 # Refills a tensor autograd saved without bumping its version (FSDP2 refills its unsharded parameters so).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
 

@@ -1,4 +1,4 @@
-"""Hugging Face MoE models under rsdp's expert ring, beyond one training step (``test_experts.py``): the
+"""Hugging Face MoE models under rsdp's expert rings, beyond one training step (``test_experts.py``): the
 router's load-balancing loss, DCP checkpoints exchanged with FSDP2 across world sizes, and ``generate()``
 with the KV cache on ranks whose sequences end apart.
 
@@ -184,7 +184,7 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
     """An SGD step of LoRA on the experts, every adapter active, against the unsharded float64 model:
     loss, every adapter's gradient, the adapters after the steps; then the logits with the adapters
     disabled (``disable_adapter()``: the base experts alone). ``checkpointing``: the decoder layers
-    recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's ring called again."""
+    recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's rings called again."""
     rank, world = rank_and_world()
     dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
     reference = lora_moe(family, implementation if dtype == torch.float64 else "eager", torch.float64, experts, adapters)
@@ -206,7 +206,7 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
         loss = model(input_ids=mine, labels=mine).loss
         loss.backward()
     gathered = [str(w.message) for w in caught if "has no ring form" in str(w.message)]
-    assert not gathered, gathered  # the experts rotate on their ring, not gathered op by op for peft's code
+    assert not gathered, gathered  # the experts rotate on their rings, not gathered op by op for peft's code
     reference_loss = reference(input_ids=tokens, labels=tokens).loss
     reference_loss.backward()
     total = loss.detach().double().clone()
@@ -233,7 +233,7 @@ def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementati
 
 
 def lora_refusal_case(kind: str) -> str:
-    """The error, on this rank, for LoRA on experts that the expert ring cannot apply per block."""
+    """The error, on this rank, for LoRA on experts that the expert rings cannot apply per block."""
     peft = pytest.importorskip("peft")
     if kind == "merged":
         model = lora_moe("mixtral", "eager", torch.float64, 8, ("default",))

@@ -18,7 +18,7 @@ from .._compat import (
 from ._ddp_habits import check_same_weights, record_replacement, replaced, watch_state_dicts
 from ._embedding import RingEmbedding
 from ._expert_lora import LoraExpertsBlock, peft_wrappers
-from ._experts import ExpertRing, ExpertsBlock, is_experts_module
+from ._experts import ExpertRing, ExpertsBlock, RingExperts, is_experts_module
 from ._grouped_experts import GroupedExpertsBlock, is_grouped_experts
 from ._linear import RingLinear
 from ._param import placements_for, shard_parameter
@@ -114,8 +114,10 @@ def rsdp_shard(
     experts += [GroupedExpertsBlock(owner, names[id(owner)]) for owner in managed if is_grouped_experts(owner)]
     # peft's LoRA on experts is used whole at every step too.
     adapter_linears |= {id(linear) for block in experts for linear in block.adapter_linears}
-    ring_slots = _make_ring_layers(state, managed, sub_blocks + experts, names, adapter_linears)
-    _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward, adapter_linears)
+    planned = {id(m) for block in sub_blocks for m in (block.module, block.row, *block.columns)}
+    whole = adapter_linears | _routers(managed, experts, planned)
+    ring_slots = _make_ring_layers(state, managed, sub_blocks + experts, names, whole)
+    _install_parameters(state, slots, replacement, ring_slots, column_split, names, reshard_after_forward, whole, bool(adapter_linears))
 
     insert_module_state(module, state)
     # A root over rsdp modules sharded before it: one context of their own for the model.
@@ -186,18 +188,34 @@ def _sharded_parameters(slots: list, nested: list[nn.Module], mesh: DeviceMesh, 
     return replacement
 
 
+def _routers(managed: list[nn.Module], experts: list[ExpertRing], planned: set[int]) -> set[int]:
+    """The modules beside a call's experts that hold one row per expert in each parameter (a router: a
+    score per expert, Hugging Face's ``TopKRouter`` or torchtitan's ``gate`` Linear): gathered whole with
+    the vectors, in one all-gather for all, rather than rotated on a ring of their own (2(W-1) exchanges
+    per step for a weight the size of one expert's row block)."""
+    counts = {block.experts for block in experts}
+    inside = {id(m) for block in experts for m in block.module.modules()} | planned
+    return {
+        id(owner)
+        for owner in managed
+        if id(owner) not in inside
+        and any(p.dim() == 2 for p in owner.parameters(recurse=False))
+        and all(p.shape[0] in counts for p in owner.parameters(recurse=False))
+    }
+
+
 def _make_ring_layers(
-    state: RSDPState, managed: list[nn.Module], blocks: list, names: dict[int, str], adapter_linears: set[int]
+    state: RSDPState, managed: list[nn.Module], blocks: list, names: dict[int, str], whole: set[int]
 ) -> set[tuple[int, str]]:
     """Give every ring module (Linear, Embedding, Conv1D), planned sub-block and experts module its ring
     layer and class; returns the (id(module), parameter name) slots whose weights those rings rotate. The
-    LoRA adapters of a planned sub-block (``adapter_linears``) rotate with none: their sub-block uses them
-    whole."""
+    modules in ``whole`` (a planned sub-block's LoRA adapters, which it uses whole; a router beside
+    experts) rotate with none."""
     parents = {id(child): parent for parent in managed for child in parent.children()}
     rows = {id(block.row): block for block in blocks if isinstance(block, SubBlock)}
     ring_slots = set()
     for owner in managed:
-        mixin = None if id(owner) in adapter_linears else ring_mixin_for(owner, parents.get(id(owner)))
+        mixin = None if id(owner) in whole else ring_mixin_for(owner, parents.get(id(owner)))
         if mixin is None:
             continue
         # A rowwise Linear's bias is added once to the summed partial outputs: it is gathered.
@@ -209,24 +227,27 @@ def _make_ring_layers(
         state.ring_modules.append(owner)
     for block in blocks:
         # Its forward steps run the module's code, which reads the gathered vectors a rider would bring.
-        block.ring = RingLayer(state, new_layer_tags(), block.name or type(block.module).__qualname__, carries_collectives=False)
+        for ring_block in block.stages if isinstance(block, ExpertRing) else (block,):
+            name = ring_block.name or type(block.module).__qualname__
+            ring_block.ring = RingLayer(state, new_layer_tags(), name, carries_collectives=False)
+        # The module the model calls: an experts module's outermost LoRA wrapper if any (_expert_lora.py).
         call_site = block.call_site if isinstance(block, ExpertRing) else block.module
-        _swap_class(call_site, RingSubBlock, "RingSub")
+        _swap_class(call_site, RingExperts if isinstance(block, ExpertRing) else RingSubBlock, "RingSub")
         call_site._rsdp_sub_block = block
-        if isinstance(block, ExpertRing):  # its parameters are the ring's, and its operands' outside it
+        if isinstance(block, ExpertRing):  # its parameters are its rings', and its operands' outside them
             ring_slots.update((id(block.module), name) for _, name in block.param_slots)
-            block.module._rsdp_ring = block.ring
+            block.module._rsdp_ring = block.stages[0].ring
     return ring_slots
 
 
 def _install_parameters(
     state: RSDPState, slots: list, replacement: dict[int, nn.Parameter], ring_slots: set[tuple[int, str]],
-    column_split: set[int], names: dict[int, str], reshard_after_forward: bool, adapter_linears: set[int],
+    column_split: set[int], names: dict[int, str], reshard_after_forward: bool, whole: set[int], has_adapters: bool,
 ) -> None:
     """Put the sharded parameters in place and sort them: rotated by their module's ring, rotated op by
     op (``_operand.py``: every Shard(0) ring weight, so code outside its module's forward can use it
-    too, and every other matrix), or gathered whole (vectors, and the LoRA adapters of planned
-    sub-blocks, ``adapter_linears``)."""
+    too, and every other matrix), or gathered whole (vectors, and the matrices of the modules in
+    ``whole``: the LoRA adapters of planned sub-blocks, a router beside experts)."""
     gathered_params: list[nn.Parameter] = []
     gathered_index: dict[int, int] = {}
     gathered_slots = []
@@ -239,7 +260,7 @@ def _install_parameters(
             if id(param) not in column_split:
                 operand_slots.append((owner, name, owner._rsdp_ring))
             continue
-        if sharded.dim() >= 2 and id(owner) not in adapter_linears:
+        if sharded.dim() >= 2 and id(owner) not in whole:
             if id(sharded) not in operand_layers:
                 operand_layers[id(sharded)] = RingLayer(state, new_layer_tags(), f"{names.get(id(owner))}.{name}")
             operand_slots.append((owner, name, operand_layers[id(sharded)]))
@@ -248,7 +269,7 @@ def _install_parameters(
             gathered_index[id(sharded)] = len(gathered_params)
             gathered_params.append(sharded)
         gathered_slots.append((owner, name, gathered_index[id(sharded)]))
-    _check_one_dtype(gathered_params, bool(adapter_linears))
+    _check_one_dtype(gathered_params, has_adapters)
     state.set_gathered(gathered_params, gathered_slots, reshard_after_forward)
     state.operand_slots = operand_slots
 

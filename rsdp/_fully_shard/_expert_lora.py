@@ -1,23 +1,24 @@
 """peft's LoRA on a Hugging Face experts module's 3-D weights (``LoraConfig(target_parameters=...)``) on
-the expert ring: each step adds its block's low-rank update to the block's weights.
+the expert rings: each ring step adds its block's low-rank update to the block's weights it carries.
 
 peft adapts a parameter with a ``ParamWrapper`` around the module that holds it, nested once per
 targeted parameter (``mlp.experts`` becomes wrapper(wrapper(experts))). Its forward registers a
 ``torch.nn.utils.parametrize`` on the experts' weight for the call, ``W + scaling · lhs @ rhs`` per
-expert (one ``baddbmm`` over the experts), then calls the experts. That cannot run on the ring: the
-parametrization replaces the sharded parameter for the whole call, where the ring installs one block
-of experts per step. So the ring takes the outermost wrapper's call instead (its class is swapped,
-not the experts'), and each step adds the update itself, for the block's experts only, to the block's
-weights before running the experts' own forward (``ExpertsBlock.run_step``).
+expert (one ``baddbmm`` over the experts), then calls the experts. That cannot run on the rings: the
+parametrization replaces the sharded parameter for the whole call, where a ring holds one block of
+experts per step. So the rings take the outermost wrapper's call instead (its class is swapped, not
+the experts': ``ExpertRing.call_site``), and each step of the ring that carries an adapted weight (the
+up projection's ``gate_up_proj``, the down projection's ``down_proj``) adds the update itself, for the
+block's experts only, to the block's weight before the step's product (``ExpertStage.product``).
 
 The adapters are small (``r`` rows per expert) and used whole at every step, like a planned
 sub-block's LoRA adapters (``_sub_block.py``): gathered, then the step's part of them installed (the
-sub-block ring's ``per_shard`` parameters with ``shard_parts``), their gradients summed over the steps
-and reduced like a norm's. peft lays them out per expert: ``lora_A`` is ``[experts · r, in]``, expert
-e's rows ``e·r .. (e+1)·r``; ``lora_B`` is ``[out, r · experts]``, expert e's columns ``j·experts + e``
-(``reshape(out, r, experts)``). A block's part keeps those layouts for the block's experts, and peft's
-own ``get_delta_factors`` turns it into the step's factors, with the wrapper's ``num_experts`` the
-block's size for the call.
+ring's ``per_shard`` parameters with ``shard_parts``, on the ring of the weight they adapt), their
+gradients summed over the steps and reduced like a norm's. peft lays them out per expert: ``lora_A``
+is ``[experts · r, in]``, expert e's rows ``e·r .. (e+1)·r``; ``lora_B`` is ``[out, r · experts]``,
+expert e's columns ``j·experts + e`` (``reshape(out, r, experts)``). A block's part keeps those
+layouts for the block's experts, and peft's own ``get_delta_factors`` turns it into the step's
+factors, with the wrapper's ``num_experts`` the block's size for the call.
 
 Pitfalls:
 - Only the adapters a wrapper has active apply, none under ``disable_adapter()``; adapters merged into
@@ -25,14 +26,19 @@ Pitfalls:
 - A wrapper must adapt a ``[experts, ...]`` 3-D weight of the experts module itself; peft's 2-D case (an
   expert bias ``[experts, out]``, adapted as one Linear) mixes experts and is refused at ``rsdp_shard``.
 - The update is folded in the weights' dtype with autocast off, as peft's parametrization folds it.
+- A ring whose weights carry an update keeps no step graphs: its product would save each step's
+  updated weights, a copy of the whole projection over the W steps. Its backward computes each step's
+  update and product again, as under activation checkpointing.
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
 
-from ._experts import ExpertsBlock
+from ._experts import ExpertsBlock, ExpertStage, Groups
+from ._param import shard_layout
 
 
 def peft_wrappers(experts: nn.Module, parents: dict[int, nn.Module]) -> list[nn.Module]:
@@ -47,9 +53,9 @@ def peft_wrappers(experts: nn.Module, parents: dict[int, nn.Module]) -> list[nn.
 
 
 class LoraExpertsBlock(ExpertsBlock):
-    """A Hugging Face experts module under peft's ``ParamWrapper`` LoRA on a ring (see the module's
-    docstring): called through its outermost wrapper, each step's weights ``W + scaling · lhs @ rhs``
-    for the block's experts."""
+    """A Hugging Face experts module under peft's ``ParamWrapper`` LoRA on its rings (see the module's
+    docstring): called through its outermost wrapper, each step's adapted weights ``W + scaling · lhs @
+    rhs`` for the block's experts."""
 
     def __init__(self, module: nn.Module, name: str, wrappers: list[nn.Module]):
         super().__init__(module, name)
@@ -64,54 +70,69 @@ class LoraExpertsBlock(ExpertsBlock):
                 "adapts whole experts' matrices only. Drop them from target_parameters (e.g. keep "
                 "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])."
             )
-        self.slot_of = [slots.index(w.parameter_name) for w in wrappers]
         self.adapter_linears = [linear for w in wrappers for linears in (w.lora_A, w.lora_B) for linear in linears.values()]
-        self.per_shard, self.shard_parts = [], []
-        for wrapper in wrappers:
-            for adapter, linear in wrapper.lora_A.items():
-                self._add_part(linear, self._a_rows, wrapper.r[adapter])
-            for adapter, linear in wrapper.lora_B.items():
-                self._add_part(linear, self._b_columns, wrapper.r[adapter])
+        for stage in self.stages:
+            names = [name for _, name in stage.param_slots]
+            # (wrapper, the operand it adapts) of this ring's adapted weights
+            adapted = [(w, names.index(w.parameter_name)) for w in wrappers if w.parameter_name in names]
+            if adapted:
+                stage.keeps_graphs = False  # see the module's pitfalls
+                stage.per_shard, stage.shard_parts = [], []
+                for wrapper, _ in adapted:
+                    self._add_parts(stage, wrapper.lora_A, wrapper.r, self._a_rows)
+                    self._add_parts(stage, wrapper.lora_B, wrapper.r, self._b_columns)
+                stage.product = functools.partial(self._updated_product, stage, adapted, stage.product)
 
-    def _add_part(self, linear: nn.Linear, part, rank: int) -> None:
-        for param_name, value in linear._parameters.items():
-            if value is not None:
-                self.per_shard.append((linear, param_name))
-                self.shard_parts.append(lambda full, shard, part=part, rank=rank: part(full, shard, rank))
+    def _add_parts(self, stage: ExpertStage, linears: nn.ModuleDict, ranks: dict[str, int], part) -> None:
+        """Each adapter Linear's parameters as ``stage``'s per-shard parameters, each step taking ``part``."""
+        for adapter, linear in linears.items():
+            for param_name, value in linear._parameters.items():
+                if value is not None:
+                    stage.per_shard.append((linear, param_name))
+                    stage.shard_parts.append(functools.partial(part, rank=ranks[adapter]))
+
+    def _layout(self):
+        return shard_layout(self.experts, self.stages[0].ring.ring.size)
 
     def _a_rows(self, full: torch.Tensor, shard: int, rank: int) -> torch.Tensor:
         """``lora_A``'s rows of the block's experts: ``[count · r, in]``."""
-        layout = self.layout()
+        layout = self._layout()
         return full[layout.start(shard) * rank : (layout.start(shard) + layout.rows_of(shard)) * rank]
 
     def _b_columns(self, full: torch.Tensor, shard: int, rank: int) -> torch.Tensor:
         """``lora_B``'s columns of the block's experts, in peft's order: ``[out, r · count]``."""
-        layout = self.layout()
+        layout = self._layout()
         start, count = layout.start(shard), layout.rows_of(shard)
         return full.reshape(full.shape[0], rank, self.experts)[:, :, start : start + count].reshape(full.shape[0], rank * count)
 
-    def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def call_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         merged = [w.parameter_name for w in self.wrappers if w.merged]
         if merged:
             raise ValueError(
-                f"rsdp: experts {self.name!r} have LoRA adapters merged into {merged}; on the expert ring each step "
+                f"rsdp: experts {self.name!r} have LoRA adapters merged into {merged}; on the expert rings each step "
                 "adds the adapters' update itself. Call unmerge_adapter() first."
             )
         return super().call_arguments(args, kwargs)
 
-    def run_step(self, call, arguments, shard: int, operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's weights with their active adapters' update for its experts, then the experts' step."""
+    @staticmethod
+    def _updated_product(stage: ExpertStage, adapted: list, product, rows: torch.Tensor, operands: list[torch.Tensor], groups: Groups) -> torch.Tensor:
+        """``stage``'s step product with its block's adapted weights plus their active adapters' update
+        for the block's experts (the adapters' parts for the block are installed: ``_Call.run``)."""
         operands = list(operands)
-        count = self.layout().rows_of(shard)
-        for wrapper, slot in zip(self.wrappers, self.slot_of):
+        for wrapper, slot in adapted:
             if wrapper.disable_adapters:
                 continue
+            # peft's factors are in the stored layout; a step's operand is [experts, in, out], the stored
+            # weight viewed transposed where it is stored [experts, out, in].
+            transposed = stage.transposed[slot]
+            weight = operands[slot].mT if transposed else operands[slot]
             for adapter in [a for a in wrapper.active_adapters if a in wrapper.lora_A]:
-                with _num_experts(wrapper, count):
+                with _num_experts(wrapper, groups.count):
                     lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
-                with torch.autocast(operands[slot].device.type, enabled=False):
-                    operands[slot] = torch.baddbmm(operands[slot], lhs.to(operands[slot].dtype), rhs.to(operands[slot].dtype), alpha=scaling)
-        return super().run_step(call, arguments, shard, operands)
+                with torch.autocast(weight.device.type, enabled=False):
+                    weight = torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=scaling)
+            operands[slot] = weight.mT if transposed else weight
+        return product(rows, operands, groups)
 
 
 @contextlib.contextmanager

@@ -1,89 +1,239 @@
-"""A mixture-of-experts layer's experts as one ring: blocks of whole experts rotate, the tokens stay.
+"""A mixture-of-experts layer's experts as two rings, one per projection: blocks of whole experts
+rotate, the tokens stay.
 
-Hugging Face stores a MoE layer's experts as 3-D parameters, ``[experts, out, in]`` (``gate_up_proj``,
-``down_proj``, gpt-oss's biases ``[experts, out]``), in a module its ``use_experts_implementation``
-decorator marks (``has_gate``, ``has_bias``, ``_is_expert_parallel``, ``num_experts``). rsdp stores each
+A MoE layer's routed experts are 3-D parameters ``[experts, out, in]`` (Hugging Face's ``gate_up_proj``
+and ``down_proj``, torchtitan's ``w1``/``w3`` and ``w2``; biases ``[experts, out]``). rsdp stores each
 ``Shard(0)``, so rank r owns the same block of experts in every one: ``torch.chunk`` rows, so 8 experts
 on 3 ranks are blocks of 3, 3 and 2.
 
-A ring step over a block is the computation of one expert-parallel rank, with the weights moving
-instead of the tokens: the module's own forward runs with the block's weights installed (plain
-tensors) and ``num_experts`` the block's size, on the rank's own tokens, with ``top_k_index``
-renumbered into the block (``index - start``) and every token-expert pair routed outside the block
-masked. The W partial outputs sum to the layer's output. Every rank runs all W steps whatever the
-routing, so ranks that route differently make the same exchanges. The ring itself (the W steps, the
-backward's second rotation with each block's gradient partial summed on its way to the owner) is the
-planned sub-block's (``_sub_block.py``); this file says what a step of experts is. What every experts
-module on a ring shares (its per-expert parameters' segments, installing a block for a step) is
-``ExpertRing``; torchtitan's ``GroupedExperts`` are its other kind (``_grouped_experts.py``).
+A call runs in three parts, written once here for both kinds of experts module (``ExpertRing``):
 
-Masking, per implementation Hugging Face dispatches to (``config._experts_implementation``):
+1. **Routing** (plain autograd ops): the rank's token-expert pairs sorted by expert (``routed``), each
+   expert's count read to the host once, so every block's rows are known (``Routing``).
+2. **The first ring** carries the up projection (``gate_up_proj`` with its bias; torchtitan's ``w1``
+   and ``w3``): at step k the rank multiplies the rows routed to the block it holds by that block's
+   weights, one grouped GEMM per weight over the block's whole experts (``expert_product``); the W
+   steps fill every row of the intermediate. Then the activation (the module's own: ``_apply_gate``,
+   gpt-oss's clamped SwiGLU), as the stock forward runs it.
+3. **The second ring** carries the down projection the same way; the pairs are weighted by the router
+   and summed back per token (``combine``).
 
-- ``grouped_mm`` and ``batched_mm`` honour expert parallelism's sentinel: with ``_is_expert_parallel``
-  set, a pair whose index is ``num_experts`` is left out of the GEMMs (grouped_mm) or zeroed
-  (batched_mm, which still computes it);
-- the eager loops do not all accept the sentinel (gpt-oss's ``one_hot`` has ``num_experts`` classes), so
-  there a masked pair is routed to the block's first expert with routing weight zero: exact, but it
-  costs that pair's compute at every step;
-- in all three the routing weights of masked pairs are zeroed before the forward (``masked_fill``,
-  inside the graph), so the router's gradient is exact whatever the implementation does with them.
+Each ring is a planned sub-block's ring (``_sub_block.py``): the forward keeps each step's graph
+(under activation checkpointing none, and each backward step computes its block's product again), and
+the backward rotates each ring's weights again with its gradient partials, summed on their way to the
+owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
+projection's ring the input's. Rings of one weight each, rather than one ring of all, make every
+message smaller: the ring buffers hold two messages of the larger ring (in backward: weights and
+partials), about 2/W of the up projection's experts in forward and 4/W in backward, and no step
+recomputes a forward. Every rank runs all W steps of both rings whatever its routing, so ranks that
+route differently make the same exchanges; a block that got none of a rank's tokens multiplies no rows.
+
+What each kind says (``ExpertsBlock`` here for Hugging Face, ``GroupedExpertsBlock`` in
+``_grouped_experts.py`` for torchtitan): its two rings' parameters, how a call's tokens are routed and
+combined, and what a step and the activation compute, as the stock forward computes them. peft's LoRA on
+Hugging Face's experts adds each step's update to the weights it carries (``_expert_lora.py``).
 
 Pitfalls:
-- The forward keeps no per-step graphs: the experts' code saves views of the weights
-  (``w[expert_idx]``, ``w.transpose``), which would not follow a kept graph's leaves when those are
-  pointed at the backward's ring buffer. Each backward step runs the block's forward again, as under
-  activation checkpointing.
-- The experts may hold no parameters but their ``[experts, ...]`` ones (no post-expert norm), and
-  no implementation but the three above (a kernel's own layout, fp8 weights): both refused at
-  ``rsdp_shard``/first call, naming what to change.
+- A kept graph's weights are leaves over the forward's ring buffer that the backward re-points
+  (``_sub_block._ShardGraphs``), so a step must hand them to the op that saves them as they are:
+  ``expert_product`` is an autograd function that saves its weight operand itself and casts it (to a
+  compute dtype such as torchtitan's bfloat16) inside, in its forward and again in its backward; a
+  cast or transposed view made outside would be saved instead, and not follow the re-pointing.
+- Hugging Face's experts implementations (the eager loop, ``batched_mm``, ``grouped_mm``) compute one
+  function; the ring computes it as ``grouped_mm`` does (the module's ``_apply_gate`` or ``act_fn``, its
+  biases and weight layout), so results match the implementation set up to the order of float sums.
+  A kernel of its own (``sonicmoe``, ``deepgemm``), a post-expert norm, and parameters that are not
+  ``[experts, ...]`` are refused at ``rsdp_shard`` or the first call, naming what to change.
+- torch's grouped GEMM takes float32, bfloat16 and float16; other dtypes (float64) run one ``mm`` per
+  expert of the block, the same products.
+- Each call reads its per-expert token counts to the host once (a device-to-host copy on a GPU).
+- The kept graphs hold the experts' activations as the stock experts do (the sorted rows, the
+  intermediate, the activation): where many tokens meet small experts they outweigh the ring buffers'
+  saving; activation checkpointing drops them.
+- On a GPU, torch's grouped GEMM wants 16-byte-aligned strides and addresses; a message's segments are
+  aligned to their element size only (``_wire.py``), which real expert shapes keep 16-byte aligned.
 """
 
 import inspect
+import itertools
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from .._compat import grouped_mm, saved_tensors_hooks_active
 from ._param import shard_layout
+from ._ring_function import local_shard
+from ._sub_block import _Call, _RingSubBlockFunction
 from ._wire import Segment, segment
 
-# The experts implementations whose masking this file knows (see the docstring); None is what Hugging
-# Face uses when the experts module runs outside a model (its own forward, the eager loop).
-_SENTINEL_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
-_EAGER_IMPLEMENTATIONS = ("eager", None)
-_MARKERS = ("has_gate", "has_bias", "_is_expert_parallel", "num_experts", "config")
+# The experts implementations Hugging Face dispatches to whose function the ring computes (see the
+# docstring); None is what Hugging Face uses when the experts module runs outside a model (the eager loop).
+_HF_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager", None)
+_HF_MARKERS = ("has_gate", "has_bias", "_is_expert_parallel", "num_experts", "config")
+# The dtypes torch._grouped_mm takes; others multiply expert by expert.
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def is_experts_module(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face experts module (decorated ``use_experts_implementation``)."""
-    return all(hasattr(module, marker) for marker in _MARKERS) and any(p.dim() == 3 for p in module.parameters(recurse=False))
+    return all(hasattr(module, marker) for marker in _HF_MARKERS) and any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+class Routing:
+    """Where a call's routed rows (sorted by expert) lie: ``rows[s]`` is the first row of block s's
+    experts (``rows[W]`` the end of the last), host integers read once per call; and, per block, what
+    its grouped GEMMs take (``groups``)."""
+
+    def __init__(self, counts: torch.Tensor, layout):
+        self.counts, self.layout = counts, layout
+        self.ends = list(itertools.accumulate(counts.tolist(), initial=0))  # ends[e]: expert e's first row
+        self.rows = tuple(self.ends[layout.start(shard)] for shard in range(layout.world)) + (self.ends[-1],)
+        self._groups: dict[int, Groups] = {}
+
+    def groups(self, shard: int) -> "Groups":
+        groups = self._groups.get(shard)
+        if groups is None:
+            groups = self._groups[shard] = Groups(self, shard)
+        return groups
+
+
+class Groups:
+    """One block's experts as its grouped GEMMs take them, its rows counted from its first: ``offsets``
+    (each expert's end, int32 on the device), ``tokens`` (each expert's row count, on the device),
+    ``bounds`` (each expert's rows, host integers) and, made when a bias asks, ``expert_of_rows`` (each
+    row's expert within the block)."""
+
+    def __init__(self, routing: Routing, shard: int):
+        experts = routing.layout.row_slice(shard)
+        first = routing.rows[shard]
+        self.count, self.rows = experts.stop - experts.start, routing.rows[shard + 1] - first
+        self.offsets = routing.counts[experts].cumsum(0, dtype=torch.int32)
+        ends = routing.ends[experts.start : experts.stop + 1]
+        self.bounds = [(start - first, end - first) for start, end in itertools.pairwise(ends)]
+        self.tokens = routing.counts[experts]  # each expert's rows, on the device
+        self._expert_of_rows = None
+
+    @property
+    def expert_of_rows(self) -> torch.Tensor:
+        if self._expert_of_rows is None:
+            experts = torch.arange(self.count, device=self.tokens.device)
+            self._expert_of_rows = torch.repeat_interleave(experts, self.tokens, output_size=self.rows)
+        return self._expert_of_rows
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Rows of ``a`` times their expert's matrix of ``b`` (``[experts, in, out]``): one grouped GEMM, or
+    one ``mm`` per expert where torch's grouped GEMM lacks the dtype."""
+    if grouped_mm is not None and a.dtype in _GROUPED_MM_DTYPES:
+        return grouped_mm(a, b, offs=groups.offsets)
+    return torch.cat([a[start:end] @ b[expert] for expert, (start, end) in enumerate(groups.bounds)])
+
+
+def _grouped_weight(a: torch.Tensor, g: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Each expert's ``a_e^T g_e`` (``[experts, in, out]``): a grouped GEMM's weight gradient."""
+    if grouped_mm is not None and a.dtype in _GROUPED_MM_DTYPES:
+        return grouped_mm(a.mT, g, offs=groups.offsets)
+    return torch.stack([a[start:end].mT @ g[start:end] for start, end in groups.bounds])
+
+
+class _ExpertProduct(torch.autograd.Function):
+    """``x @ w_t[e]`` for each row's expert e, computed in ``dtype`` (``x`` and ``w_t`` cast inside), as
+    torch's grouped GEMM of ``x.to(dtype)`` and ``w_t.to(dtype)`` and its autograd compute it; it saves ``w_t``
+    itself (see the module's pitfalls)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w_t: torch.Tensor, groups: Groups, dtype: torch.dtype) -> torch.Tensor:
+        ctx.groups, ctx.dtype = groups, dtype
+        ctx.save_for_backward(x, w_t)
+        return _grouped(x.to(dtype), w_t.to(dtype), groups)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w_t = ctx.saved_tensors
+        groups, dtype = ctx.groups, ctx.dtype
+        grad = grad.contiguous()  # a sum's gradient comes expanded, which the grouped GEMM refuses
+        grad_x = _grouped(grad, w_t.to(dtype).mT, groups).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = _grouped_weight(x.to(dtype), grad, groups).to(w_t.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def expert_product(x: torch.Tensor, w_t: torch.Tensor, groups: Groups, dtype: torch.dtype) -> torch.Tensor:
+    """A ring step's product of its rows ``x`` with its block's weights ``w_t`` (``[experts, in, out]``)."""
+    return _ExpertProduct.apply(x, w_t, groups, dtype)
+
+
+class ExpertStage:
+    """One of an experts module's two rings (``ExpertRing.stages``): its parameters, and at each step
+    its ``product`` of the rows routed to the block held. The interface the sub-block ring
+    (``_sub_block.py``) drives: ``param_slots``, ``per_shard``, ``param_transposed``, ``transposed``,
+    ``segments``, ``run_step``; a call keeps each step's graph unless saved-tensor hooks (activation
+    checkpointing) are on or its weights carry a LoRA update (its weights are re-pointed: see
+    ``expert_product``; LoRA: ``_expert_lora.py``)."""
+
+    per_shard = shard_parts = ()  # parameters used whole at every step: none but LoRA adapters (_expert_lora.py)
+    keeps_graphs = True
+    advice = ""  # a sub-block's refusal names plan entries; no ring_plan entry names an experts module
+
+    def __init__(self, experts: "ExpertRing", names: tuple[str, ...], product, label: str):
+        module = experts.module
+        self.module, self.name, self.product = module, f"{experts.name}[{label}]", product
+        self.param_slots = [(module, name) for name in names]
+        # A step's weight operands are [experts, in, out] views, as grouped GEMMs take them: a weight
+        # stored [experts, out, in] is viewed transposed.
+        self.transposed = tuple(getattr(module, name).dim() == 3 and not experts.stored_transposed for name in names)
+        self.param_transposed = (False,) * len(names)
+        self.ring = None
+        self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
+
+    def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
+        """Each parameter's block of experts, in ``param_slots`` order: one layout (the experts') for all."""
+        key = (dtype, world)
+        if key not in self._segments:
+            layout = shard_layout(getattr(self.module, self.param_slots[0][1]).shape[0], world)
+            self._segments[key] = tuple(segment(layout, getattr(self.module, name).shape[1:], dtype) for _, name in self.param_slots)
+        return self._segments[key]
+
+    def __call__(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """This ring's output for every routed row (``rows``, sorted by expert)."""
+        params = [local_shard(getattr(module, name), module, name, self.ring) for module, name in self.param_slots]
+        call = _Call(self, [rows, routing], None, [0], None)
+        # Decided here: inside the autograd Function's forward, grad mode is off.
+        call.keeps_graphs = self.keeps_graphs and torch.is_grad_enabled() and not saved_tensors_hooks_active()
+        per_shard = [module._parameters[name] for module, name in self.per_shard]  # as installed: gathered
+        return _RingSubBlockFunction.apply(call, rows, *per_shard, *params)
+
+    def run_step(self, call, arguments, shard: int, operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block ``shard``'s product (its parameters ``operands``) on its rows, in a partial output as
+        long as the routed rows (zeros elsewhere: each row is written by one step); returns it twice
+        (output, partial)."""
+        rows, routing = arguments.args
+        first, end = routing.rows[shard], routing.rows[shard + 1]
+        output = self.product(rows[first:end], operands, routing.groups(shard))
+        partial = F.pad(output, (0, 0, first, rows.shape[0] - end))
+        return partial, partial
 
 
 class ExpertRing:
-    """An experts module on a ring: its parameters (every one ``[experts, ...]``, ``Shard(0)`` over one
-    layout, the experts') and how a block of them is installed for a step. Subclasses say what a call's
-    arguments are (``call_arguments``) and what a step computes (``run_step``): Hugging Face's experts
-    here, torchtitan's ``GroupedExperts`` in ``_grouped_experts.py``.
+    """An experts module on two rings (see the module docstring). Subclasses say which parameters each
+    ring carries (``first``, ``second``: names), whether the weights are stored ``[experts, in, out]``
+    (``stored_transposed``), how a call's arguments are checked (``call_arguments``), routed (``routed``)
+    and combined (``combine``), and what a step's products and the activation compute (``first_product``,
+    ``second_product``, ``activation``)."""
 
-    The interface the sub-block ring (``_sub_block.py``) drives: ``param_slots``, ``per_shard``,
-    ``param_transposed``, ``transposed``, ``segments``, ``keeps_graphs``, ``call_arguments``,
-    ``run_step``, ``finish``."""
+    stored_transposed = False
+    adapter_linears = ()  # LoRA adapters the rings use whole (peft's on the experts: _expert_lora.py)
 
-    keeps_graphs = False  # see the module's pitfalls
-    per_shard = shard_parts = ()  # no parameter is used whole at every step
-    adapter_linears = ()  # LoRA adapters the steps use whole (peft's on the experts: _expert_lora.py)
-    advice = ""  # what ends a sub-block's refusal: no ring_plan entry names an experts module
-
-    def __init__(self, module: nn.Module, name: str, experts: int):
+    def __init__(self, module: nn.Module, name: str, experts: int, first: tuple[str, ...], second: tuple[str, ...]):
         self.module, self.name, self.experts = module, name, experts
-        self.call_site = module  # the module whose call runs the ring (a LoRA wrapper's: _expert_lora.py)
-        self.forward = type(module).forward  # the module's own forward, run once per block of experts
-        self.signature = inspect.signature(self.forward)
+        self.call_site = module  # the module whose call runs the rings (a LoRA wrapper's: _expert_lora.py)
+        self.signature = inspect.signature(type(module).forward)
         where = f"rsdp_shard: experts {name or type(module).__qualname__!r}"
         nested = [n for n, p in module.named_parameters() if "." in n]
         if nested:
             raise ValueError(
-                f"{where} holds parameters in submodules ({nested}, a post-expert norm); its experts rotate as "
-                "one ring, running its forward once per block of experts, so it may hold only [experts, ...] "
+                f"{where} holds parameters in submodules ({nested}, a post-expert norm); its experts rotate in "
+                "blocks, computed as the stock experts compute them, so it may hold only [experts, ...] "
                 "parameters. Shard that module with torch's fully_shard instead."
             )
         not_per_expert = [n for n, p in module.named_parameters() if p.dim() < 2 or p.shape[0] != experts]
@@ -92,25 +242,8 @@ class ExpertRing:
                 f"{where}: parameters {not_per_expert} are not [num_experts={experts}, ...]; only per-expert "
                 "parameters can rotate in blocks of experts. Shard that module with torch's fully_shard instead."
             )
-        self.param_slots = [(module, n) for n, _ in module.named_parameters(recurse=False)]
-        self.param_transposed = (False,) * len(self.param_slots)
-        self.transposed = self.param_transposed
-        self.ring = None
-        self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
-
-    def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
-        """Each parameter's block of experts, in ``param_slots`` order: one layout (the experts') for all."""
-        key = (dtype, world)
-        if key not in self._segments:
-            layout = shard_layout(self.experts, world)
-            self._segments[key] = tuple(
-                segment(layout, getattr(module, name).shape[1:], dtype) for module, name in self.param_slots
-            )
-        return self._segments[key]
-
-    def layout(self):
-        """How the experts split into blocks over the ring's ranks."""
-        return shard_layout(self.experts, self.ring.ring.size)
+        self.stages = (ExpertStage(self, first, self.first_product, "up"), ExpertStage(self, second, self.second_product, "down"))
+        self.param_slots = [slot for stage in self.stages for slot in stage.param_slots]
 
     def bound_arguments(self, args: tuple, kwargs: dict) -> list:
         """A call's arguments in the order of the module's forward, defaults applied."""
@@ -118,45 +251,50 @@ class ExpertRing:
         bound.apply_defaults()
         return list(bound.arguments.values())[1:]
 
-    def run_block(self, operands: list[torch.Tensor], arguments: tuple, **attributes):
-        """The module's own forward on ``arguments`` with one block's parameters ``operands`` installed
-        (plain tensors) and ``attributes`` set for the call (``num_experts``: the block's size)."""
-        module = self.module
-        installed = [module._parameters[name] for _, name in self.param_slots]
-        before = {key: getattr(module, key) for key in attributes}
-        for (_, name), operand in zip(self.param_slots, operands):
-            module._parameters[name] = operand
-        for key, value in attributes.items():
-            setattr(module, key, value)
-        try:
-            return self.forward(module, *arguments)
-        finally:
-            for (_, name), value in zip(self.param_slots, installed):
-                module._parameters[name] = value
-            for key, value in before.items():
-                setattr(module, key, value)
+    def forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The experts' output for a call: routed, both rings, combined."""
+        rows, counts, restore = self.routed(*self.call_arguments(args, kwargs))
+        routing = Routing(counts, shard_layout(self.experts, self.stages[0].ring.ring.size))
+        hidden = self.stages[0](rows, routing)
+        return self.combine(self.stages[1](self.activation(hidden), routing), restore)
 
-    def finish(self, total: torch.Tensor) -> torch.Tensor:
-        return total
+
+class RingExperts:
+    """Mixed into an experts module (by class swap): its forward runs as its two rings."""
+
+    _rsdp_sub_block: ExpertRing
+
+    @torch.compiler.disable
+    def forward(self, *args, **kwargs):
+        return self._rsdp_sub_block.forward(args, kwargs)
 
 
 class ExpertsBlock(ExpertRing):
-    """A Hugging Face experts module on a ring: a step is its forward on the rank's tokens, with the
-    token-expert pairs routed outside the block masked (see the module's docstring)."""
+    """A Hugging Face experts module on its rings: computed as Hugging Face's ``grouped_mm``
+    implementation computes it (see the module's pitfalls)."""
 
     def __init__(self, module: nn.Module, name: str):
-        super().__init__(module, name, module.num_experts)
+        self.stored_transposed = module.is_transposed
+        super().__init__(module, name, module.num_experts, *self.ring_parameters(module))
 
-    def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A call's arguments as ``(hidden_states, top_k_index, top_k_weights)``, whatever the experts'
-        forward names them (gpt-oss: ``router_indices``, ``routing_weights``); checked before the ring
-        starts, so that every rank refuses at the same point."""
+    @staticmethod
+    def ring_parameters(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The parameters of the up projection's ring and of the down projection's (the planner's too)."""
+        up = "gate_up_proj" if module.has_gate else "up_proj"
+        if module.has_bias:
+            return (up, f"{up}_bias"), ("down_proj", "down_proj_bias")
+        return (up,), ("down_proj",)
+
+    def call_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """A call's ``(hidden_states, top_k_index, top_k_weights)``, whatever the experts' forward names
+        them (gpt-oss: ``router_indices``, ``routing_weights``); checked before the rings start, so that
+        every rank refuses at the same point."""
         implementation = getattr(self.module.config, "_experts_implementation", None)
-        if implementation not in _SENTINEL_IMPLEMENTATIONS + _EAGER_IMPLEMENTATIONS:
+        if implementation not in _HF_IMPLEMENTATIONS:
             raise ValueError(
                 f"rsdp: experts {self.name!r} run with experts implementation {implementation!r}; an expert ring "
-                f"masks the experts a block lacks in {[*_SENTINEL_IMPLEMENTATIONS, 'eager']} only. Load the model "
-                "with experts_implementation='grouped_mm' (or call set_experts_implementation('grouped_mm'))."
+                f"computes what {[*_HF_IMPLEMENTATIONS[:-1]]} compute only. Load the model with "
+                "experts_implementation='grouped_mm' (or call set_experts_implementation('grouped_mm'))."
             )
         values = self.bound_arguments(args, kwargs)
         if len(values) != 3 or not all(isinstance(value, torch.Tensor) for value in values):
@@ -164,18 +302,34 @@ class ExpertsBlock(ExpertRing):
                 f"rsdp: experts {self.name!r} must be called with (hidden_states, top_k_index, top_k_weights) "
                 f"tensors, as Hugging Face's MoE blocks call them; got {[type(v).__name__ for v in values]}."
             )
-        return tuple(values), {}
+        return values
 
-    def run_step(self, call, arguments, shard: int, operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' forward on this rank's tokens for the block of experts ``shard`` (its parameters
-        ``operands``); returns (output, partial output), the same tensor."""
-        sentinel = self.module.config._experts_implementation in _SENTINEL_IMPLEMENTATIONS
-        hidden_states, index, weights = arguments.args
-        layout = self.layout()
-        count = layout.rows_of(shard)
-        local = index - layout.start(shard)
-        outside = (local < 0) | (local >= count)
-        local = local.masked_fill(outside, count if sentinel else 0)
-        weights = weights.masked_fill(outside, 0)
-        output = self.run_block(operands, (hidden_states, local, weights), num_experts=count, _is_expert_parallel=sentinel)
-        return output, output
+    def routed(self, hidden_states: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """Each token-expert pair's row, sorted by expert, each expert's count, and what ``combine``
+        needs: the order, the pairs' routing weights, the tokens' dtype."""
+        top_k = index.shape[-1]
+        experts = index.reshape(-1)
+        order = torch.argsort(experts, stable=True)
+        counts = torch.bincount(experts, minlength=self.experts)
+        return hidden_states[order // top_k], counts, (order, weights.reshape(-1)[order], top_k, hidden_states.dtype)
+
+    def _product(self, rows: torch.Tensor, operands: list[torch.Tensor], groups: Groups) -> torch.Tensor:
+        """One projection of the block's rows: Hugging Face's grouped linear (input in the weight's dtype,
+        each row's expert's bias added)."""
+        weight = operands[0]
+        output = expert_product(rows, weight, groups, weight.dtype)
+        return output + operands[1][groups.expert_of_rows] if len(operands) > 1 else output
+
+    first_product = second_product = _product
+
+    def activation(self, hidden: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        return module._apply_gate(hidden) if module.has_gate else module.act_fn(hidden)
+
+    def combine(self, output: torch.Tensor, restore: tuple) -> torch.Tensor:
+        """Each pair's output weighted by the router, summed per token."""
+        order, weights, top_k, dtype = restore
+        weighted = output * weights.unsqueeze(-1)
+        unsorted = torch.empty_like(order)
+        unsorted[order] = torch.arange(order.shape[0], device=order.device)
+        return weighted[unsorted].view(-1, top_k, weighted.shape[-1]).sum(dim=1).to(dtype)

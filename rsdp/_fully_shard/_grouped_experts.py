@@ -1,32 +1,24 @@
-"""torchtitan's ``GroupedExperts`` on an expert ring: blocks of whole experts rotate, the tokens stay.
+"""torchtitan's ``GroupedExperts`` on the expert rings (``_experts.py``): blocks of whole experts rotate,
+one ring per projection, the tokens stay.
 
 torchtitan stores a MoE layer's routed experts as 3-D parameters ``[experts, out, in]`` (``w1_EFD``,
 ``w2_EDF``, ``w3_EFD``; gpt-oss's ``GptOssGroupedExperts``: ``mlp1_weight_EGD``, ``mlp2_weight_EDF`` and
 the biases ``mlp1_bias_EG``, ``mlp2_bias_ED``), and calls the module as ``experts(x_RD,
 num_tokens_per_expert_E)`` with its routed tokens sorted by expert (the token dispatcher's argsort):
 expert e's tokens are rows ``offsets[e-1]:offsets[e]`` of ``x_RD``, ``offsets`` the cumulative counts.
-rsdp stores each parameter ``Shard(0)`` over the experts (``torch.chunk`` rows: 8 experts on 3 ranks are
-blocks of 3, 3 and 2), so a block of experts owns one contiguous range of rows.
-
-A ring step over a block is the module's own forward (its ``torch._grouped_mm`` over token offsets,
-one grouped GEMM per weight over the block's whole experts; gpt-oss's biases and clamped activation)
-with the block's weights installed (plain tensors), on the block's rows of ``x_RD`` and the block's
-token counts. Its output fills those rows of the step's partial output, zeros elsewhere, so the W
-partials sum to the layer's output exactly (each row is written by one step). Every rank runs all W
-steps whatever its routing, so ranks that route differently make the same exchanges; a block that got
-none of a rank's tokens runs its GEMMs on no rows. The ring (the W steps, the backward's second
-rotation with each block's gradient partial summed on its way to the owner) is the sub-block ring's
-(``_sub_block.py``), as for Hugging Face's experts (``_experts.py``, which also holds what both share).
+So the routing is torchtitan's: the first ring carries ``w1`` and ``w3`` (gpt-oss: ``mlp1`` and its
+bias), the second ``w2`` (``mlp2`` and its bias), and a step computes its block's rows as the stock
+forward computes them: ``torch._grouped_mm`` in bfloat16 whatever the parameters' dtype, SiLU(h1)·h3
+(gpt-oss: torchtitan's ``swiglu`` with the module's clamp), the biases added in bfloat16.
 
 Pitfalls:
-- Each block's rows are host integers: the call reads the cumulative token counts at the W block
-  boundaries once (``call_arguments``; one device-to-host copy per call on a GPU), and hands them to
-  every step as a plain value.
+- A block's rows are bit for bit what the whole layer's grouped GEMM gives them (torch 2.13's CPU
+  kernel runs each expert's group alone; a GPU kernel may tile them otherwise).
 - Rows of ``x_RD`` past the last expert's tokens (torchtitan's padding) get zeros, where the stock
   forward's grouped GEMM leaves them unwritten; torchtitan's combine never reads them.
-- torchtitan's forward computes in bfloat16 whatever the parameters' dtype; so does each step, and a
-  block's rows are bit for bit what the whole layer's grouped GEMM gives them (torch 2.13's CPU kernel
-  runs each expert's group alone; a GPU kernel may tile them otherwise).
+- The rings compute the stock forward, so a subclass that changes it is refused at ``rsdp_shard`` (a
+  converter's ``_grouped_mm``, MXFP8's), unless it says it only casts the output back to the input's
+  dtype (``rsdp_output_like_input = True``: the CPU launcher's gpt-oss experts, ``rsdp.torchtitan._cpu``).
 """
 
 import sys
@@ -35,26 +27,50 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._experts import ExpertRing
+from ._experts import ExpertRing, Groups, expert_product
+
+
+def _moe_modules():
+    """torchtitan's MoE modules, once imported (an instance can only exist then): looked up, never imported."""
+    return sys.modules.get("torchtitan.models.common.moe"), sys.modules.get("torchtitan.models.gpt_oss.moe")
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
-    """Whether ``module`` is torchtitan's ``GroupedExperts`` (or a subclass: gpt-oss's). One can only
-    exist once torchtitan's MoE module is imported, so it is looked up, never imported."""
-    moe = sys.modules.get("torchtitan.models.common.moe")
+    """Whether ``module`` is torchtitan's ``GroupedExperts`` (or a subclass: gpt-oss's)."""
+    moe = _moe_modules()[0]
     return moe is not None and isinstance(module, moe.GroupedExperts)
 
 
 class GroupedExpertsBlock(ExpertRing):
-    """A torchtitan ``GroupedExperts`` on a ring: a step is its forward on the rows of the block's experts."""
+    """A torchtitan ``GroupedExperts`` (or gpt-oss's) on its rings."""
 
     def __init__(self, module: nn.Module, name: str):
-        super().__init__(module, name, module.num_experts)
+        moe, gpt_oss = _moe_modules()
+        self.gpt_oss = gpt_oss is not None and isinstance(module, gpt_oss.GptOssGroupedExperts)
+        stock = gpt_oss.GptOssGroupedExperts if self.gpt_oss else moe.GroupedExperts
+        cast_back = getattr(module, "rsdp_output_like_input", False)
+        if type(module)._grouped_mm is not stock._grouped_mm or (type(module).forward is not stock.forward and not cast_back):
+            raise ValueError(
+                f"rsdp_shard: experts {name or type(module).__qualname__!r} ({type(module).__name__}) change "
+                f"{stock.__qualname__}'s forward or grouped GEMM (a low-precision converter's); the expert rings "
+                "compute the stock one. Shard that module with torch's fully_shard instead."
+            )
+        # gpt-oss's stock experts return bfloat16; the others, and a cast-back subclass, the input's dtype.
+        self.output_like_input = cast_back or not self.gpt_oss
+        if self.gpt_oss:
+            self.swiglu, self.limit = gpt_oss.swiglu, module.swiglu_limit
+        super().__init__(module, name, module.num_experts, *self.ring_parameters(module))
 
-    def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A call's arguments as ``(x_RD, num_tokens_per_expert_E, block_rows)``: ``block_rows[s]`` is
-        the first row of block s's tokens (``block_rows[W]`` the end of the last): checked and read
-        before the ring starts, so that every rank refuses at the same point."""
+    @staticmethod
+    def ring_parameters(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The parameters of the up projection's ring and of the down projection's (the planner's too)."""
+        if hasattr(module, "mlp1_weight_EGD"):  # gpt-oss's
+            return ("mlp1_weight_EGD", "mlp1_bias_EG"), ("mlp2_weight_EDF", "mlp2_bias_ED")
+        return ("w1_EFD", "w3_EFD"), ("w2_EDF",)
+
+    def call_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """A call's ``(x_RD, num_tokens_per_expert_E)``, checked before the rings start, so that every
+        rank refuses at the same point."""
         values = self.bound_arguments(args, kwargs)
         tensors = len(values) == 2 and all(isinstance(value, torch.Tensor) for value in values)
         if not tensors or values[0].dim() != 2 or values[1].shape != (self.experts,) or values[1].is_floating_point():
@@ -64,18 +80,35 @@ class GroupedExpertsBlock(ExpertRing):
                 f"sorted by expert and each of the {self.experts} experts' token count, as torchtitan's "
                 f"RoutedExperts calls them; got {found}."
             )
-        x, counts = values
-        layout = self.layout()
-        ends = F.pad(counts.cumsum(0), (1, 0))  # ends[e]: the first row of expert e's tokens
-        starts = [layout.start(shard) for shard in range(layout.world)] + [self.experts]
-        return (x, counts, tuple(ends[starts].tolist())), {}
+        return values
 
-    def run_step(self, call, arguments, shard: int, operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' forward on the rows of the block of experts ``shard`` (its parameters
-        ``operands``), placed in a partial output as long as ``x_RD``; returns it twice (output, partial)."""
-        x, counts, block_rows = arguments.args
-        first, end = block_rows[shard], block_rows[shard + 1]
-        experts = self.layout().row_slice(shard)
-        output = self.run_block(operands, (x[first:end], counts[experts]), num_experts=experts.stop - experts.start)
-        partial = F.pad(output, (0, 0, first, x.shape[0] - end))
-        return partial, partial
+    def routed(self, x: torch.Tensor, counts: torch.Tensor) -> tuple:
+        """torchtitan's tokens come sorted by expert: the rows as they are, and the input for the output's dtype."""
+        return x, counts, x
+
+    def _biased(self, rows: torch.Tensor, operands: list[torch.Tensor], groups: Groups) -> torch.Tensor:
+        """gpt-oss's projection: the bfloat16 grouped GEMM, each row's expert's bias added in bfloat16."""
+        weight, bias = operands
+        # Repeated per row as torchtitan repeats it: its backward sums each expert's rows as torchtitan's does.
+        biases = bias.repeat_interleave(groups.tokens, dim=0, output_size=groups.rows)
+        return expert_product(rows, weight, groups, torch.bfloat16) + biases.to(torch.bfloat16)
+
+    def first_product(self, rows: torch.Tensor, operands: list[torch.Tensor], groups: Groups) -> torch.Tensor:
+        """The block's rows' up projection: ``[h1 | h3]`` (gpt-oss: ``mlp1``'s interleaved gate and up)."""
+        if self.gpt_oss:
+            return self._biased(rows, operands, groups)
+        return torch.cat([expert_product(rows, weight, groups, torch.bfloat16) for weight in operands], dim=-1)
+
+    def second_product(self, rows: torch.Tensor, operands: list[torch.Tensor], groups: Groups) -> torch.Tensor:
+        if self.gpt_oss:
+            return self._biased(rows, operands, groups)
+        return expert_product(rows, operands[0], groups, torch.bfloat16)
+
+    def activation(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.gpt_oss:
+            return self.swiglu(hidden, limit=self.limit)
+        gate, up = hidden.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def combine(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return output.type_as(x) if self.output_like_input else output

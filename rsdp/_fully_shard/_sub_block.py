@@ -1,6 +1,6 @@
 """A whole attention or MLP sub-block as one ring, from a plan in tensor parallelism's vocabulary; the
-same ring runs a MoE layer's experts in blocks of whole experts (``_experts.py``: an experts block
-supplies its step through the interface ``SubBlock`` marks, and keeps no per-step graphs).
+same ring runs each of a MoE layer's expert rings in blocks of whole experts (``_experts.py``: a ring
+of experts supplies its step through the interface ``SubBlock`` marks).
 
 Megatron and RTP pair the Linears of a sub-block: q/k/v (or gate/up) split by output rows, "colwise",
 and o (or down) split by input columns, "rowwise". Shard s of the pair — the rows of q/k/v of some
@@ -817,7 +817,7 @@ class _SubBlockBackward:
             shard = ring.weight_shard_at(hop)
             views = weights_only.views(buffer, shard)
             into = [self.state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, self.grad_index)]
-            into = [view.t() if transposed else view for view, transposed in zip(into, self.grads_transposed)]
+            into = [view.mT if transposed else view for view, transposed in zip(into, self.grads_transposed)]
             self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
 
         with self.layer.driver.run(Phase.BACKWARD, weights_only) as run:

@@ -169,7 +169,7 @@ class Message:
     def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> Views:
         """Segments ``first:`` of ``buffer`` (a byte tensor holding one message) as shard ``shard``'s
         rows, shaped ``[rows, *trailing]``; those that ``transposed`` flags (one flag per segment from
-        ``first`` on) transposed, as a GEMM takes a colwise weight.
+        ``first`` on) transposed (their last two dimensions), as a GEMM takes a colwise weight.
 
         Views of the ring's buffers are made once and reused (making them is most of a small ring
         step's host time); other buffers get fresh views, since their memory may be reused."""
@@ -218,7 +218,7 @@ class Message:
             rows = segment.layout.rows_of(shard)
             nbytes = rows * math.prod(segment.trailing) * segment.dtype.itemsize
             view = buffer[offset : offset + nbytes].view(segment.dtype).view(rows, *segment.trailing)
-            views.append(view.t() if index < len(transposed) and transposed[index] else view)
+            views.append(view.mT if index < len(transposed) and transposed[index] else view)
         return views
 
     def tail(self, first: int) -> "Message":

@@ -30,11 +30,13 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
-  reduce-scatter at the end of the backward. An experts module (``experts_of``) is its own ring of
-  blocks of whole experts: two blocks forward; backward two messages of a block's weights and gradient
-  partials and the owner's contribution (carried), the block's weight gradients during a step, and
-  the deferred last hop's partial and contribution after the ring; the experts' activations are not
-  kept from forward to backward but made again at each backward step, and their forward runs again.
+  reduce-scatter at the end of the backward. An experts module (``experts_of``) rotates blocks of
+  whole experts on two rings, its up projection's and its down projection's, of which the up one is
+  the larger (``up_bytes``): two of its blocks forward; backward two messages of a block's weights and
+  gradient partials (each also carrying the down ring's deferred partial) and the owner's contribution
+  (carried), the block's weight gradients during a step, and the deferred last hop's partial and
+  contribution after the ring; the experts' activations are kept from forward to backward as the
+  stock experts keep them.
 
 Mixed precision (``CostModel.param_dtype``, ``reduce_dtype``): the step is counted with the parameters
 cast to ``param_dtype`` (activations in it, as FSDP2's and rsdp's compute makes them); sharded
@@ -110,6 +112,8 @@ from torch.utils.flop_counter import flop_registry
 
 from .._compat import TorchDispatchMode, in_backward, tree_leaves
 from .._fully_shard._checkpoint import in_ring_checkpoint_forward
+from .._fully_shard._experts import ExpertsBlock, is_experts_module
+from .._fully_shard._grouped_experts import GroupedExpertsBlock, is_grouped_experts
 from ..policy import Strategy
 from ._allocator import reserved_peak
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
@@ -365,16 +369,14 @@ class PartCounts:
     # (Another selective policy saves matmul outputs itself, which the count holds already.)
     checkpointed_ring_output_bytes: int = 0
     # Its largest experts module (a MoE layer's ``[experts, ...]`` parameters, ``experts_of``): its
-    # parameter bytes in the stored dtype, of them those that train, and its number of experts (rsdp
-    # rotates them in blocks of whole experts: ``_fully_shard/_experts.py``); what its experts' forwards
-    # leave alive for the backward (the routed tokens' copies and the grouped GEMMs' intermediates,
-    # which an expert ring does not keep: each backward step runs its block's forward again), and
-    # their forward FLOPs (that ring runs them again in backward).
+    # parameter bytes in the stored dtype, of them those that train, those of its larger ring (the up
+    # projection's: ``_fully_shard/_experts.py`` rotates them in blocks of whole experts, one ring per
+    # projection) and of them those that train, and its number of experts.
     experts_bytes: int = 0
     trainable_experts_bytes: int = 0
+    up_bytes: int = 0
+    trainable_up_bytes: int = 0
     experts: int = 0
-    experts_kept_bytes: int = 0
-    experts_flops: int = 0
     layers: int = 0
     forward_flops: int = 0
     recomputed_flops: int = 0  # what activation checkpointing runs again in its backward
@@ -388,13 +390,17 @@ class PartCounts:
         """Count ``module``'s own parameters, each parameter once however often it is tied (``seen``
         holds the identities of the original model's parameters, which moving to meta does not keep)."""
         originals = getattr(module, "_rsdp_original_params", {})
-        layer_bytes = trainable_bytes = 0
+        up_ring = up_ring_of(module)
+        layer_bytes = trainable_bytes = up_bytes = trainable_up_bytes = 0
         for name, param in module.named_parameters(recurse=False):
             identity, itemsize = originals.get(name, (id(param), param.element_size()))
             nbytes = param.numel() * itemsize
             self.itemsize = max(self.itemsize, itemsize)
             layer_bytes += nbytes
             trainable_bytes += nbytes if param.requires_grad else 0
+            if name in up_ring:
+                up_bytes += nbytes
+                trainable_up_bytes += nbytes if param.requires_grad else 0
             if identity not in seen:
                 seen.add(identity)
                 self.param_bytes += nbytes
@@ -409,6 +415,7 @@ class PartCounts:
         experts = experts_of(module)
         if experts and layer_bytes > self.experts_bytes:
             self.experts_bytes, self.trainable_experts_bytes, self.experts = layer_bytes, trainable_bytes, experts
+            self.up_bytes, self.trainable_up_bytes = up_bytes, trainable_up_bytes
 
 
 def experts_of(module: nn.Module) -> int:
@@ -419,6 +426,17 @@ def experts_of(module: nn.Module) -> int:
     if not any(p.dim() == 3 for p in params) or any(p.dim() < 2 or p.shape[0] != params[0].shape[0] for p in params):
         return 0
     return params[0].shape[0]
+
+
+def up_ring_of(module: nn.Module) -> tuple[str, ...]:
+    """The parameters of ``module``'s larger expert ring (the up projection's) if rsdp rotates it on
+    expert rings (``_fully_shard/_experts.py``), or all its parameters if it is another experts module
+    (``experts_of``), else none."""
+    if is_experts_module(module):
+        return ExpertsBlock.ring_parameters(module)[0]
+    if is_grouped_experts(module):
+        return GroupedExpertsBlock.ring_parameters(module)[0]
+    return tuple(name for name, _ in module.named_parameters(recurse=False)) if experts_of(module) else ()
 
 
 @dataclasses.dataclass
@@ -689,9 +707,6 @@ class _StepCounter:
                 handles.append(module.register_forward_pre_hook(self.note_embedding))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 handles.append(module.register_forward_hook(self.note_ring_output))
-            if experts_of(module):
-                handles.append(module.register_forward_pre_hook(self.enter_experts))
-                handles.append(module.register_forward_hook(self.leave_experts))
         # What runs after the model's forward returned is the loss's (``Work``).
         handles.append(self.meta.register_forward_hook(lambda m, args, out: setattr(self.storages, "in_loss", True)))
         handles += [param.register_post_accumulate_grad_hook(self.drop_gradient) for param in self.meta.parameters() if param.requires_grad]
@@ -747,23 +762,6 @@ class _StepCounter:
     def note_ring_output(self, module: nn.Module, args, output) -> None:
         if self.forward and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
             self.section.checkpointed_ring_output_bytes += output.untyped_storage().nbytes()
-
-    def enter_experts(self, module: nn.Module, args) -> None:
-        if self.forward:
-            self.experts_entry = (len(self.storages.log), self.storages.flops)
-
-    def leave_experts(self, module: nn.Module, args, output) -> None:
-        """What the experts' forward left alive beyond its output (saved for the backward), and its FLOPs."""
-        if not self.forward:
-            return
-        start, flops = self.experts_entry
-        live = self.storages.allocation_of
-        outputs = {id(t.untyped_storage()) for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
-        self.section.experts_kept_bytes += sum(
-            event[3] for event in self.storages.log[start:]
-            if event[0] == _ALLOCATED and live.get(event[2]) == event[1] and event[2] not in outputs
-        )
-        self.section.experts_flops += self.storages.flops - flops
 
     def note_root_layer(self, module: nn.Module, args) -> None:
         if self.forward:
@@ -842,22 +840,25 @@ class _Parallelism:
             return self.ring_group_size * math.ceil(nbytes / world)
 
         rsdp = strategy is Strategy.RSDP
-        # An expert ring's block: ceil(experts / W) whole experts (torch.chunk rows), its weights in
-        # param_dtype and its gradient partials in reduce_dtype (``_fully_shard/_sub_block.py``). Forward:
-        # two blocks. Backward: two messages of [partials | weights] and the owner's own contribution
-        # (carried, as a Linear ring's); during a step its weight gradients (param_dtype, copied into
-        # the partial), and after the ring its last hop's partial and that contribution, deferred to
-        # the next ring, which become the rank's gradient shard (counted with the part's gradients).
+        # The up projection's expert ring, the larger: a block is ceil(experts / W) whole experts
+        # (torch.chunk rows), its weights in param_dtype and its gradient partials in reduce_dtype
+        # (``_fully_shard/_sub_block.py``). Forward: two blocks. Backward: two messages of [partials |
+        # weights], each also carrying the down ring's deferred last hop (its block's partials), and
+        # the owner's own contribution (carried, as a Linear ring's); during a step its weight
+        # gradients (param_dtype, copied into the partial), and after the ring its last hop's partial
+        # and that contribution, deferred to the next ring, which become the rank's gradient shard
+        # (counted with the part's gradients).
         block = math.ceil(counts.experts / world) / counts.experts if counts.experts else 0.0
-        expert_weights = counts.experts_bytes * block * self.compute_ratio
-        expert_partials = counts.trainable_experts_bytes * block * self.reduce_ratio
-        self.expert_step = int(counts.trainable_experts_bytes * block * self.compute_ratio) if rsdp else 0
-        self.expert_deferred = int(max(2 * expert_partials - counts.trainable_experts_bytes * block, 0)) if rsdp else 0
+        expert_weights = counts.up_bytes * block * self.compute_ratio
+        expert_partials = counts.trainable_up_bytes * block * self.reduce_ratio
+        down_partials = (counts.trainable_experts_bytes - counts.trainable_up_bytes) * block * self.reduce_ratio
+        self.expert_step = int(counts.trainable_up_bytes * block * self.compute_ratio) if rsdp else 0
+        self.expert_deferred = int(max(2 * expert_partials - counts.trainable_up_bytes * block, 0)) if rsdp else 0
         self.ring_forward = int(max(2 * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
         ring = max(
             shard(counts.largest_linear_bytes) * 2 * self.compute_ratio + shard(counts.largest_trainable_linear_bytes) * 3 * self.reduce_ratio,
             shard(counts.largest_trainable_layer_bytes) * 2 * self.reduce_ratio,
-            2 * expert_weights + 3 * expert_partials,
+            2 * (expert_weights + down_partials) + 3 * expert_partials,
         )
         self.ring = int(ring) if rsdp else 0
         self.vectors = int(counts.vector_bytes * self.compute_ratio)  # gathered whole under rsdp
@@ -872,11 +873,9 @@ class _Parallelism:
 
     @property
     def backward_flops(self) -> int:
-        """Twice the forward's (the gradients of the inputs and of the weights), what activation
-        checkpointing recomputes, and under rsdp the experts' forward (each backward step of an expert
-        ring runs its block's forward again)."""
-        again = self.counts.experts_flops if self.strategy is Strategy.RSDP else 0
-        return 2 * self.counts.forward_flops + self.counts.recomputed_flops + again
+        """Twice the forward's (the gradients of the inputs and of the weights) and what activation
+        checkpointing recomputes."""
+        return 2 * self.counts.forward_flops + self.counts.recomputed_flops
 
     def seconds(self, flops: float, backward: bool) -> float:
         """This part's phase: compute of ``flops`` overlapped with moving its weights (and in
@@ -967,15 +966,13 @@ class _Parallelism:
             # no ring of its own (vectors only) holds them only below an rsdp root's forward.
             # Ring outputs inside a selective checkpointing region are kept from the forward to the
             # recomputation, which takes them instead of running the ring again.
-            # An expert ring keeps none of the experts' activations: its forward frees them, and each
-            # backward step makes its block's again (the same tensors: masked pairs keep their rows)
-            # beside the step's weight gradients; after the ring its deferred hop waits. The experts
-            # run last in a block's forward, so first in its backward: before any gradient of the part.
+            # An expert ring's step holds its weight gradients; after the ring its deferred hop waits.
+            # The experts run last in a block's forward, so first in its backward: before any gradient
+            # of the part.
             kept = counts.checkpointed_ring_output_bytes
-            experts = counts.experts_kept_bytes
-            expert_step = max(experts + self.expert_step, self.expert_deferred)
-            forward_bytes = (vectors + kept - experts, 3 * vectors + kept)
-            backward_bytes = (gradients + vector_gradients - kept + experts, max(gradients + 2 * vector_gradients, expert_step))
+            expert_step = max(self.expert_step, self.expert_deferred)
+            forward_bytes = (vectors + kept, 3 * vectors + kept)
+            backward_bytes = (gradients + vector_gradients - kept, max(gradients + 2 * vector_gradients, expert_step))
             carried = Carried(ring=self.ring, ringed=below_ring_root or self.ring > 0, ring_forward=self.ring_forward)
         backward_peak = backward.peak + backward_bytes[1]
         if self.strategy is Strategy.REPLICATE:

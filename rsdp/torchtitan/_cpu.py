@@ -119,6 +119,8 @@ def _gpt_oss_experts_cast_back() -> type:
         class Config(GptOssGroupedExperts.Config):
             pass
 
+        rsdp_output_like_input = True  # what the expert rings need to know of it (``_grouped_experts.py``)
+
         def forward(self, x_RD, num_tokens_per_expert_E):
             return super().forward(x_RD, num_tokens_per_expert_E).type_as(x_RD)
 
