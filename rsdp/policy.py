@@ -152,12 +152,13 @@ def _units(model: nn.Module, rules: dict[RuleKey, Strategy], default: Strategy) 
     units: dict[nn.Module, Strategy] = {model: default}
     used: set[RuleKey] = set()
     for name, module in untouched_named_modules(model):
-        matched = next(((key, s) for key, s in name_rules if name_matches(key, name)), None)
-        matched = matched or next(((key, s) for key, s in type_rules if isinstance(module, key)), None)
-        if matched is None:
+        matching = [(key, s) for key, s in name_rules if name_matches(key, name)]
+        matching += [(key, s) for key, s in type_rules if isinstance(module, key)]
+        # A rule that matches only modules an earlier rule took is overridden, not unused.
+        used.update(key for key, _ in matching)
+        if not matching:
             continue
-        key, strategy = matched
-        used.add(key)
+        key, strategy = matching[0]
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             if isinstance(key, str):
                 raise ValueError(

@@ -14,16 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import (
-    Conv1D,
-    CustomLinear,
     GPTLike,
-    TitanEmbedding,
     assert_close,
     assert_param_grads_match,
     assert_params_match,

@@ -78,6 +78,18 @@ def test_rules_inside_checkpointed_blocks_use_the_names_before_wrapping(ranks):
     ranks.run(2, wrapped_blocks_case, {"layers.1.mlp_norm": "replicate", "layers.2.up": "fsdp", "layers.*": "rsdp"})
 
 
+def overridden_rule_case():
+    """A catch-all whose every module an earlier, narrower rule took is overridden, not an error."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = parallelize(TinyLM(layers=2), {"layers.0": "fsdp", "layers.1": "fsdp", "layers.*": "rsdp"})
+    assert all(isinstance(layer, FSDPModule) for layer in model.layers)
+
+
+def test_a_rule_overridden_everywhere_is_not_unmatched(ranks):
+    ranks.run(1, overridden_rule_case)
+
+
 def bad_policy_case(policy, error, match):
     with pytest.raises(error, match=match):
         parallelize(TinyLM(layers=2), policy)

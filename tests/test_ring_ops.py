@@ -15,7 +15,7 @@ import torch.nn as nn
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from models import MLP, assert_close, assert_param_grads_match, check_against_reference, local_rows, own_rows, rank_and_world, twin
+from models import MLP, assert_close, assert_param_grads_match, check_against_reference, own_rows, rank_and_world, twin
 from rsdp import rsdp_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
