@@ -193,7 +193,8 @@ def test_each_optimizer_allocates_what_its_preset_says(name):
 
 def test_a_frozen_part_has_no_gradient_optimizer_state_or_reduction():
     """A frozen embedding, by hand: it is stored (sharded) and gathered as before, but it has no
-    gradient, no AdamW moments, no optimizer step and nothing to reduce, under every strategy."""
+    gradient, no AdamW moments, no optimizer step and nothing to reduce, under every strategy; trained,
+    its optimizer step's temporaries are of its shard (its whole under replicate)."""
     model = frozen_embedding()
     tokens = torch.zeros(2, 17, dtype=torch.long)
     units = find_units(model)
@@ -206,6 +207,9 @@ def test_a_frozen_part_has_no_gradient_optimizer_state_or_reduction():
         local = embedding if strategy is Strategy.REPLICATE else embedding // world
         assert trained.static_bytes - kept.static_bytes == 2 * local  # the two moments
         assert kept.optimizer_step_bytes == 0 and kept.carried.reduce == 0
+        # A for-loop optimizer's temporaries are of the largest parameter as this strategy stores it.
+        assert trained.optimizer_step_floor_bytes == fsdp.optimizer_step_bytes_per_largest_param_byte * local
+        assert kept.optimizer_step_floor_bytes == 0
         # Gathered whole, copied or rotated all the same; its output needs no gradient: no backward of
         # its own (what FSDP2 may still gather in backward, its prefetch, is counted).
         assert kept.forward == trained.forward and kept.carried.gather == trained.carried.gather

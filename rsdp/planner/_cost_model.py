@@ -822,6 +822,8 @@ class _Parallelism:
         # implementation's, of the largest parameter, are ``estimate_root``'s floor).
         self.largest_local = on_one_rank(counts.largest_trainable_param_bytes)
         self.optimizer_step = int(self.local_gradients * cost.optimizer_step_bytes_per_param_byte)
+        # The for-loop implementation's, of one parameter at a time: its largest on one rank.
+        self.optimizer_step_floor = int(self.largest_local * cost.optimizer_step_bytes_per_largest_param_byte)
         # Bytes per stored parameter byte of the gathered copies (param_dtype) and of the gradients
         # that are reduced (reduce_dtype).
         stored = counts.itemsize or 1
@@ -981,7 +983,8 @@ class _Parallelism:
         backward_phase = Phase(backward.delta + backward_bytes[0], backward_peak, self.seconds(self.backward_flops, backward=True))
         if called_per_chunk:
             forward_phase, backward_phase, carried = self._chunked(forward, forward_bytes, backward_bytes, forward_phase.seconds, backward_phase.seconds, carried)
-        return UnitCost(self.static, forward_phase, backward_phase, self.optimizer_seconds, carried, self.optimizer_step)
+        return UnitCost(self.static, forward_phase, backward_phase, self.optimizer_seconds, carried, self.optimizer_step,
+                        self.optimizer_step_floor)
 
     def _chunked(
         self, activations: Phase, forward_bytes: tuple, backward_bytes: tuple, forward_seconds: float, backward_seconds: float,
@@ -1083,11 +1086,8 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_grou
         reducing = params + gradients if strategy is Strategy.FSDP else params + 2 * reduced
         after_bytes = (gradients - params - head.compute_gradients, reducing)
         carried = Carried(gather=gathering)
-    # The for-loop optimizer's temporaries, of one parameter at a time (the foreach one's are the parts'):
-    # of the largest trainable parameter on one rank, the root's under its strategy, a unit's whole (the
-    # units' strategies are not known here: a sharded unit's largest is 1/W of it, an overestimate).
-    largest_unit = max((part.largest_trainable_param_bytes for part in counts.units.values()), default=0)
-    largest_param = max(root.largest_local, largest_unit)
+    # The for-loop optimizer's temporaries of the root's largest trainable parameter on one rank (a
+    # unit's are its own ``UnitCost``'s, under the unit's strategy; the foreach one's are the parts').
     return _reserved(RootCost(
         root.static,
         Phase(before.delta + before_bytes[0], before.peak + before_bytes[1], embedding.seconds(counts.before.forward_flops, backward=False)),
@@ -1100,5 +1100,5 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_grou
         root.optimizer_seconds,
         carried,
         root.optimizer_step,
-        int(largest_param * cost.optimizer_step_bytes_per_largest_param_byte),
+        root.optimizer_step_floor,
     ), cost, counts)

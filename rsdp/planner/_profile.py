@@ -88,6 +88,9 @@ class UnitCost:
     optimizer_seconds: float  # its share of the optimizer step
     carried: Carried = Carried()
     optimizer_step_bytes: int = 0  # what the optimizer step allocates for its parameters (the cost model's)
+    # What a for-loop optimizer's step allocates for its largest parameter on one rank (the cost model's):
+    # a plan's step allocates at least its largest unit's or its root's.
+    optimizer_step_floor_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -105,7 +108,7 @@ class RootCost:
     optimizer_seconds: float
     carried: Carried = Carried()
     # The cost model's optimizer step, which it puts after ``after``: the root's share of what it
-    # allocates per parameter byte, and the least it allocates whatever the plan.
+    # allocates per parameter byte, and what a for-loop optimizer allocates for its largest parameter.
     optimizer_step_bytes: int = 0
     optimizer_step_floor_bytes: int = 0
 

@@ -28,7 +28,8 @@ cost model's; measured phases contain them already and carry nothing), where the
 - ``ringed_forward``, ``ringed_backward``: the highest levels among the phases that hold the ring's
   buffers (forwards of rsdp units or below an rsdp root; backwards from the first such on), and
   ``ring_forward``, ``ring``: the largest buffers of a forward and of a backward, which they may hold;
-- ``optimizer_step``: what the optimizer step allocates for their parameters.
+- ``optimizer_step``: what the optimizer step allocates for their parameters (a foreach optimizer), and
+  ``optimizer_step_floor``: the most it allocates for one of them (a for-loop one: the largest).
 
 A partial plan no better than another in all of them can be dropped without losing the optimum
 (dominance pruning), which makes this a multiple-choice knapsack solved over the memory timeline.
@@ -94,6 +95,7 @@ class Partial(NamedTuple):
     ring_forward: torch.Tensor
     static: torch.Tensor
     optimizer_step: torch.Tensor
+    optimizer_step_floor: torch.Tensor
     seconds: torch.Tensor
 
     def extend(self, cost: UnitCost) -> "Partial":
@@ -135,6 +137,7 @@ class Partial(NamedTuple):
             _max(self.ring_forward, carried.ring_forward),
             self.static + cost.static_bytes,
             self.optimizer_step + cost.optimizer_step_bytes,
+            _max(self.optimizer_step_floor, cost.optimizer_step_floor_bytes),
             self.seconds + cost.seconds,
         )
 
@@ -152,7 +155,7 @@ def _concatenated(partials: list[Partial]) -> Partial:
 
 def _empty() -> Partial:
     none, zero = torch.tensor([_NONE], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
-    return Partial(none, none, zero, none, zero, none, zero, zero, none, none, none, zero, zero, zero, zero, zero)
+    return Partial(none, none, zero, none, zero, none, zero, zero, none, none, none, zero, zero, zero, zero, zero, zero)
 
 
 EMPTY = _empty()  # the plan of no unit
@@ -179,7 +182,7 @@ def predicted_peak(partial: Partial, root: RootCost) -> torch.Tensor:
         after_forward + root.middle.peak + _max(partial.gather, carried.gather) + middle_ring,
         before_backward + _max(partial.backward_peak, partial.ringed_backward + ring),
         end_of_backward + root.after.peak + partial.retained + backward_ring,
-        end_of_backward + root.after.delta + _max(partial.optimizer_step + root.optimizer_step_bytes, root.optimizer_step_floor_bytes),
+        end_of_backward + root.after.delta + _max(partial.optimizer_step + root.optimizer_step_bytes, partial.optimizer_step_floor, root.optimizer_step_floor_bytes),
         root.before.peak + root_ring,
     )
 
