@@ -27,12 +27,15 @@ from test_experts import FLOAT32_TOLERANCE, TOLERANCE, VOCAB, tiny_moe
 pytest.importorskip("transformers")
 
 
-def shard_moe(model, strategy: str):
+def shard_moe(model, strategy: str, experts_first: bool = False):
     """Each decoder layer, then the root (a peft model's, after ``get_peft_model``), with ``rsdp_shard``
-    or FSDP2's ``fully_shard``."""
+    or FSDP2's ``fully_shard``; ``experts_first``: each layer's ``mlp.experts`` by a call of its own
+    before its layer (under peft's LoRA on the experts, the outermost wrapper)."""
     shard = rsdp_shard if strategy == "rsdp" else fully_shard
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in base.model.layers:
+        if experts_first:
+            shard(layer.mlp.experts)
         shard(layer)
     shard(model)
     return model
@@ -181,11 +184,12 @@ def lora_moe(family: str, implementation: str, dtype, experts: int, adapters: tu
     return model
 
 
-def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...], checkpointing: bool) -> None:
+def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...], checkpointing: bool, experts_first: bool) -> None:
     """An SGD step of LoRA on the experts, every adapter active, against the unsharded float64 model:
     loss, every adapter's gradient, the adapters after the steps; then the logits with the adapters
     disabled (``disable_adapter()``: the base experts alone). ``checkpointing``: the decoder layers
-    recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's rings called again."""
+    recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's rings called again.
+    ``experts_first``: ``rsdp_shard(layer.mlp.experts)`` (peft's outermost wrapper) before each layer."""
     rank, world = rank_and_world()
     dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
     reference = lora_moe(family, implementation if dtype == torch.float64 else "eager", torch.float64, experts, adapters)
@@ -193,7 +197,7 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
     model.base_model.set_adapter(list(adapters))
     reference.base_model.set_adapter(list(adapters))
     model.get_base_model().config._experts_implementation = implementation
-    shard_moe(model, "rsdp")
+    shard_moe(model, "rsdp", experts_first)
     if checkpointing:
         for m in (model, reference):
             m.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -222,15 +226,15 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
 
 
 @pytest.mark.parametrize(
-    "family, implementation, world, experts, adapters, checkpointing",
+    "family, implementation, world, experts, adapters, checkpointing, experts_first",
     [
-        ("mixtral", "eager", 3, 8, ("default",), True),  # blocks of 3, 3, 2 experts: lora_B's columns are strided
-        ("gpt_oss", "grouped_mm", 2, 8, ("default", "other"), False),  # [experts, in, out] weights; two adapters at once
-        ("qwen3_moe", "batched_mm", 4, 2, ("default",), False),  # blocks of 1, 1 and none
+        ("mixtral", "eager", 3, 8, ("default",), True, False),  # blocks of 3, 3, 2 experts: lora_B's columns are strided
+        ("gpt_oss", "grouped_mm", 2, 8, ("default", "other"), False, False),  # [experts, in, out] weights; two adapters at once
+        ("qwen3_moe", "batched_mm", 4, 2, ("default",), False, True),  # blocks of 1, 1 and none; the wrapper sharded alone
     ],
 )
-def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters, checkpointing):
-    ranks.run(world, lora_case, family, implementation, experts, adapters, checkpointing)
+def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters, checkpointing, experts_first):
+    ranks.run(world, lora_case, family, implementation, experts, adapters, checkpointing, experts_first)
 
 
 def lora_against_fsdp2_case(family: str, implementation: str, experts: int, precision: str) -> list[float]:
@@ -301,17 +305,22 @@ def test_lora_on_experts_matches_fsdp2(ranks, family, implementation, world, exp
 
 
 def lora_refusal_case(kind: str) -> str:
-    """The error, on this rank, for LoRA on experts that the expert rings cannot apply per block."""
+    """The error, on this rank, for LoRA on experts that the expert rings cannot apply per block (merged,
+    or on a 2-D bias), or cannot see (a call of its own on the experts or an inner wrapper)."""
     peft = pytest.importorskip("peft")
-    if kind == "merged":
+    if kind in ("merged", "experts", "inner wrapper"):
         model = lora_moe("mixtral", "eager", torch.float64, 8, ("default",))
+    if kind == "merged":
         model.merge_adapter()
-    else:  # gpt-oss's expert bias, [experts, out]: peft adapts it as one 2-D weight across the experts
+    elif kind == "bias":  # gpt-oss's expert bias, [experts, out]: peft adapts it as one 2-D weight across the experts
         model = peft.get_peft_model(
             tiny_moe("gpt_oss", "eager"), peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj_bias"])
         )
     tokens = torch.randint(3, VOCAB, (1, 6))
     try:
+        if kind != "merged" and kind != "bias":  # a call of its own inside the wrappers, then the layers
+            for layer in model.get_base_model().model.layers:
+                rsdp_shard(layer.mlp.experts.base_layer if kind == "inner wrapper" else layer.mlp.experts.get_base_layer())
         shard_moe(model, "rsdp")(input_ids=tokens, labels=tokens)
     except ValueError as error:
         return str(error)
@@ -323,6 +332,8 @@ def lora_refusal_case(kind: str) -> str:
     [
         ("merged", r"experts 'mlp.experts' have LoRA adapters merged into \['gate_up_proj', 'down_proj'\].*Call unmerge_adapter\(\) first"),
         ("bias", r"experts 'mlp.experts' has peft LoRA on \['gate_up_proj_bias'\], which are not 3-D.*Drop them from target_parameters"),
+        ("experts", r"peft's LoRA wrapper 'mlp.experts.base_layer' is around 'mlp.experts.base_layer.base_layer', which an earlier rsdp_shard .*Shard the decoder layer \(or 'mlp.experts', the outermost wrapper\)"),
+        ("inner wrapper", r"peft's LoRA wrapper 'mlp.experts' is around 'mlp.experts.base_layer', which an earlier .*Shard the decoder layer \(or 'mlp.experts', the outermost wrapper\)"),
     ],
 )
 def test_lora_on_experts_that_the_ring_cannot_apply_is_refused_on_every_rank(ranks, kind, message):

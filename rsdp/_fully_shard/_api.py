@@ -17,7 +17,7 @@ from .._compat import (
 )
 from ._ddp_habits import check_same_weights, record_replacement, replaced, watch_state_dicts
 from ._embedding import RingEmbedding
-from ._expert_lora import LoraExpertsBlock, peft_wrappers
+from ._expert_lora import LoraExpertsBlock, check_wrappers_reach_their_experts, peft_wrappers
 from ._experts import ExpertRing, ExpertsBlock, RingExperts, is_experts_module
 from ._grouped_experts import GroupedExpertsBlock, is_grouped_experts
 from ._linear import RingLinear
@@ -97,6 +97,8 @@ def rsdp_shard(
             f"rsdp_shard: ring_group_size={ring_group_size} does not compose with experts modules yet: use "
             "ring_group_size=1 in the rsdp_shard call that shards the module holding the experts."
         )
+    names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
+    check_wrappers_reach_their_experts(managed, nested, names)
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy(), ring_group_size)
     sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
     column_split = {id(block.row.weight) for block in sub_blocks}
@@ -109,7 +111,6 @@ def rsdp_shard(
     replacement = _sharded_parameters(slots, nested, mesh, state.device, column_split)
     for name, param in newly_sharded:
         record_replacement(param, replacement[id(param)], f"{type(module).__qualname__}.{name}")
-    names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
     experts = _experts_blocks(managed, names)
     experts += [GroupedExpertsBlock(owner, names[id(owner)]) for owner in managed if is_grouped_experts(owner)]
     # peft's LoRA on experts is used whole at every step too.

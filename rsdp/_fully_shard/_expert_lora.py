@@ -23,6 +23,10 @@ factors, with the wrapper's ``num_experts`` the block's size for the call.
 Pitfalls:
 - Only the adapters a wrapper has active apply, none under ``disable_adapter()``; adapters merged into
   the weights (``merge_adapter()``) are refused at the call: the merged update would be added again.
+- The call that shards the experts must see the wrappers around them (the decoder layer's, or the
+  outermost wrapper's, which is what ``layer.mlp.experts`` is under peft): a call of its own on the
+  experts module or an inner wrapper cannot, and the wrappers' own forward would then fold the update
+  into the sharded weight. Refused at the ``rsdp_shard`` call that reaches the wrappers.
 - A wrapper must adapt a ``[experts, ...]`` 3-D weight of the experts module itself; peft's 2-D case (an
   expert bias ``[experts, out]``, adapted as one Linear) mixes experts and is refused at ``rsdp_shard``.
 - The update is folded in the weights' dtype with autocast off, as peft's parametrization folds it.
@@ -37,7 +41,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from ._experts import ExpertsBlock, ExpertStage, Groups
+from ._experts import ExpertsBlock, ExpertStage, Groups, is_experts_module
 from ._param import shard_layout
 
 
@@ -50,6 +54,25 @@ def peft_wrappers(experts: nn.Module, parents: dict[int, nn.Module]) -> list[nn.
         wrappers.append(parent)
         inner = parent
     return wrappers
+
+
+def check_wrappers_reach_their_experts(managed: list[nn.Module], nested: list[nn.Module], names: dict[int, str]) -> None:
+    """Refuse peft's ``ParamWrapper`` (in ``managed``) around experts that an earlier ``rsdp_shard`` (or
+    ``fully_shard``) call already manages (``nested``: the experts module itself, or an inner wrapper):
+    the rings run the outermost wrapper's call, which that earlier call cannot see (see the module's
+    pitfalls)."""
+    nested_ids = {id(module) for module in nested}
+    parents = {id(child): parent for parent in managed for child in parent.children()}
+    for wrapper in managed:
+        inner = getattr(wrapper, "base_layer", None)
+        if hasattr(wrapper, "parameter_name") and id(inner) in nested_ids and any(map(is_experts_module, inner.modules())):
+            outermost = ([wrapper] + peft_wrappers(wrapper, parents))[-1]
+            raise ValueError(
+                f"rsdp_shard: peft's LoRA wrapper {names[id(wrapper)]!r} is around {names[id(inner)]!r}, which an earlier "
+                "rsdp_shard or fully_shard call already shards; the expert rings add the adapters' update per block "
+                f"only when they run the outermost wrapper's call. Shard the decoder layer (or {names[id(outermost)]!r}, "
+                "the outermost wrapper) without a call of its own on the experts or an inner wrapper."
+            )
 
 
 class LoraExpertsBlock(ExpertsBlock):
