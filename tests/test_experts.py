@@ -241,6 +241,11 @@ def refusal_case(kind: str) -> str:
             v_head_dim=8, moe_topk=2, n_routed_experts=EXPERTS, zero_expert_num=2, expert_ffn_hidden_size=16,
         )
         model = transformers.LongcatFlashForCausalLM(config)
+    elif kind == "llama4_forward":  # a subclass changing the forward the rings compute
+        model = tiny_llama4(torch.float64)
+        stock = type(model.model.layers[0].feed_forward.experts)
+        for layer in model.model.layers:
+            layer.feed_forward.experts.__class__ = type("MyExperts", (stock,), {"forward": lambda self, rows: stock.forward(self, 2 * rows)})
     else:
         model = tiny_moe("mixtral", "eager")
     if kind == "post_expert_norm":
@@ -261,6 +266,7 @@ def refusal_case(kind: str) -> str:
     [
         ("post_expert_norm", r"experts 'mlp.experts' holds parameters in submodules \(\['post_expert_norm.weight', 'post_expert_norm.bias'\], a post-expert norm\).* fully_shard instead"),
         ("implementation", r"experts 'mlp.experts' run with experts implementation 'sonicmoe'.*experts_implementation='grouped_mm'"),
+        ("llama4_forward", r"experts 'feed_forward.experts' \(MyExperts\) change Llama4TextExperts's forward.*fully_shard instead"),
         ("longcat", r"experts 'mlp.experts' \(LongcatFlashExperts\) are routed \(top_k_index\) but are not a kind the expert rings run.*fully_shard\(layer.mlp.experts\), then rsdp_shard\(layer\)"),
     ],
 )

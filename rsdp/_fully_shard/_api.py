@@ -154,6 +154,15 @@ def _on_expert_rings(module: nn.Module) -> bool:
     return is_experts_module(module) or is_grouped_experts(module) or is_llama4_experts(module)
 
 
+@functools.cache
+def _takes_routing(module_class: type) -> bool:
+    """Whether ``module_class``'s forward takes ``top_k_index`` (Hugging Face's experts' routing)."""
+    try:
+        return "top_k_index" in inspect.signature(module_class.forward).parameters
+    except (TypeError, ValueError):  # a forward with no Python signature
+        return False
+
+
 def _refuse_routed_experts_without_rings(managed: list[nn.Module], names: dict[int, str]) -> None:
     """Refuse experts modules called with routing (``top_k_index``, Hugging Face's experts signature) that
     no expert ring runs (LongCat-Flash's, Step-3's, DBRX's: no ``use_experts_implementation`` markers).
@@ -161,8 +170,7 @@ def _refuse_routed_experts_without_rings(managed: list[nn.Module], names: dict[i
     each rank would gather a different number of times, and ranks that route differently would wait
     for each other until the collective timeout."""
     for owner in managed:
-        routed = "top_k_index" in inspect.signature(type(owner).forward).parameters
-        if routed and not _on_expert_rings(owner) and any(p.dim() >= 2 for p in owner.parameters()):
+        if _takes_routing(type(owner)) and not _on_expert_rings(owner) and any(p.dim() >= 2 for p in owner.parameters()):
             name = names[id(owner)]
             raise ValueError(
                 f"rsdp_shard: experts {name!r} ({type(owner).__name__}) are routed (top_k_index) but are not a kind the "
