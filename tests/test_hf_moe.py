@@ -22,7 +22,7 @@ from models import assert_close, assert_param_grads_match, assert_params_match, 
 from rsdp import rsdp_shard
 from rsdp._compat import MixedPrecisionPolicy, fully_shard
 from test_checkpoint import load, save, train
-from test_experts import FLOAT32_TOLERANCE, TOLERANCE, VOCAB, tiny_moe
+from test_experts import FLOAT32_TOLERANCE, TOLERANCE, VOCAB, tiny_llama4, tiny_moe
 
 pytest.importorskip("transformers")
 
@@ -306,7 +306,8 @@ def test_lora_on_experts_matches_fsdp2(ranks, family, implementation, world, exp
 
 def lora_refusal_case(kind: str) -> str:
     """The error, on this rank, for LoRA on experts that the expert rings cannot apply per block (merged,
-    or on a 2-D bias), or cannot see (a call of its own on the experts or an inner wrapper)."""
+    on a 2-D bias, on Llama-4's experts), or cannot see (a call of its own on the experts or an inner
+    wrapper)."""
     peft = pytest.importorskip("peft")
     if kind in ("merged", "experts", "inner wrapper"):
         model = lora_moe("mixtral", "eager", torch.float64, 8, ("default",))
@@ -316,9 +317,12 @@ def lora_refusal_case(kind: str) -> str:
         model = peft.get_peft_model(
             tiny_moe("gpt_oss", "eager"), peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj_bias"])
         )
+    elif kind == "llama4":  # experts on rings of their own, without Hugging Face's markers
+        targets = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+        model = peft.get_peft_model(tiny_llama4(torch.float64), peft.LoraConfig(r=2, target_modules=[], target_parameters=targets))
     tokens = torch.randint(3, VOCAB, (1, 6))
     try:
-        if kind != "merged" and kind != "bias":  # a call of its own inside the wrappers, then the layers
+        if kind in ("experts", "inner wrapper"):  # a call of its own inside the wrappers, then the layers
             for layer in model.get_base_model().model.layers:
                 rsdp_shard(layer.mlp.experts.base_layer if kind == "inner wrapper" else layer.mlp.experts.get_base_layer())
         shard_moe(model, "rsdp")(input_ids=tokens, labels=tokens)
@@ -333,6 +337,7 @@ def lora_refusal_case(kind: str) -> str:
         ("merged", r"experts 'mlp.experts' have LoRA adapters merged into \['gate_up_proj', 'down_proj'\].*Call unmerge_adapter\(\) first"),
         ("bias", r"experts 'mlp.experts' has peft LoRA on \['gate_up_proj_bias'\], which are not 3-D.*Drop them from target_parameters"),
         ("experts", r"peft's LoRA wrapper 'mlp.experts.base_layer' is around 'mlp.experts.base_layer.base_layer', which an earlier rsdp_shard .*Shard the decoder layer \(or 'mlp.experts', the outermost wrapper\)"),
+        ("llama4", r"peft's LoRA on parameters of 'feed_forward.experts.base_layer.base_layer' \(Llama4TextExperts; target_parameters\) runs on the expert rings of Hugging Face's use_experts_implementation experts only.*fully_shard\(layer.feed_forward.experts\), then rsdp_shard\(layer\)"),
         ("inner wrapper", r"peft's LoRA wrapper 'mlp.experts' is around 'mlp.experts.base_layer', which an earlier .*Shard the decoder layer \(or 'mlp.experts', the outermost wrapper\)"),
     ],
 )
