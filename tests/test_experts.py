@@ -157,6 +157,45 @@ def test_experts_under_activation_checkpointing(ranks, implementation):
     ranks.run(2, training_case, "mixtral", implementation, 1, checkpointing=True)
 
 
+def tiny_llama4(dtype):
+    """A tiny Llama-4 text model (every layer MoE, 8 experts, one routed per token, a shared expert), seeded."""
+    config = transformers.Llama4TextConfig(
+        **{**TINY, "intermediate_size": 16, "num_experts_per_tok": 1}, intermediate_size_mlp=32, num_local_experts=EXPERTS,
+        moe_layers=[0, 1], attention_chunk_size=64,
+    )
+    torch.manual_seed(0)
+    return transformers.Llama4ForCausalLM(config).to(dtype)
+
+
+def llama4_case(dtype, checkpointing: bool) -> None:
+    """Llama-4's experts (dense routing, ``bmm`` over ``[experts, in, out]`` weights) on their expert rings:
+    an optimizer step against the unsharded float64 model, no expert weight gathered op by op."""
+    reference = tiny_llama4(torch.float64)
+    model = copy.deepcopy(reference).to(dtype)
+    for layer in model.model.layers:
+        rsdp_shard(layer)
+    rsdp_shard(model)
+    assert all(hasattr(layer.feed_forward.experts, "_rsdp_sub_block") for layer in model.model.layers), "experts are not on a ring"
+    if checkpointing:
+        for m in (model, reference):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tolerance = TOLERANCE if dtype == torch.float64 else FLOAT32_TOLERANCE
+        _train(model, reference, "llama4", 1, tolerance, one_rank_routes=False, routed=[], micro_batches=1)
+    gathered = [str(w.message) for w in caught if "has no ring form" in str(w.message)]
+    assert not gathered, gathered
+
+
+@pytest.mark.parametrize(
+    "world, dtype, checkpointing",
+    [(3, torch.float64, False), (2, torch.float32, True)],  # 8 experts in blocks of 3, 3, 2; float32: grouped GEMMs
+)
+def test_llama4_experts_rotate_exactly(ranks, world, dtype, checkpointing):
+    ranks.run(world, llama4_case, dtype, checkpointing)
+
+
 def experts_peak(strategy: str, implementation: str) -> int:
     """Peak bytes above the sharded parameters in one forward+backward of a Mixtral whose weights are
     mostly experts (16 experts of 64 x 128 a layer), at batch 1, after a warm-up step, gradients freed as
@@ -196,10 +235,22 @@ def test_experts_peak_against_fsdp2_on_four_ranks(ranks):
 
 def refusal_case(kind: str) -> str:
     """The error rsdp raises, on this rank, for an experts module it cannot rotate."""
-    model = tiny_moe("mixtral", "eager")
+    if kind == "longcat":  # routed experts without Hugging Face's markers: no expert ring runs them
+        config = transformers.LongcatFlashConfig(
+            **TINY, num_layers=2, ffn_hidden_size=16, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=8, moe_topk=2, n_routed_experts=EXPERTS, zero_expert_num=2, expert_ffn_hidden_size=16,
+        )
+        model = transformers.LongcatFlashForCausalLM(config)
+    elif kind == "llama4_forward":  # a subclass changing the forward the rings compute
+        model = tiny_llama4(torch.float64)
+        stock = type(model.model.layers[0].feed_forward.experts)
+        for layer in model.model.layers:
+            layer.feed_forward.experts.__class__ = type("MyExperts", (stock,), {"forward": lambda self, rows: stock.forward(self, 2 * rows)})
+    else:
+        model = tiny_moe("mixtral", "eager")
     if kind == "post_expert_norm":
         model.model.layers[0].mlp.experts.post_expert_norm = torch.nn.LayerNorm(TINY["hidden_size"], dtype=torch.float64)
-    else:
+    elif kind == "implementation":
         model.config._experts_implementation = "sonicmoe"  # a kernel of its own: no masking rsdp knows
     with pytest.raises(ValueError) as refused:
         for layer in model.model.layers:
@@ -215,6 +266,8 @@ def refusal_case(kind: str) -> str:
     [
         ("post_expert_norm", r"experts 'mlp.experts' holds parameters in submodules \(\['post_expert_norm.weight', 'post_expert_norm.bias'\], a post-expert norm\).* fully_shard instead"),
         ("implementation", r"experts 'mlp.experts' run with experts implementation 'sonicmoe'.*experts_implementation='grouped_mm'"),
+        ("llama4_forward", r"experts 'feed_forward.experts' \(MyExperts\) change Llama4TextExperts's forward.*fully_shard instead"),
+        ("longcat", r"experts 'mlp.experts' \(LongcatFlashExperts\) are routed \(top_k_index\) but are not a kind the expert rings run.*fully_shard\(layer.mlp.experts\), then rsdp_shard\(layer\)"),
     ],
 )
 def test_experts_an_expert_ring_cannot_run_are_refused_on_every_rank(ranks, kind, message):

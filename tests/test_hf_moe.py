@@ -1,12 +1,13 @@
 """Hugging Face MoE models under rsdp's expert rings, beyond one training step (``test_experts.py``): the
-router's load-balancing loss, DCP checkpoints exchanged with FSDP2 across world sizes, and ``generate()``
-with the KV cache on ranks whose sequences end apart.
+router's load-balancing loss, DCP checkpoints exchanged with FSDP2 across world sizes, ``generate()``
+with the KV cache on ranks whose sequences end apart, and peft's LoRA on the experts (against float64
+and against FSDP2, in float32 and in bfloat16 mixed precision).
 
 Tiny Mixtral, Qwen3-MoE and gpt-oss causal LMs with 8 experts, built from config objects
 (``test_experts.tiny_moe``), ``rsdp_shard`` on each decoder layer then the root. References: the
 unsharded float64 model, run on each rank's rows as DDP would (the load-balancing loss is per batch,
 not per token, so the global batch would be another loss); FSDP2 (``fully_shard`` the same way) for
-checkpoints. 3 ranks hold the 8 experts in blocks of 3, 3 and 2.
+checkpoints and LoRA. 3 ranks hold the 8 experts in blocks of 3, 3 and 2.
 """
 
 import copy
@@ -19,19 +20,22 @@ import torch.distributed as dist
 
 from models import assert_close, assert_param_grads_match, assert_params_match, draw_lora_b, local_rows, rank_and_world
 from rsdp import rsdp_shard
-from rsdp._compat import fully_shard
+from rsdp._compat import MixedPrecisionPolicy, fully_shard
 from test_checkpoint import load, save, train
-from test_experts import FLOAT32_TOLERANCE, TOLERANCE, VOCAB, tiny_moe
+from test_experts import FLOAT32_TOLERANCE, TOLERANCE, VOCAB, tiny_llama4, tiny_moe
 
 pytest.importorskip("transformers")
 
 
-def shard_moe(model, strategy: str):
+def shard_moe(model, strategy: str, experts_first: bool = False):
     """Each decoder layer, then the root (a peft model's, after ``get_peft_model``), with ``rsdp_shard``
-    or FSDP2's ``fully_shard``."""
+    or FSDP2's ``fully_shard``; ``experts_first``: each layer's ``mlp.experts`` by a call of its own
+    before its layer (under peft's LoRA on the experts, the outermost wrapper)."""
     shard = rsdp_shard if strategy == "rsdp" else fully_shard
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in base.model.layers:
+        if experts_first:
+            shard(layer.mlp.experts)
         shard(layer)
     shard(model)
     return model
@@ -180,11 +184,12 @@ def lora_moe(family: str, implementation: str, dtype, experts: int, adapters: tu
     return model
 
 
-def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...], checkpointing: bool) -> None:
+def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...], checkpointing: bool, experts_first: bool) -> None:
     """An SGD step of LoRA on the experts, every adapter active, against the unsharded float64 model:
     loss, every adapter's gradient, the adapters after the steps; then the logits with the adapters
     disabled (``disable_adapter()``: the base experts alone). ``checkpointing``: the decoder layers
-    recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's rings called again."""
+    recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's rings called again.
+    ``experts_first``: ``rsdp_shard(layer.mlp.experts)`` (peft's outermost wrapper) before each layer."""
     rank, world = rank_and_world()
     dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
     reference = lora_moe(family, implementation if dtype == torch.float64 else "eager", torch.float64, experts, adapters)
@@ -192,7 +197,7 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
     model.base_model.set_adapter(list(adapters))
     reference.base_model.set_adapter(list(adapters))
     model.get_base_model().config._experts_implementation = implementation
-    shard_moe(model, "rsdp")
+    shard_moe(model, "rsdp", experts_first)
     if checkpointing:
         for m in (model, reference):
             m.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -221,29 +226,105 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
 
 
 @pytest.mark.parametrize(
-    "family, implementation, world, experts, adapters, checkpointing",
+    "family, implementation, world, experts, adapters, checkpointing, experts_first",
     [
-        ("mixtral", "eager", 3, 8, ("default",), True),  # blocks of 3, 3, 2 experts: lora_B's columns are strided
-        ("gpt_oss", "grouped_mm", 2, 8, ("default", "other"), False),  # [experts, in, out] weights; two adapters at once
-        ("qwen3_moe", "batched_mm", 4, 2, ("default",), False),  # blocks of 1, 1 and none
+        ("mixtral", "eager", 3, 8, ("default",), True, False),  # blocks of 3, 3, 2 experts: lora_B's columns are strided
+        ("gpt_oss", "grouped_mm", 2, 8, ("default", "other"), False, False),  # [experts, in, out] weights; two adapters at once
+        ("qwen3_moe", "batched_mm", 4, 2, ("default",), False, True),  # blocks of 1, 1 and none; the wrapper sharded alone
     ],
 )
-def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters, checkpointing):
-    ranks.run(world, lora_case, family, implementation, experts, adapters, checkpointing)
+def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters, checkpointing, experts_first):
+    ranks.run(world, lora_case, family, implementation, experts, adapters, checkpointing, experts_first)
+
+
+def lora_against_fsdp2_case(family: str, implementation: str, experts: int, precision: str) -> list[float]:
+    """LoRA on the experts, ``rsdp_shard`` per decoder layer against FSDP2's ``fully_shard`` per decoder
+    layer, from the same weights and batches: loss and every trainable gradient over two SGD steps.
+    ``"fp32"``: float32 throughout, to float32's precision. ``"bf16"``: bfloat16 compute and float32
+    gradient reduction (``MixedPrecisionPolicy``) under both, judged against the unsharded float64 model
+    trained beside them: rsdp's distance from it is at most FSDP2's, doubled, plus 0.5% of its norm
+    (bfloat16 products summed in another order). Returns rsdp's distances over FSDP2's (bf16)."""
+    rank, world = rank_and_world()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
+    options = {"mp_policy": policy} if policy else {}
+    models = {}
+    for strategy, shard in (("rsdp", rsdp_shard), ("fsdp", fully_shard)):
+        model = lora_moe(family, implementation, torch.float32, experts, ("default",))
+        for layer in model.get_base_model().model.layers:
+            shard(layer, **options)
+        models[strategy] = shard(model, **options)
+    if policy:
+        models["float64"] = lora_moe(family, "eager", torch.float64, experts, ("default",))
+    optimizers = {s: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for s, m in models.items()}
+    ratios = []
+    for step in range(2):
+        tokens = torch.randint(3, VOCAB, (world * 2, 6), generator=torch.Generator().manual_seed(20 + step))
+        mine = local_rows(tokens, rank, world)
+        losses = {}
+        for strategy, model in models.items():
+            optimizers[strategy].zero_grad()
+            rows = tokens if strategy == "float64" else mine  # equal rows per rank: the ranks' mean loss
+            losses[strategy] = model(input_ids=rows, labels=rows).loss
+            losses[strategy].backward()
+        fsdp_params = dict(models["fsdp"].named_parameters())
+        trained = [(name, param) for name, param in models["rsdp"].named_parameters() if param.requires_grad]
+        assert trained and all("lora_" in name for name, _ in trained), [name for name, _ in trained]
+        if not policy:
+            assert_close(losses["rsdp"], losses["fsdp"], what=f"loss at step {step}", **FLOAT32_TOLERANCE)
+            for name, param in trained:
+                expected = fsdp_params[name].grad.full_tensor()
+                assert_close(param.grad.full_tensor(), expected, what=f"grad of {name} at step {step}", **FLOAT32_TOLERANCE)
+        else:
+            exact = dict(models["float64"].named_parameters())
+            for name, param in trained:
+                truth = exact[name].grad
+                rsdp_error = (param.grad.full_tensor().double() - truth).norm().item()
+                fsdp_error = (fsdp_params[name].grad.full_tensor().double() - truth).norm().item()
+                ratios.append(rsdp_error / fsdp_error)
+                assert rsdp_error <= 2 * fsdp_error + 5e-3 * truth.norm().item(), (
+                    f"grad of {name} at step {step}: rsdp {rsdp_error:.3g} from float64, FSDP2 {fsdp_error:.3g}"
+                )
+        for optimizer in optimizers.values():
+            optimizer.step()
+    return ratios
+
+
+@pytest.mark.parametrize(
+    "family, implementation, world, experts, precision",
+    [
+        ("qwen3_moe", "grouped_mm", 2, 8, "fp32"),
+        ("mixtral", "eager", 3, 8, "fp32"),  # blocks of 3, 3, 2 experts
+        ("gpt_oss", "grouped_mm", 4, 8, "bf16"),
+        ("qwen3_moe", "grouped_mm", 3, 8, "bf16"),
+    ],
+)
+def test_lora_on_experts_matches_fsdp2(ranks, family, implementation, world, experts, precision):
+    ratios = ranks.run(world, lora_against_fsdp2_case, family, implementation, experts, precision)[0]
+    if ratios:
+        print(f"{family} {precision} on {world} ranks: rsdp's distance from float64 over FSDP2's {min(ratios):.4f}..{max(ratios):.4f}")
 
 
 def lora_refusal_case(kind: str) -> str:
-    """The error, on this rank, for LoRA on experts that the expert rings cannot apply per block."""
+    """The error, on this rank, for LoRA on experts that the expert rings cannot apply per block (merged,
+    on a 2-D bias, on Llama-4's experts), or cannot see (a call of its own on the experts or an inner
+    wrapper)."""
     peft = pytest.importorskip("peft")
-    if kind == "merged":
+    if kind in ("merged", "experts", "inner wrapper"):
         model = lora_moe("mixtral", "eager", torch.float64, 8, ("default",))
+    if kind == "merged":
         model.merge_adapter()
-    else:  # gpt-oss's expert bias, [experts, out]: peft adapts it as one 2-D weight across the experts
+    elif kind == "bias":  # gpt-oss's expert bias, [experts, out]: peft adapts it as one 2-D weight across the experts
         model = peft.get_peft_model(
             tiny_moe("gpt_oss", "eager"), peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj_bias"])
         )
+    elif kind == "llama4":  # experts on rings of their own, without Hugging Face's markers
+        targets = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+        model = peft.get_peft_model(tiny_llama4(torch.float64), peft.LoraConfig(r=2, target_modules=[], target_parameters=targets))
     tokens = torch.randint(3, VOCAB, (1, 6))
     try:
+        if kind in ("experts", "inner wrapper"):  # a call of its own inside the wrappers, then the layers
+            for layer in model.get_base_model().model.layers:
+                rsdp_shard(layer.mlp.experts.base_layer if kind == "inner wrapper" else layer.mlp.experts.get_base_layer())
         shard_moe(model, "rsdp")(input_ids=tokens, labels=tokens)
     except ValueError as error:
         return str(error)
@@ -255,6 +336,9 @@ def lora_refusal_case(kind: str) -> str:
     [
         ("merged", r"experts 'mlp.experts' have LoRA adapters merged into \['gate_up_proj', 'down_proj'\].*Call unmerge_adapter\(\) first"),
         ("bias", r"experts 'mlp.experts' has peft LoRA on \['gate_up_proj_bias'\], which are not 3-D.*Drop them from target_parameters"),
+        ("experts", r"peft's LoRA wrapper 'mlp.experts.base_layer' is around 'mlp.experts.base_layer.base_layer', which an earlier rsdp_shard .*Shard the decoder layer \(or 'mlp.experts', the outermost wrapper\)"),
+        ("llama4", r"peft's LoRA on parameters of 'feed_forward.experts.base_layer.base_layer' \(Llama4TextExperts; target_parameters\) runs on the expert rings of Hugging Face's use_experts_implementation experts only.*fully_shard\(layer.feed_forward.experts\), then rsdp_shard\(layer\)"),
+        ("inner wrapper", r"peft's LoRA wrapper 'mlp.experts' is around 'mlp.experts.base_layer', which an earlier .*Shard the decoder layer \(or 'mlp.experts', the outermost wrapper\)"),
     ],
 )
 def test_lora_on_experts_that_the_ring_cannot_apply_is_refused_on_every_rank(ranks, kind, message):

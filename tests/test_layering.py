@@ -17,7 +17,7 @@ def _layout_order() -> list[str]:
     """The engine's files in the order docs/design.md's layout table lists them."""
     text = (ROOT / "docs" / "design.md").read_text()
     table = text[text.index("rsdp/_fully_shard/  the engine") : text.index("rsdp/planner/")]
-    return re.findall(r"^  (_[a-z_]+)\.py ", table, flags=re.MULTILINE)
+    return re.findall(r"^  (_[a-z0-9_]+)\.py ", table, flags=re.MULTILINE)
 
 
 def _engine_imports(path: Path) -> set[str]:

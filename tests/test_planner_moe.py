@@ -1,7 +1,7 @@
 """The planner on mixture-of-experts models: each strategy's expert transients against measured peaks
 (FSDP2 gathers a layer's experts whole and holds their unsharded gradient; rsdp's expert rings hold
 blocks of whole experts of one projection at a time), the published MoE configs, and
-every model torchtitan ships planned without a traceback."""
+every model torchtitan ships planned without a traceback; frozen experts under LoRA (no gradient transients)."""
 
 import contextlib
 import copy
@@ -183,3 +183,61 @@ def test_a_published_moe_configs_experts_are_counted_from_its_config(name):
     assert (counted.experts, counted.experts_bytes, counted.trainable_experts_bytes) == (experts, 4 * experts * per_expert, 4 * experts * per_expert)
     per_expert_up = 2 * hidden * inner + (2 * inner if config["model_type"] == "gpt_oss" else 0)
     assert (counted.up_bytes, counted.trainable_up_bytes) == (4 * experts * per_expert_up, 4 * experts * per_expert_up)
+
+
+def test_frozen_experts_under_lora_carry_no_gradient_transients(tmp_path):
+    """``rsdp plan --model hf:<a Qwen3-MoE config.json> --lora-rank 16`` (peft's adapters on the blocks'
+    Linears; the experts, 3-D parameters, frozen), counted on the meta device: no expert gradient is
+    stored, and on 8 ranks rsdp's expert ring holds its weights alone, two blocks of the up projection
+    in forward and backward (no partials, no step gradient, no deferred hop), where the same experts
+    trained would hold more."""
+    import dataclasses
+    import json
+
+    from rsdp.planner import _models, _training
+    from rsdp.planner._cost_model import _Parallelism
+
+    config = {**SHAPE, **FAMILIES["qwen3_moe"][2], "model_type": "qwen3_moe", "num_experts": 12}  # blocks of 2 on 8 ranks
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model, loss_fn, _ = _models.build(f"hf:{tmp_path / 'config.json'}", {})
+    model = _training.as_trained(model, training_dtype="bf16", lora_rank=16, lora_targets=None, frozen=[])
+    units = find_units(model)
+    layer = next(name for name in units if name.endswith("layers.1"))
+    counted = count(model, units, torch.zeros(1, 17, dtype=torch.long), loss_fn).units[layer]
+    assert counted.experts == 12 and counted.experts_bytes > counted.up_bytes > 0
+    assert (counted.trainable_experts_bytes, counted.trainable_up_bytes) == (0, 0)
+    lora = _Parallelism(counted, Strategy.RSDP, cluster(8))
+    trained = _Parallelism(
+        dataclasses.replace(counted, trainable_experts_bytes=counted.experts_bytes, trainable_up_bytes=counted.up_bytes), Strategy.RSDP, cluster(8)
+    )
+    block = counted.up_bytes * 2 // 12  # the up projection's 2 experts of 12, in the stored dtype
+    assert (lora.expert_step, lora.expert_deferred) == (0, 0) and trained.expert_step > 0
+    assert lora.ring_forward == lora.ring == 2 * block < trained.ring
+
+
+def lora_moe_peaks_case() -> list[tuple[str, float, float]]:
+    """Tiny Qwen3-MoE with peft's LoRA on the attention (experts frozen), FSDP and rsdp everywhere:
+    (label, predicted, measured), AdamW over the adapters."""
+    from rsdp.planner._training import with_lora
+
+    tokens = torch.randint(3, SHAPE["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(0))
+    model = with_lora(tiny_moe("qwen3_moe"), 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    names = ["", *find_units(model)]
+    counts = count(counted_as_planned(model), names[1:], tokens, next_token_loss)
+    results = []
+    for strategy in (Strategy.FSDP, Strategy.RSDP):
+        policy = dict.fromkeys(names, strategy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a model built outside a mesh, rotary scaling notes
+            trained = parallelize(copy.deepcopy(model), policy)
+            measured = measure_peak(trained, tokens, next_token_loss, lambda params: torch.optim.AdamW([p for p in params if p.requires_grad]))
+        results.append((f"qwen3_moe LoRA {strategy.value}", predicted(model, policy, tokens, cluster(dist.get_world_size()), counts), measured))
+    return results
+
+
+def test_moe_peak_under_lora_is_within_15_percent_of_the_measured_peak(ranks):
+    """Frozen experts beside trained adapters, on 4 ranks: rsdp's expert rings carry weights and no
+    gradient partials, FSDP2 gathers the experts and makes no unsharded expert gradient."""
+    for label, prediction, measured in ranks.run(4, lora_moe_peaks_case)[0]:
+        print(f"4 ranks, {label}: predicted {prediction / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB ({measured / prediction:.3f})")
+        assert 1 - TOLERANCE <= measured / prediction <= 1 + TOLERANCE, f"{label}: {measured} vs {prediction}"

@@ -1,6 +1,7 @@
 """``rsdp_shard``, used like FSDP2's ``fully_shard``, and ``RSDPModule``, the class it swaps in."""
 
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -17,9 +18,10 @@ from .._compat import (
 )
 from ._ddp_habits import check_same_weights, record_replacement, replaced, watch_state_dicts
 from ._embedding import RingEmbedding
-from ._expert_lora import LoraExpertsBlock, peft_wrappers
+from ._expert_lora import LoraExpertsBlock, check_wrappers_reach_their_experts, peft_wrappers
 from ._experts import ExpertRing, ExpertsBlock, RingExperts, is_experts_module
 from ._grouped_experts import GroupedExpertsBlock, is_grouped_experts
+from ._llama4_experts import Llama4ExpertsBlock, is_llama4_experts
 from ._linear import RingLinear
 from ._param import placements_for, shard_parameter
 from ._context import share_ring_context
@@ -92,11 +94,14 @@ def rsdp_shard(
     _check_not_managed(module)
     _check_ring_group_size(ring_group_size, mesh, bool(ring_plan))
     managed, nested = _managed_and_nested_modules(module)
-    if ring_group_size > 1 and any(is_experts_module(owner) or is_grouped_experts(owner) for owner in managed):
+    if ring_group_size > 1 and any(map(_on_expert_rings, managed)):
         raise ValueError(
             f"rsdp_shard: ring_group_size={ring_group_size} does not compose with experts modules yet: use "
             "ring_group_size=1 in the rsdp_shard call that shards the module holding the experts."
         )
+    names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
+    check_wrappers_reach_their_experts(managed, nested, names)
+    _refuse_routed_experts_without_rings(managed, names)
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy(), ring_group_size)
     sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
     column_split = {id(block.row.weight) for block in sub_blocks}
@@ -109,9 +114,9 @@ def rsdp_shard(
     replacement = _sharded_parameters(slots, nested, mesh, state.device, column_split)
     for name, param in newly_sharded:
         record_replacement(param, replacement[id(param)], f"{type(module).__qualname__}.{name}")
-    names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
     experts = _experts_blocks(managed, names)
     experts += [GroupedExpertsBlock(owner, names[id(owner)]) for owner in managed if is_grouped_experts(owner)]
+    experts += [Llama4ExpertsBlock(owner, names[id(owner)]) for owner in managed if is_llama4_experts(owner)]
     # peft's LoRA on experts is used whole at every step too.
     adapter_linears |= {id(linear) for block in experts for linear in block.adapter_linears}
     planned = {id(m) for block in sub_blocks for m in (block.module, block.row, *block.columns)}
@@ -142,6 +147,38 @@ def _experts_blocks(managed: list[nn.Module], names: dict[int, str]) -> list[Exp
         else:
             blocks.append(ExpertsBlock(owner, names[id(owner)]))
     return blocks
+
+
+def _on_expert_rings(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module that rotates on expert rings of its own."""
+    return is_experts_module(module) or is_grouped_experts(module) or is_llama4_experts(module)
+
+
+@functools.cache
+def _takes_routing(module_class: type) -> bool:
+    """Whether ``module_class``'s forward takes ``top_k_index`` (Hugging Face's experts' routing)."""
+    try:
+        return "top_k_index" in inspect.signature(module_class.forward).parameters
+    except (TypeError, ValueError):  # a forward with no Python signature
+        return False
+
+
+def _refuse_routed_experts_without_rings(managed: list[nn.Module], names: dict[int, str]) -> None:
+    """Refuse experts modules called with routing (``top_k_index``, Hugging Face's experts signature) that
+    no expert ring runs (LongCat-Flash's, Step-3's, DBRX's: no ``use_experts_implementation`` markers).
+    Their forward uses the weights of only the experts its tokens reach, so op by op (``_operand.py``)
+    each rank would gather a different number of times, and ranks that route differently would wait
+    for each other until the collective timeout."""
+    for owner in managed:
+        if _takes_routing(type(owner)) and not _on_expert_rings(owner) and any(p.dim() >= 2 for p in owner.parameters()):
+            name = names[id(owner)]
+            raise ValueError(
+                f"rsdp_shard: experts {name!r} ({type(owner).__name__}) are routed (top_k_index) but are not a kind the "
+                "expert rings run (Hugging Face's use_experts_implementation experts, Llama-4's, torchtitan's "
+                "GroupedExperts): op by op each rank would gather the weights of only the experts its tokens reach, "
+                "and ranks that route differently would hang. Shard that module with torch's fully_shard instead, "
+                f"before rsdp_shard on the module holding it (e.g. fully_shard(layer.{name}), then rsdp_shard(layer))."
+            )
 
 
 def _planned_sub_blocks(module: nn.Module, managed: list[nn.Module], ring_plan: dict, mesh: DeviceMesh) -> list:

@@ -23,6 +23,12 @@ factors, with the wrapper's ``num_experts`` the block's size for the call.
 Pitfalls:
 - Only the adapters a wrapper has active apply, none under ``disable_adapter()``; adapters merged into
   the weights (``merge_adapter()``) are refused at the call: the merged update would be added again.
+- The call that shards the experts must see the wrappers around them (the decoder layer's, or the
+  outermost wrapper's, which is what ``layer.mlp.experts`` is under peft): a call of its own on the
+  experts module or an inner wrapper cannot, and the wrappers' own forward would then fold the update
+  into the sharded weight. Refused at the ``rsdp_shard`` call that reaches the wrappers.
+- peft's wrappers around anything but Hugging Face's marked experts (Llama-4's, a Linear's weight) are
+  refused: their parametrization would replace a sharded parameter for the call.
 - A wrapper must adapt a ``[experts, ...]`` 3-D weight of the experts module itself; peft's 2-D case (an
   expert bias ``[experts, out]``, adapted as one Linear) mixes experts and is refused at ``rsdp_shard``.
 - The update is folded in the weights' dtype with autocast off, as peft's parametrization folds it.
@@ -37,7 +43,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from ._experts import ExpertsBlock, ExpertStage, Groups
+from ._experts import ExpertsBlock, ExpertStage, Groups, is_experts_module
 from ._param import shard_layout
 
 
@@ -50,6 +56,33 @@ def peft_wrappers(experts: nn.Module, parents: dict[int, nn.Module]) -> list[nn.
         wrappers.append(parent)
         inner = parent
     return wrappers
+
+
+def check_wrappers_reach_their_experts(managed: list[nn.Module], nested: list[nn.Module], names: dict[int, str]) -> None:
+    """Refuse peft's ``ParamWrapper`` (in ``managed``) around experts that an earlier ``rsdp_shard`` (or
+    ``fully_shard``) call already manages (``nested``: the experts module itself, or an inner wrapper):
+    the rings run the outermost wrapper's call, which that earlier call cannot see; and around anything
+    but Hugging Face's experts (Llama-4's, a Linear's weight), whose parametrization would replace a
+    sharded parameter for the call (see the module's pitfalls)."""
+    nested_ids = {id(module) for module in nested}
+    parents = {id(child): parent for parent in managed for child in parent.children()}
+    for wrapper in filter(lambda module: hasattr(module, "parameter_name"), managed):
+        inner, adapted = wrapper.base_layer, wrapper.get_base_layer()
+        outermost = ([wrapper] + peft_wrappers(wrapper, parents))[-1]
+        if not is_experts_module(adapted):
+            raise ValueError(
+                f"rsdp_shard: peft's LoRA on parameters of {names[id(adapted)]!r} ({type(adapted).__name__}; target_parameters) "
+                "runs on the expert rings of Hugging Face's use_experts_implementation experts only. Shard "
+                f"{names[id(outermost)]!r}, the outermost wrapper, with torch's fully_shard before this rsdp_shard call "
+                f"(e.g. fully_shard(layer.{names[id(outermost)]}), then rsdp_shard(layer)), or adapt other modules."
+            )
+        if id(inner) in nested_ids:
+            raise ValueError(
+                f"rsdp_shard: peft's LoRA wrapper {names[id(wrapper)]!r} is around {names[id(inner)]!r}, which an earlier "
+                "rsdp_shard or fully_shard call already shards; the expert rings add the adapters' update per block "
+                f"only when they run the outermost wrapper's call. Shard the decoder layer (or {names[id(outermost)]!r}, "
+                "the outermost wrapper) without a call of its own on the experts or an inner wrapper."
+            )
 
 
 class LoraExpertsBlock(ExpertsBlock):

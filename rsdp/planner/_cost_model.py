@@ -114,6 +114,7 @@ from .._compat import TorchDispatchMode, in_backward, tree_leaves
 from .._fully_shard._checkpoint import in_ring_checkpoint_forward
 from .._fully_shard._experts import ExpertsBlock, is_experts_module
 from .._fully_shard._grouped_experts import GroupedExpertsBlock, is_grouped_experts
+from .._fully_shard._llama4_experts import Llama4ExpertsBlock, is_llama4_experts
 from ..policy import Strategy
 from ._allocator import reserved_peak
 from ._profile import Carried, Phase, RootCost, StepPhases, UnitCost, run_marked_step
@@ -432,10 +433,10 @@ def up_ring_of(module: nn.Module) -> tuple[str, ...]:
     """The parameters of ``module``'s larger expert ring (the up projection's) if rsdp rotates it on
     expert rings (``_fully_shard/_experts.py``), or all its parameters if it is another experts module
     (``experts_of``), else none."""
-    if is_experts_module(module):
-        return ExpertsBlock.ring_parameters(module)[0]
-    if is_grouped_experts(module):
-        return GroupedExpertsBlock.ring_parameters(module)[0]
+    kinds = ((is_experts_module, ExpertsBlock), (is_grouped_experts, GroupedExpertsBlock), (is_llama4_experts, Llama4ExpertsBlock))
+    for recognised, block in kinds:
+        if recognised(module):
+            return block.ring_parameters(module)[0]
     return tuple(name for name, _ in module.named_parameters(recurse=False)) if experts_of(module) else ()
 
 
