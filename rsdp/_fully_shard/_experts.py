@@ -24,8 +24,10 @@ the backward rotates each ring's weights again with its gradient partials, summe
 owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
 projection's ring the input's. Rings of one weight each, rather than one ring of all, make every
 message smaller: the ring buffers hold two messages of the larger ring (in backward: weights and
-partials), about 2/W of the up projection's experts in forward and 4/W in backward, and no step
-recomputes a forward. Every rank runs all W steps of both rings whatever its routing, so ranks that
+partials), about 2/W of the up projection's experts in forward and 4/W in backward (and the owner's
+own contribution, 1/W, which becomes its gradient shard), and no step recomputes a forward. A backward
+step writes its weight gradients into the partials (``GradientSink``), and a ring's last hop goes at
+once from the ring buffer (``defers_last_hop``): neither leaves a block-sized tensor beside the buffers. Every rank runs all W steps of both rings whatever its routing, so ranks that
 route differently make the same exchanges; a block that got none of a rank's tokens multiplies no rows.
 
 What each kind says (``ExpertsBlock`` here for Hugging Face, ``GroupedExpertsBlock`` in
