@@ -271,12 +271,14 @@ def moe_layer_peaks_case(experts: int, tokens: int) -> dict:
 def test_moe_layer_peak_against_fsdp2_on_four_ranks(ranks):
     """One layer: FSDP2 gathers the experts whole and keeps them (a lone root reshards nothing after
     forward), then adds their unsharded gradient: 2 layers of experts. The expert rings' backward holds
-    4/W of them in the up-projection ring's (w1 and w3; ``test_experts.py``'s peak test says which): 1 on
-    4 ranks, measured 0.597 of FSDP2's peak (on 2 ranks 4/W is 2, and rsdp's peak 1.26 of FSDP2's)."""
+    its up-projection ring's two messages and the owner's contribution (w1 and w3; ``test_experts.py``'s
+    peak test says which) and a step's weight gradient (torchtitan's products are bfloat16, the partials
+    float32, so it is not written into them): 6/W of the up projection, measured 0.521 of FSDP2's peak
+    on 4 ranks."""
     for rank, peaks in enumerate(ranks.run(4, moe_layer_peaks_case, 16, 16)):
         ratio = peaks["rsdp"] / peaks["fsdp"]
         print(f"rank {rank}: fsdp {peaks['fsdp'] / 2**20:.3f} MiB, rsdp {peaks['rsdp'] / 2**20:.3f} MiB, ratio {ratio:.3f}")
-        assert ratio <= 0.61, f"rank {rank}: rsdp peak {peaks['rsdp']} B is {ratio:.2f} of fsdp's {peaks['fsdp']} B"
+        assert ratio <= 0.53, f"rank {rank}: rsdp peak {peaks['rsdp']} B is {ratio:.3f} of fsdp's {peaks['fsdp']} B"
 
 
 def wrong_call_case() -> str:

@@ -24,8 +24,10 @@ the backward rotates each ring's weights again with its gradient partials, summe
 owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
 projection's ring the input's. Rings of one weight each, rather than one ring of all, make every
 message smaller: the ring buffers hold two messages of the larger ring (in backward: weights and
-partials), about 2/W of the up projection's experts in forward and 4/W in backward, and no step
-recomputes a forward. Every rank runs all W steps of both rings whatever its routing, so ranks that
+partials), about 2/W of the up projection's experts in forward and 4/W in backward (and the owner's
+own contribution, 1/W, which becomes its gradient shard), and no step recomputes a forward. A backward
+step writes its weight gradients into the partials (``GradientSink``), and a ring's last hop goes at
+once from the ring buffer (``defers_last_hop``): neither leaves a block-sized tensor beside the buffers. Every rank runs all W steps of both rings whatever its routing, so ranks that
 route differently make the same exchanges; a block that got none of a rank's tokens multiplies no rows.
 
 What each kind says (``ExpertsBlock`` here for Hugging Face, ``GroupedExpertsBlock`` in
@@ -50,8 +52,10 @@ Pitfalls:
 - The kept graphs hold the experts' activations as the stock experts do (the sorted rows, the
   intermediate, the activation): where many tokens meet small experts they outweigh the ring buffers'
   saving; activation checkpointing drops them.
-- On a GPU, torch's grouped GEMM wants 16-byte-aligned strides and addresses; a message's segments are
-  aligned to their element size only (``_wire.py``), which real expert shapes keep 16-byte aligned.
+- On a GPU, torch's grouped GEMM wants 16-byte-aligned strides and addresses: a message lays each block
+  of experts out at a multiple of 16 bytes (``_wire.py``), whatever precedes it (a bias, a gradient
+  partial); the strides (a row of an expert's matrix) are the model's, which real expert shapes keep
+  16-byte aligned.
 """
 
 import inspect
@@ -137,6 +141,53 @@ def _grouped_weight(a: torch.Tensor, g: torch.Tensor, groups: Groups) -> torch.T
     return torch.stack([a[start:end].mT @ g[start:end] for start, end in groups.bounds])
 
 
+# The weight gradients a backward step's products write themselves (``GradientSink``), by the address of
+# the weight operand: rings never run concurrently on one rank, so one step's sink is the only one.
+_sinks: dict[int, "_SinkEntry"] = {}
+
+
+class _SinkEntry:
+    """One weight's place in a backward step's partials: its view (``[experts, in, out]``, as the
+    operand), whether the step adds to it, and where in the step's gradients it stands."""
+
+    def __init__(self, view: torch.Tensor, add: bool, position: int, sink: "GradientSink"):
+        self.view, self.add, self.position, self.sink = view, add, position, sink
+
+    def write(self, a: torch.Tensor, g: torch.Tensor, groups: Groups) -> None:
+        """Each expert's ``a_e^T g_e`` written (or added) into its matrix of the view: no gradient the
+        size of the block exists beside the partial."""
+        for matrix, (start, end) in zip(self.view.unbind(0), groups.bounds):
+            if self.add:
+                if end > start:
+                    matrix.addmm_(a[start:end].mT, g[start:end])
+            else:
+                torch.mm(a[start:end].mT, g[start:end], out=matrix)
+        self.sink.written.add(self.position)
+
+
+class GradientSink:
+    """For one backward step of an expert ring (``_sub_block._SubBlockBackward.step``): the products'
+    weight gradients go straight into the partials the step writes or adds them to (``into``), one
+    ``mm`` per expert with ``out=`` (or ``addmm_``) instead of a grouped GEMM's result beside them, which
+    at the backward's peak would be 1/W of the projection's experts more. A weight whose gradient
+    autograd must carry on (a LoRA-updated weight is not the operand itself) or whose compute dtype is
+    not the partial's is left to autograd. ``written``: the positions in ``into`` written."""
+
+    def __init__(self, operands: list[torch.Tensor], grad_slots: list[int], into: list[torch.Tensor], add: bool):
+        self.written: set[int] = set()
+        self.keys = []
+        for position, (slot, view) in enumerate(zip(grad_slots, into)):
+            operand = operands[slot]
+            if operand.dim() == 3:
+                key = operand.data_ptr()
+                _sinks[key] = _SinkEntry(view, add, position, self)
+                self.keys.append(key)
+
+    def close(self) -> None:
+        for key in self.keys:
+            del _sinks[key]
+
+
 class _ExpertProduct(torch.autograd.Function):
     """``x @ w_t[e]`` for each row's expert e, computed in ``dtype`` (``x`` and ``w_t`` cast inside), as
     torch's grouped GEMM of ``x.to(dtype)`` and ``w_t.to(dtype)`` and its autograd compute it; it saves ``w_t``
@@ -154,7 +205,13 @@ class _ExpertProduct(torch.autograd.Function):
         groups, dtype = ctx.groups, ctx.dtype
         grad = grad.contiguous()  # a sum's gradient comes expanded, which the grouped GEMM refuses
         grad_x = _grouped(grad, w_t.to(dtype).mT, groups).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = _grouped_weight(x.to(dtype), grad, groups).to(w_t.dtype) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            sink = _sinks.get(w_t.data_ptr())
+            if sink is not None and sink.view.dtype == dtype:
+                sink.write(x.to(dtype), grad, groups)  # autograd gets None: the step's partial has it
+            else:
+                grad_w = _grouped_weight(x.to(dtype), grad, groups).to(w_t.dtype)
         return grad_x, grad_w, None, None
 
 
@@ -173,6 +230,11 @@ class ExpertStage:
 
     per_shard = shard_parts = ()  # parameters used whole at every step: none but LoRA adapters (_expert_lora.py)
     keeps_graphs = True
+    gradient_sink = GradientSink  # a backward step's weight gradients written into its partials
+    # The partials' last hop goes at once from the ring buffer, not deferred to the next ring: a copy of an
+    # up projection's partials, or room for a down projection's in the up ring's messages, would be the
+    # backward's peak (docs/design.md, "Expert rings").
+    defers_last_hop = False
     advice = ""  # a sub-block's refusal names plan entries; no ring_plan entry names an experts module
 
     def __init__(self, experts: "ExpertRing", names: tuple[str, ...], product, label: str):

@@ -174,6 +174,13 @@ class SubBlock:
 
     # The interface the ring below drives, which an experts block (``_experts.py``) also provides.
     keeps_graphs = True  # each forward step's graph is kept for the backward (``_ShardGraphs``)
+    # ``gradient_sink(operands, grad_slots, into, add)``: where a step's products may write their weight
+    # gradients themselves (an experts block's: ``_experts.GradientSink``), or None: autograd returns them.
+    gradient_sink = None
+    # Whether a synchronised backward's last hop rides the next ring (``_ring.DeferredHop``: a copy of the
+    # partials beside the ring buffers until then, and room for them in the next ring's messages) or
+    # goes at once from the ring buffer (one more exchange, no memory: an experts block's).
+    defers_last_hop = True
 
     def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
@@ -694,18 +701,23 @@ class _SubBlockBackward:
                 for view in into:
                     view.zero_()
             return
-        got = None if self.graphs is None else self.graphs.backward(shard, operands, self.dy, self.needs_inputs, self.grad_index)
-        if got is None:
-            got = self._recomputed(shard, operands)
+        sink = None if into is None or self.block.gradient_sink is None else self.block.gradient_sink(operands, self.grad_index, into, add)
+        try:
+            got = None if self.graphs is None else self.graphs.backward(shard, operands, self.dy, self.needs_inputs, self.grad_index)
+            if got is None:
+                got = self._recomputed(shard, operands)
+        finally:
+            if sink is not None:
+                sink.close()
         got = iter(got)
         for index, need in enumerate(self.needs_inputs):
             if need:
                 g = next(got)
                 if g is not None:
                     self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
-        for view, g in zip(into or [], got):
+        for position, (view, g) in enumerate(zip(into or [], got)):
             if g is None:
-                if not add:
+                if not add and (sink is None or position not in sink.written):
                     view.zero_()
             elif add:
                 view.add_(g)
@@ -761,8 +773,13 @@ class _SubBlockBackward:
             final = run.turn(pack if run.prefetched is None else run.prefetched, self._own_contribution,
                              self._partials_arrived, region=self._region)
             # W-1 hops took every partial past every rank but its owner, one hop down. That hop rides
-            # the next ring's first exchange, or goes alone at the end of the backward.
-            run.defer_last_hop(final[: self.grads.nbytes].clone(), functools.partial(self._home, self.mine))
+            # the next ring's first exchange, or goes alone at the end of the backward; or, where the
+            # block says so, goes now from the ring buffer (``defers_last_hop``).
+            home = functools.partial(self._home, self.mine)
+            if self.block.defers_last_hop:
+                run.defer_last_hop(final[: self.grads.nbytes].clone(), home)
+            else:
+                run.send_last_hop(final, self.grads.nbytes, home)
 
     def _add_unsynced(self, shard: int, views: list[torch.Tensor]) -> None:
         """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""

@@ -11,7 +11,10 @@ whether the pool's buffers were replaced, so that views of the pool's own buffer
 reused, and views of any other buffer are made fresh.
 
 Pitfalls:
-- A segment is aligned to its own element size only: a wider alignment would put gap bytes on the wire.
+- A segment is aligned to its own element size only (a wider alignment would put gap bytes on the
+  wire), but a 3-D parameter's (a block of experts: ``[experts, out, in]``) starts at a multiple of 16
+  bytes, as torch's grouped GEMM on CUDA requires of its operands; the ring buffers and what rides
+  behind a message are 16-byte aligned too (``_ring._aligned``).
 - A cached view is valid only while the pool's buffers are the ones it was made of (``generation``).
 - What a caller derives from a shard's views (``Views.derived``: a transposed or stacked view of them)
   is cached with the views, so it must be a function of the views alone, and its key must name it.
@@ -26,6 +29,10 @@ import torch
 
 from .._compat import outside_inference_mode
 from ._param import ShardLayout
+
+
+# Where a 3-D parameter's segment (a block of experts) starts in a message: a multiple of this many bytes.
+EXPERTS_ALIGNMENT = 16
 
 
 class MessagePool(typing.Protocol):
@@ -137,9 +144,11 @@ class Message:
         self.offsets = []
         offset = 0
         for segment in segments:
-            # Aligned to the segment's element size only, for its typed view: wider alignment would
-            # put gap bytes on the wire.
-            offset = -(-offset // segment.dtype.itemsize) * segment.dtype.itemsize
+            # Aligned to the segment's element size, for its typed view: wider alignment would put gap
+            # bytes on the wire. A block of experts (rows of two dimensions) goes to a grouped GEMM,
+            # which on CUDA wants 16-byte-aligned operands.
+            alignment = EXPERTS_ALIGNMENT if len(segment.trailing) > 1 else segment.dtype.itemsize
+            offset = -(-offset // alignment) * alignment
             self.offsets.append(offset)
             offset += segment.padded_nbytes
         self.nbytes = offset
