@@ -281,21 +281,19 @@ class _WithinGroup:
         # (this rank's partials, the group's contributions, this rank's place in them) of each
         # reduce-scatter, and the (staged, block) copies before.
         self.reductions, self.stage = [], []
-        if reduced_as is not None:
-            rider_at, end, _ = rider
+        staged_as = reduced_as or (regions.partial_dtype if len(regions.partials) > 1 else None)
+        if staged_as is not None:  # one reduce-scatter of every partial (and the rider), staged
             # From the partials on, or, with none (they would start at the message's end, aligned for
-            # its segments only), from the rider: the gap between is summed and never read.
-            first = regions.partials_start if regions.partials else rider_at
+            # its segments only), from the rider; the gap between them and the rider is summed and
+            # never read.
+            first = regions.partials_start if regions.partials else rider[0]
+            end = regions.members_nbytes if reduced_as is None else rider[1]
             partials = held[first:end]
             by_rank = staging[: size * partials.numel()].view(size, partials.numel())
             self.stage = [(by_rank[:, m], block[b].view(size, -1)) for b, m, _ in regions.partials]
-            self.rider_parts = by_rank[:, rider_at - first : end - first]
-            pieces = [(partials.view(reduced_as), by_rank.view(-1).view(reduced_as))]
-        elif len(regions.partials) > 1 and regions.partial_dtype is not None:
-            partials = held[regions.partials_start : regions.members_nbytes]
-            by_rank = staging[: size * partials.numel()].view(size, partials.numel())
-            self.stage = [(by_rank[:, m], block[b].view(size, -1)) for b, m, _ in regions.partials]
-            pieces = [(partials.view(regions.partial_dtype), by_rank.view(-1).view(regions.partial_dtype))]
+            if reduced_as is not None:
+                self.rider_parts = by_rank[:, rider[0] - first : end - first]
+            pieces = [(partials.view(staged_as), by_rank.view(-1).view(staged_as))]
         else:
             partials = held[regions.partials_start :]
             pieces = [(partials[m].view(dtype), block[b].view(dtype)) for b, m, dtype in regions.partials]
