@@ -389,10 +389,12 @@ class _RingPass:
             self.current = start
         if rider is not None and self.reduce_rider is None:
             rider.start(self.current[self.rider_at :])
-        if self.within is not None and self.reduces:
-            if fill is not None:
-                fill(ring.partial_shard_at(0), self.block)
-            self._within_held().reduce(False, self.reduce_rider, 0)
+        if self.within is not None:
+            self.side = self._side()
+            if self.reduces:
+                if fill is not None:
+                    fill(ring.partial_shard_at(0), self.block)
+                self.side.reduce(False, self.reduce_rider, 0)
 
     def _within_group(self, message: Message, nbytes: int, gathered: int | None, fill) -> None:
         """A ring of groups: the block's regions, the scratch, and the collectives of the two buffers."""
@@ -412,9 +414,9 @@ class _RingPass:
         self.within = [ring._within(regions, buffer, self.scratch, self.rider_key) for buffer in self.buffers]
         self.reduces = bool(self.within[0].reductions)
 
-    def _within_held(self) -> _WithinGroup:
-        """The collectives within the group for the message held: the buffer's own, or (a prefetched
-        message, behind the carrying ring's) those of its place."""
+    def _side(self) -> _WithinGroup:
+        """The collectives within the group for the message held (``side``, set as a message is held):
+        its buffer's own, or (a prefetched message, behind the carrying ring's) those of its place."""
         held = self.held
         if held is not None and self.current is self.buffers[held]:
             return self.within[held]
@@ -424,7 +426,7 @@ class _RingPass:
         """A ring of groups' step: the group's all-gather of the shards held into the block (the
         rider's parts with them), the step's computation on it, and the contribution to the partial
         that arrives next."""
-        within = self._within_held()
+        within = self.side
         within.gather()
         if within.rider_parts is not None and self.reduce_rider is None:
             self.rider.block(step, within.rider_parts)
@@ -461,8 +463,11 @@ class _RingPass:
             wait_for(self.works, self.ring.context.waited_works)
             self.works = []
         self.current, self.held = self.incoming, self.arriving
-        if self.within is not None and self.reduces:
-            self._within_held().reduce(True, self.reduce_rider, step + 1)
+        if self.within is not None:
+            held, within = self.held, self.within
+            self.side = side = within[held] if self.current is self.buffers[held] else self._side()
+            if self.reduces:
+                side.reduce(True, self.reduce_rider, step + 1)
         if on_arrival is not None:
             on_arrival(step + 1, self.current)
         if self.arriving_rider is not None:
