@@ -9,7 +9,8 @@ A ring's first message is often nothing but this rank's own shards, packed from 
 So it can travel before its ring is called. The last exchange of a ring, which overlaps its
 second-to-last step's computation, carries it behind the ring's own message (a ``Passenger``), to the
 same neighbour: the next ring then starts with its first exchange done and costs one exchange fewer.
-A forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges instead of R(W-1); a backward
+A forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges instead of R(W-1) (on a ring of
+groups, W counts the groups: ``Ring.owners``); a backward
 saves one per planned sub-block after a ring that can carry it (below). A prefetched ring's own first
 exchange sends the message prefetched, which lies behind the carrying ring's with nothing free behind
 it, so only its later exchanges can carry anything: on 2 ranks (no exchange of its own) and 3 (one)
@@ -42,7 +43,9 @@ Pitfalls:
   (``RingBuffers.trim``) a prefetched message is kept.
 - An Embedding's forward first message carries the rank's "index out of range" flag, known only once
   it is called; a Linear group's backward first message carries partials: neither is prefetched.
-- Only on the carrying ring's own group and device: the passenger travels on its exchange.
+- Only on the carrying ring's own group, group size and device: the passenger travels on its exchange,
+  to the carrying ring's neighbour (on a ring of groups the rank at this rank's place in the previous
+  group), and what it carries is one rank's shards (``Message.members``).
 - Not under selective activation checkpointing, whose replay needs fresh buffers.
 - NCCL matches point-to-point operations by order, gloo by tag and size: the decisions depend only on
   the sequence of rings, which every rank runs alike, as the rings themselves require.
