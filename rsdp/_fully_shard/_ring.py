@@ -362,16 +362,18 @@ class _RingPass:
             self.rider_at = _aligned(nbytes)
             nbytes = self.rider_at + rider.nbytes
         boarding = self.boarding = _Boarding(ring, nbytes, self.prefetched, region)
-        boarding.add_deferred_hop()
+        if ring.context.deferred_hops.pending is not None:
+            boarding.add_deferred_hop()
         if carry_next is not None:
             boarding.add_next_first(carry_next)
-        boarding.fit()
-        self.boarding_at = boarding.steps  # looked up at every step
+        self.boarding_at = boarding_at = boarding.steps  # looked up at every step
+        if boarding_at and self.prefetched:
+            boarding.fit()
         buffers, grouped = ring.buffers, ring.group_size > 1
-        if boarding:
+        if boarding_at:
             # First, so that the message's own (shorter) views below are of the buffers it makes.
             self.wide = buffers.pair(boarding.nbytes, ring.device)
-        if isinstance(start, torch.Tensor) and (rider is not None or boarding or grouped):
+        if isinstance(start, torch.Tensor) and (rider is not None or boarding_at or grouped):
             start = functools.partial(_copy_message, start)  # into a ring buffer, for what follows it
         self.buffers = buffers.pair(nbytes, ring.device)
         self.works: list = []
@@ -492,18 +494,12 @@ class _Boarding:
     def __init__(self, ring: Ring, nbytes: int, prefetched: bool, region: Callable[[int], slice] | None):
         self.ring, self.message_nbytes, self.prefetched, self.region = ring, nbytes, prefetched, region
         self.hops = ring.owners - 1
-        self._aboard: dict[int, list[tuple[Passenger, int]]] = {}  # step -> (passenger, where its data starts)
+        # The steps at which passengers board: step -> (passenger, where its data starts); a dict, as a
+        # step is looked up at every ring step.
+        self.steps: dict[int, list[tuple[Passenger, int]]] = {}
         self._ends: dict[int, int] = {}
         self.nbytes = 0
         self._deferred: DeferredHop | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self._aboard)
-
-    @property
-    def steps(self) -> dict:
-        """The steps at which passengers board (a dict: a step is looked up at every ring step)."""
-        return self._aboard
 
     def _can_board(self, step: int) -> bool:
         """Whether the exchange of ``step`` is this ring's own, sends its message to the end, and sends a
@@ -518,14 +514,14 @@ class _Boarding:
 
     def _add(self, step: int, passenger: Passenger) -> None:
         at = self._free_at(step)
-        self._aboard.setdefault(step, []).append((passenger, at))
+        self.steps.setdefault(step, []).append((passenger, at))
         self._ends[step] = at + passenger.nbytes
         self.nbytes = max(self.nbytes, self._ends[step])
 
     def add_deferred_hop(self) -> None:
+        """The hop an earlier ring deferred (``DeferredHops.pending``), aboard the first exchange that can
+        take it, or sent alone now."""
         deferred_hops = self.ring.context.deferred_hops
-        if not deferred_hops.pending:
-            return
         step = next((s for s in range(self.hops) if self._can_board(s)), None)
         hop = deferred_hops.take(self.ring, step is not None)
         if hop is not None:
@@ -547,14 +543,14 @@ class _Boarding:
             self._add(step, passenger)
 
     def fit(self) -> None:
-        """A prefetched ring must not grow the ring buffers: that would lose its own first message. If
-        they are too small it carries nothing (a deferred hop goes alone), and the next pass makes
-        them large enough from its start (``RingBuffers.hold``)."""
-        if self and self.prefetched and not self.ring.context.buffers.hold(self.nbytes, self.ring.device):
-            self._aboard, self._ends, self.nbytes = {}, {}, 0
+        """A prefetched ring that takes passengers must not grow the ring buffers: that would lose its
+        own first message. If they are too small it carries nothing (a deferred hop goes alone), and
+        the next pass makes them large enough from its start (``RingBuffers.hold``)."""
+        if not self.ring.context.buffers.hold(self.nbytes, self.ring.device):
+            self.steps.clear()
+            self._ends, self.nbytes = {}, 0
             if self._deferred is not None:
                 _send_alone(self._deferred)
-        self._deferred = None
 
     def end(self, step: int) -> int:
         return self._ends[step]
@@ -562,7 +558,7 @@ class _Boarding:
     def board(self, step: int, sent: torch.Tensor, received: torch.Tensor) -> list[tuple[Passenger, torch.Tensor, torch.Tensor]]:
         """Board the passengers of ``step`` into ``sent``; their regions in ``sent`` and ``received``."""
         aboard = []
-        for passenger, at in self._aboard[step]:
+        for passenger, at in self.steps[step]:
             start, stop = at - passenger.lead, at + passenger.nbytes
             sent_region, received_region = sent[start:stop], received[start:stop]
             passenger.board(sent_region)
@@ -643,31 +639,27 @@ class DeferredHops:
 
     def __init__(self, context):
         self._context = context
-        self._pending: DeferredHop | None = None
+        self.pending: DeferredHop | None = None  # read as each ring starts: an attribute, not a call
 
     def defer(self, hop: DeferredHop) -> None:
         self.flush()
-        self._pending = hop
+        self.pending = hop
         if current_graph_task_id() == -1:  # outside a backward nothing says a ring follows soon
             self.flush()
         else:
             self._context.end_with_backward(self)
 
-    @property
-    def pending(self) -> bool:
-        return self._pending is not None
-
     def take(self, ring: "Ring", can_carry: bool) -> DeferredHop | None:
         """The hop deferred, for an exchange of ``ring`` to carry, or None (sent alone if there is one
         that ``ring`` cannot carry)."""
-        hop, self._pending = self._pending, None
+        hop, self.pending = self.pending, None
         if hop is None or (can_carry and hop.ring.group is ring.group and hop.ring.group_size == ring.group_size and hop.ring.device == ring.device):
             return hop
         _send_alone(hop)
         return None
 
     def flush(self) -> None:
-        hop, self._pending = self._pending, None
+        hop, self.pending = self.pending, None
         if hop is not None:
             _send_alone(hop)
 
@@ -677,7 +669,7 @@ class DeferredHops:
 
     def abandon(self) -> None:
         """Drop a hop that a backward which raised left behind (called as a forward starts)."""
-        self._pending = None
+        self.pending = None
 
 
 def _send_alone(hop: DeferredHop) -> None:
