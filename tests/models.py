@@ -171,22 +171,23 @@ def warm_step_peak(step) -> int:
 TRAJECTORY_RTOL = 1e-6
 
 
-def shard_lm(model, strategy_per_layer, mesh=None):
+def shard_lm(model, strategy_per_layer, mesh=None, ring_group_size=1):
     for layer, strategy in zip(model.layers, strategy_per_layer):
         if strategy == "rsdp":
-            rsdp_shard(layer, mesh=mesh)
+            rsdp_shard(layer, mesh=mesh, ring_group_size=ring_group_size)
         else:
             fully_shard(layer, mesh=mesh or init_device_mesh("cpu", (dist.get_world_size(),)))
     return model
 
 
-def rsdp_lm(seed, *, mesh=None, **config):
-    """A TinyLM with rsdp_shard on every block and the root, and its fp64 reference."""
+def rsdp_lm(seed, *, mesh=None, ring_group_size=1, **config):
+    """A TinyLM with rsdp_shard on every block and the root (rings of groups of ``ring_group_size``),
+    and its fp64 reference."""
     torch.manual_seed(seed)
     model = TinyLM(**config).double()
     reference = twin(model)
-    shard_lm(model, ["rsdp"] * len(model.layers), mesh=mesh)
-    rsdp_shard(model, mesh=mesh)
+    shard_lm(model, ["rsdp"] * len(model.layers), mesh=mesh, ring_group_size=ring_group_size)
+    rsdp_shard(model, mesh=mesh, ring_group_size=ring_group_size)
     return model, reference
 
 

@@ -76,10 +76,11 @@ def _with_lora(model):
     return model
 
 
-def checkpointed_training_case(model_name, use_reentrant, steps=2, lora=False, no_grad_forward_between=False):
+def checkpointed_training_case(model_name, use_reentrant, steps=2, lora=False, no_grad_forward_between=False, ring_group_size=1):
     """``no_grad_forward_between``: a second forward of the model, under ``no_grad``, between each
     forward and its backward (TRL's SFTTrainer computes its metrics so); the recomputation in backward
-    must redo what the first forward did, whatever the second changed."""
+    must redo what the first forward did, whatever the second changed. ``ring_group_size``: every
+    ``rsdp_shard``'s."""
     rank, world = rank_and_world()
     torch.manual_seed(0)
     model, layers_of = MODELS[model_name]()
@@ -90,8 +91,8 @@ def checkpointed_training_case(model_name, use_reentrant, steps=2, lora=False, n
     reference = copy.deepcopy(model)
     ring_plan = base.config.base_model_tp_plan if model_name.endswith("-ring") else None
     for layer in layers_of(base):
-        rsdp_shard(layer, ring_plan=ring_plan)
-    rsdp_shard(model)
+        rsdp_shard(layer, ring_plan=ring_plan, ring_group_size=ring_group_size)
+    rsdp_shard(model, ring_group_size=ring_group_size)
     for m in (model, reference):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -1,7 +1,9 @@
 """A ring of groups (``rsdp_shard(..., ring_group_size=g)``): exact against the fp64 reference for
 every g dividing W on 4, 6 and 8 ranks (shapes that split unevenly, some shards empty), and the
-exchanges it makes: W/g - 1 between groups per ring and pass, one all-gather within the group per
-step and in backward one reduce-scatter (docs/design.md, "A ring of groups")."""
+exchanges it makes: W/g - 1 between groups per ring and pass (one fewer for a ring whose first
+message rode the ring before's last exchange), one all-gather within the group per step and in
+backward one reduce-scatter; the norms' all-gather and their gradients' reduce-scatter ride the
+rings (docs/design.md, "A ring of groups")."""
 
 import functools
 
@@ -17,6 +19,7 @@ from rsdp.memory import CommCounter
 from test_experts import tiny_moe
 from test_nccl_semantics import under_nccl_semantics
 from test_training import bf16_case
+from test_two_models import exchanges_case, two_models_case
 
 
 def groups_lm(seed, group, *, vocab=13, dim=6, hidden=7, layers=2, mesh=None, **config):
@@ -93,10 +96,88 @@ def forward_exchanges_case(group):
 
 
 def test_norms_ride_the_forward_ring(ranks):
-    """10 rings of 2 groups: 10 exchanges between groups, 20 all-gathers within them, and the blocks'
-    norms' all-gather in none of its own: it rides the first ring's."""
+    """10 rings of 2 groups, one exchange between groups each: every other one is prefetched (its one
+    exchange rode the ring before's, and it has none to carry the next), so 5 exchanges, 20
+    all-gathers within the groups, and the blocks' norms' all-gather in none of its own: it rides the
+    first ring's (the Embedding's, which is not prefetched)."""
     for calls, between, within in ranks.run(4, forward_exchanges_case, 2):
-        assert calls == {"c10d::send": 10, "c10d::_allgather_base_": 20} and (between, within) == (10, 20), calls
+        assert calls == {"c10d::send": 5, "c10d::_allgather_base_": 20} and (between, within) == (5, 20), calls
+
+
+def backward_collectives_case(group):
+    """A step's backward, once the schedule says when the norms' gradients ride: its sends, and its
+    collectives within the groups and over all ranks."""
+    model, _ = groups_lm(1, group, final_norm=False)
+    tokens = torch.randint(0, 13, (1, 5))
+    for _ in range(2):  # the first records which modules queue their norms' gradients
+        lm_loss(model(tokens), tokens).backward()
+    loss = lm_loss(model(tokens), tokens)
+    with CommCounter() as backward:
+        loss.backward()
+    collectives = sum(backward.calls.values()) - backward.calls["c10d::send"]
+    return backward.between_groups.messages, backward.within_groups.messages, collectives
+
+
+def test_norms_gradients_ride_the_backward_ring(ranks):
+    """The blocks' norms' gradients are reduce-scattered on a backward ring of groups, summed with its
+    partials within the groups: 10 rings of 2 groups make 10 exchanges and 20 reduce-scatters within
+    the groups (two per ring) besides the weights' all-gathers, and no collective over all ranks."""
+    for between, within, collectives in ranks.run(4, backward_collectives_case, 2):
+        assert between == 10 and within == collectives and collectives > 20, (between, within, collectives)
+
+
+def forward_prefetch_of(model):
+    return model._get_rsdp_state().ring.context.forward_prefetch
+
+
+def linear_stack_case(group, layers=4, steps=5):
+    """Linears in rings of groups, the root sharded too (one ring context): per step the prefetched
+    first exchanges taken and the forward's exchanges between groups and collectives within them; the
+    gradients exact at every step."""
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(6, 6) for _ in range(layers))).double()
+    reference = twin(model)
+    for layer in model:
+        rsdp_shard(layer, ring_group_size=group)
+    rsdp_shard(model, ring_group_size=group)
+    x = torch.randn(world * 2, 6, dtype=torch.float64)
+    counts = []
+    for _ in range(steps):
+        model.zero_grad()
+        reference.zero_grad()
+        used = forward_prefetch_of(model).used
+        with CommCounter() as forward:
+            y = model(local_rows(x, rank, world))
+        y.square().sum().backward()
+        reference(x).square().sum().backward()
+        assert_param_grads_match(model, reference, 1 / world)
+        counts.append((forward_prefetch_of(model).used - used, forward.between_groups.messages, forward.within_groups.messages))
+    return counts
+
+
+def test_prefetch_across_layers(ranks):
+    """Each ring's first message rides the last exchange of the ring before, between the same groups:
+    4 rings of 4 groups of 2 (8 ranks) make 3 + 3 x 2 = 9 exchanges instead of 4 x 3 = 12, and the
+    groups' all-gathers stay one per step."""
+    for counts in ranks.run(8, linear_stack_case, 2):
+        assert counts[0] == (0, 12, 16) and counts[-2:] == [(3, 9, 16)] * 2, counts
+
+
+def test_hugging_face_llama_with_groups_per_decoder_layer(ranks):
+    """A Llama causal LM built from its config, each decoder layer and the root in rings of groups
+    of 2 on 4 ranks, with gradient checkpointing: two AdamW steps against the fp64 model."""
+    from test_hf import checkpointed_training_case  # skips where transformers is missing
+
+    assert all(ranks.run(4, checkpointed_training_case, "llama", False, ring_group_size=2))
+
+
+def test_two_models_with_groups(ranks):
+    """Two models in rings of groups, a frozen reference's forward between the policy's forward and
+    backward (DPO): both exact, and the policy keeps the exchanges it makes alone (its own prefetch
+    and riders)."""
+    ranks.run(4, two_models_case, "dpo", False, True, group=2)
+    assert ranks.run(4, exchanges_case, "dpo", 2) == ranks.run(4, exchanges_case, "alone", 2)
 
 
 def test_bf16_policy_matches_fsdp2(ranks):

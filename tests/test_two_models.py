@@ -25,9 +25,10 @@ from rsdp import rsdp_shard
 from rsdp.memory import CommCounter
 
 
-def build(planned, seed):
+def build(planned, seed, group=1):
+    """A planned Llama or a TinyLM (in rings of groups of ``group``), and its fp64 reference."""
     torch.manual_seed(seed)
-    return planned_llama(vocab=37) if planned else rsdp_lm(seed)
+    return planned_llama(vocab=37) if planned else rsdp_lm(seed, ring_group_size=group)
 
 
 def _pair_loss(policy_logits, other_logits, tokens):
@@ -49,10 +50,10 @@ class Student(torch.nn.Module):
         return self.model(tokens), teacher_logits
 
 
-def two_models_case(pattern, planned, frozen, steps=3):
+def two_models_case(pattern, planned, frozen, steps=3, group=1):
     rank, world = rank_and_world()
-    policy, policy_reference = build(planned, 0)
-    other, other_reference = build(planned, 1)
+    policy, policy_reference = build(planned, 0, group)
+    other, other_reference = build(planned, 1, group)
     if frozen:
         for m in (other, other_reference):
             m.requires_grad_(False)
@@ -135,12 +136,12 @@ def test_two_models_whose_passes_interleave_stay_exact(ranks, pattern, world, pl
     ranks.run(world, two_models_case, pattern, planned, frozen)
 
 
-def exchanges_case(pattern):
+def exchanges_case(pattern, group=1):
     """Sends per pass of TinyLM on 4 ranks from the fourth step on (when a lone model's are steady:
     ``test_prefetch.py``), alone or with a second model whose passes interleave with its own."""
     rank, world = rank_and_world()
-    policy, _ = build(False, 0)
-    other, _ = build(False, 1)
+    policy, _ = build(False, 0, group)
+    other, _ = build(False, 1, group)
     other.requires_grad_(pattern == "alternate")
     tokens = local_rows(torch.randint(1, 37, (world * 2, 6), generator=torch.Generator().manual_seed(0)), rank, world)
     counts = []

@@ -351,10 +351,13 @@ class _RingAllGather:
     carries the segments of the rank whose weight shard it carries (``ring.weight_shard_at``), which
     every other rank copies as it passes. The full parameters are made when the ring ends."""
 
+    reduces = False
+
     def __init__(self, ring, modules: list[GatheredParams], forward_pass: int):
         self.ring, self.forward_pass = ring, forward_pass
         self.parts = _parts(modules)
-        self.segments = torch.empty(ring.size, self.parts[-1][2], dtype=modules[0].gather_key[1], device=ring.device)
+        self.dtype = modules[0].gather_key[1]
+        self.segments = torch.empty(ring.size, self.parts[-1][2], dtype=self.dtype, device=ring.device)
         for module, start, stop in self.parts:
             module._pack(self.segments[ring.rank, start:stop])
         self.nbytes = self.segments.shape[1] * self.segments.element_size()
@@ -368,9 +371,10 @@ class _RingAllGather:
     def arrived(self, step: int, region: torch.Tensor) -> None:
         self.segments[self.ring.weight_shard_at(step)].copy_(self._segment(region))
 
-    def arrived_from(self, rank: int, region: torch.Tensor) -> None:
-        """On a ring of groups: the part of rank ``rank`` (a group's all-gather brings g at a step)."""
-        self.segments[rank].copy_(self._segment(region))
+    def block(self, step: int, parts: torch.Tensor) -> None:
+        """On a ring of groups: the parts of the g ranks whose shards the step's all-gather brought."""
+        first = self.ring.weight_shard_at(step) * self.ring.group_size
+        self.segments[first : first + self.ring.group_size].copy_(parts.view(self.dtype))
 
     def finish(self, region: torch.Tensor) -> None:
         for module, start, stop in self.parts:
@@ -411,15 +415,15 @@ class PendingReductions:
         self._queued[task].append((module, contributions, used_here))
         self._context.schedules[True].reduction(module)
 
-    def ring_rider(self, ring) -> "_RingReduceScatter | None":
+    def ring_rider(self, ring, dtype: torch.dtype | None = None) -> "_RingReduceScatter | None":
         """The queue of the backward running, to reduce-scatter on ``ring``'s messages, if the
         backward's schedule says every module has queued (so none will after), all on ``ring``'s
-        group, device and one dtype. Depends only on the order of rings and modules, which every rank
-        shares."""
+        group, device and one dtype (``dtype``, where given: a ring of groups sums it with partials of
+        that dtype). Depends only on the order of rings and modules, which every rank shares."""
         queued = self._queued.get(current_graph_task_id())
         if not queued or not self._context.schedules[True].all_reductions_queued():
             return None
-        if any(_batch_key(entry) != (ring.group, queued[0][1].dtype, ring.device) for entry in queued):
+        if any(_batch_key(entry) != (ring.group, dtype or queued[0][1].dtype, ring.device) for entry in queued):
             return None
         self._queued[current_graph_task_id()] = []
         return _RingReduceScatter(ring, queued)
@@ -462,11 +466,15 @@ def _finish_batch(batch: list, reduced: torch.Tensor) -> None:
 class _RingReduceScatter:
     """Queued gradients reduce-scattered on a backward ring (a ``Rider``): the message a rank holds at
     step k carries the running sum of shard ``ring.partial_shard_at(k)``'s segment, to which each rank
-    adds its own contribution as it passes; at the last step it is the owner's, complete."""
+    adds its own contribution as it passes; at the last step it is the owner's, complete. On a ring of
+    groups the running sums travel as the partials do, summed within the group at every step."""
+
+    reduces = True
 
     def __init__(self, ring, batch: list):
         self.ring, self.batch = ring, batch
         self.contributions = _contributions_of(batch)
+        self.dtype = self.contributions.dtype
         self.nbytes = self.contributions.shape[1] * self.contributions.element_size()
 
     def _segment(self, region: torch.Tensor) -> torch.Tensor:
@@ -477,6 +485,11 @@ class _RingReduceScatter:
 
     def arrived(self, step: int, region: torch.Tensor) -> None:
         self._segment(region).add_(self.contributions[self.ring.partial_shard_at(step)])
+
+    def block(self, step: int, parts: torch.Tensor) -> None:
+        """On a ring of groups: this rank's contributions for the g ranks of the partial of ``step``."""
+        first = self.ring.partial_shard_at(step) * self.ring.group_size
+        parts.view(self.dtype).copy_(self.contributions[first : first + self.ring.group_size])
 
     def finish(self, region: torch.Tensor) -> None:
         _finish_batch(self.batch, self._segment(region).clone())

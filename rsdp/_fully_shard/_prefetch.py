@@ -9,7 +9,8 @@ A ring's first message is often nothing but this rank's own shards, packed from 
 So it can travel before its ring is called. The last exchange of a ring, which overlaps its
 second-to-last step's computation, carries it behind the ring's own message (a ``Passenger``), to the
 same neighbour: the next ring then starts with its first exchange done and costs one exchange fewer.
-A forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges instead of R(W-1); a backward
+A forward pass of R rings on W >= 4 ranks costs R(W-2)+1 exchanges instead of R(W-1) (on a ring of
+groups, W counts the groups: ``Ring.owners``); a backward
 saves one per planned sub-block after a ring that can carry it (below). A prefetched ring's own first
 exchange sends the message prefetched, which lies behind the carrying ring's with nothing free behind
 it, so only its later exchanges can carry anything: on 2 ranks (no exchange of its own) and 3 (one)
@@ -42,7 +43,9 @@ Pitfalls:
   (``RingBuffers.trim``) a prefetched message is kept.
 - An Embedding's forward first message carries the rank's "index out of range" flag, known only once
   it is called; a Linear group's backward first message carries partials: neither is prefetched.
-- Only on the carrying ring's own group and device: the passenger travels on its exchange.
+- Only on the carrying ring's own group, group size and device: the passenger travels on its exchange,
+  to the carrying ring's neighbour (on a ring of groups the rank at this rank's place in the previous
+  group), and what it carries is one rank's shards (``Message.members``).
 - Not under selective activation checkpointing, whose replay needs fresh buffers.
 - NCCL matches point-to-point operations by order, gloo by tag and size: the decisions depend only on
   the sequence of rings, which every rank runs alike, as the rings themselves require.
@@ -70,7 +73,7 @@ class _FirstMessage:
 
     @property
     def lead(self) -> int:
-        return self.message.offsets[self.first]
+        return self.message.members.offsets[self.first]
 
     def signature(self) -> tuple:
         return (self.message.segments, self.first, _where(self.tensors))
@@ -89,13 +92,14 @@ class _NextFirstMessage:
     def __init__(self, prefetch: "RingPrefetch", tag: int, first: _FirstMessage, room: float):
         self.prefetch, self.tag, self.first, self.room = prefetch, tag, first, room
         self.lead = first.lead
-        self.nbytes = first.message.nbytes - self.lead
+        self.nbytes = first.message.members.nbytes - self.lead
 
     def board(self, region: torch.Tensor) -> None:
         first = self.first
-        as_is = first.message.as_is(first.tensors) if first.first == 0 else None
+        members = first.message.members  # what travels: this rank's shards, on a ring of groups too
+        as_is = members.as_is(first.tensors) if first.first == 0 else None
         if as_is is None:
-            first.message.pack(region, first.ring.rank, first.tensors, first.first)
+            members.pack(region, first.ring.rank, first.tensors, first.first)
         else:
             region.copy_(as_is)
 
@@ -135,9 +139,9 @@ class RingPrefetch:
         exchange if the ring before did it, or None (then it makes its own)."""
         if self.backward:
             self._context.end_with_backward(self)
-        self.schedule.ring(tag, message.segments, first, message.nbytes)
+        self.schedule.ring(tag, message.segments, first, message.members.nbytes)
         prefetched = self._take()
-        prefetchable = tensors is not None and ring.size > 1 and not in_selective_checkpoint()
+        prefetchable = tensors is not None and ring.owners > 1 and not in_selective_checkpoint()
         first_message = _FirstMessage(ring, message, tensors, first) if prefetchable else None
         self._first_messages[tag] = first_message
         if prefetched is None:
@@ -151,10 +155,10 @@ class RingPrefetch:
     def next_first(self, ring: Ring) -> _NextFirstMessage | None:
         """The next ring's first message, for ``ring``'s last exchange to carry (``Ring.circulate``'s
         ``carry_next``), if the schedule says which ring that is and it shares ``ring``'s group and
-        device. Called as a ring of this prefetch's kind starts."""
+        group size (the same neighbour) and device. Called as a ring of this prefetch's kind starts."""
         if in_backward() != self.backward or in_selective_checkpoint():
             return None
-        if self.backward and ring.size < 4:  # the deferred hop the next ring would carry has no place
+        if self.backward and ring.owners < 4:  # the deferred hop the next ring would carry has no place
             return None
         upcoming = self.schedule.next_ring()
         if upcoming is None:
@@ -163,7 +167,7 @@ class RingPrefetch:
         first = self._first_messages.get(tag)
         if first is None or first.message.segments != segments or first.first != first_segment:
             return None
-        if first.ring.group is not ring.group or first.ring.device != ring.device:
+        if first.ring.group is not ring.group or first.ring.group_size != ring.group_size or first.ring.device != ring.device:
             return None
         # In backward, where rsdp's memory peaks (gradients pile up), no larger than the pass's largest
         # message: its first ring, a head's, is often the largest, and carries nothing then.

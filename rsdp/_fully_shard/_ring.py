@@ -9,30 +9,36 @@ and pass, the fewest a ring can do. A planned sub-block's gradient needs its wei
 starts one rank further from its owner and ends one hop short of it after the W-1 exchanges; that
 hop is deferred and travels behind the next ring's first message (``DeferredHop``, ``_sub_block.py``).
 
-``Ring.circulate`` is the one step loop. At each step it starts sending the message it holds and
-receiving the next one, runs ``during`` (the GEMMs on the weights held, the next gradient contribution)
-while they travel, waits, and gives the arrived message to ``on_arrival`` (add the contribution
-computed meanwhile) before it is forwarded.
-
-A ring's W-1 steps pass every rank's message by every other rank, which is what an all-gather does,
-and carry one running sum per rank to its owner, which is what a reduce-scatter does. So a
-collective of small data can ride a ring's messages (``Rider``) instead of synchronising every rank
-once more: the norms' all-gather rides the forward's *carrier* (its first ring able to carry it)
-and their gradients' reduce-scatter the first backward ring that begins once every module has queued
-its gradients, as the pass's record says (``_collectives.py``). Likewise an exchange can carry ``Passenger``s to the
-same neighbour behind its message: the next ring's first message (a forward ring's, or a planned
-sub-block's backward weights) rides a ring's last exchange (``_prefetch.py``), and the last hop of a
-planned sub-block's partials an early exchange of the next ring (``_Boarding``).
-
-Messages live in the ring buffers of the model's ``RingContext`` (``_buffers.py``); ``circulate``
-asks for them at the size of its message and its passengers.
+``Ring.circulate`` is the one step loop, for a ring of ranks and a ring of groups alike. At each step
+it starts sending the message it holds and receiving the next one, runs ``during`` (the GEMMs on the
+weights held, the next gradient contribution) while they travel, waits, and gives the arrived message
+to ``on_arrival`` (add the contribution computed meanwhile) before it is forwarded.
 
 On a ring of groups (``group_size`` g > 1, docs/design.md "A ring of groups") the owners are the W/g
-groups of g consecutive ranks, and ``circulate_blocks`` is the step loop: a rank passes its own place's
-shards to the same place in the previous group, its group all-gathers the shards held into a block
-(the g shards of one group, contiguous rows) for the step to use, and in backward reduce-scatters the
-contributions to the block's partials, each rank's piece travelling on to its owner. A forward's
-all-gather rider travels behind a rank's shards and is gathered with them; no passenger rides.
+groups of g consecutive ranks, and the same loop passes a rank's own place's shards (``Message.members``)
+to the same place in the previous group. Two things are added to a step, both nothing on a ring of
+ranks (a group of one): before ``during``, the group all-gathers the shards its ranks hold into a
+*block* (the g shards of one group, contiguous rows) for the step to use; after the arrival, it
+reduce-scatters the contributions to the block's partials (``fill``), each rank's piece added to the
+partial that arrived and travelling on to its owner (``_WithinGroup``). Everything else is the ring
+of ranks': the same buffers, exchanges, riders and passengers, W/g - 1 exchanges instead of W - 1.
+
+A ring's steps pass every rank's message by every other rank, which is what an all-gather does, and
+carry one running sum per rank to its owner, which is what a reduce-scatter does. So a collective of
+small data can ride a ring's messages (``Rider``) instead of synchronising every rank once more: the
+norms' all-gather rides the forward's *carrier* (its first ring able to carry it) and their
+gradients' reduce-scatter the first backward ring that begins once every module has queued its
+gradients, as the pass's record says (``_collectives.py``). On a ring of groups a rider travels behind
+a rank's shards and goes with the collectives within the group: gathered with the weights, or summed
+with the partials. Likewise an exchange can carry ``Passenger``s to the same neighbour behind its
+message: the next ring's first message (a forward ring's, or a planned sub-block's backward weights)
+rides a ring's last exchange (``_prefetch.py``), and the last hop of a planned sub-block's partials an
+early exchange of the next ring (``_Boarding``); only between rings of one group size, whose
+neighbours are the same ranks.
+
+Messages live in the ring buffers of the model's ``RingContext`` (``_buffers.py``); ``circulate``
+asks for them at the size of its message and its passengers, and on a ring of groups for a scratch
+that holds the block (and the staging area of the collectives within the group).
 
 Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - gloo matches messages on (peer, tag): every ring layer gets its own tags per pass, so that ranks that
@@ -48,7 +54,12 @@ Pitfalls this file exists to contain (docs/design.md, "The ring"):
 - On CUDA, ProcessGroupNCCL runs P2P on its own stream, orders it after the compute that produced the
   buffers, and ``wait()`` makes the compute stream wait for the received data.
 - On a ring of groups each step issues its exchange (shard group) before its group's collectives (the
-  group's process group), on every rank in the same order: NCCL matches both by order.
+  group's process group), on every rank in the same order: NCCL matches both by order. Which
+  collectives a step makes depends on the message's layout and the rider alone, which every rank shares.
+- A passenger or a prefetched message rides only between rings whose neighbours are the same ranks:
+  the same shard group and group size.
+- A ring of groups' partials that arrived are added to this rank's place of the contributions before
+  the reduce-scatter, whose output is the travelling piece itself.
 """
 
 import dataclasses
@@ -157,27 +168,38 @@ class Ring:
 
     def circulate(
         self,
-        nbytes: int,
+        message: Message,
         tag: int,
         start: torch.Tensor | Callable[[torch.Tensor], None] | Prefetched,
         during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
         *,
+        gathered: int | None = None,
+        fill: Callable[[int, torch.Tensor], None] | None = None,
         region: Callable[[int], slice] | None = None,
         carry_next: "Callable[[Ring], NextFirst | None] | None" = None,
         rider: "Rider | None" = None,
     ) -> torch.Tensor:
-        """Pass a message of ``nbytes`` bytes W-1 times down the ring; return the one held last.
+        """Pass ``message`` round the ring, ``owners`` - 1 exchanges; return the message held last.
 
-        ``start`` is this rank's first message: a byte tensor sent as it is, a function that writes it
-        into the buffer it is given, or the first exchange done already (prefetched). At step k,
-        ``during(k, message)`` runs while the message held is sent on and the next one received;
-        ``on_arrival(k + 1, message)`` then sees the next message before it is forwarded. ``region(k)``
-        is the part of the message that travels at step k (all of it by default: a message whose
-        weights are no longer needed sends its partials only). ``rider`` travels behind the message in
-        every step (see ``Rider``): only on all W-1 steps of a whole message not yet sent (one to be
-        sent as it is gets copied into a ring buffer first).
+        What travels is this rank's own shards (``message.members``: on a ring of ranks the message
+        itself). ``start`` is this rank's first message: a byte tensor sent as it is, a function that
+        writes it into the buffer it is given, or the first exchange done already (prefetched). At step
+        k, ``during(k, block)`` runs while the message held is sent on and the next one received:
+        ``block`` holds owner ``weight_shard_at(k)``'s shards, which on a ring of ranks is the message
+        held, and on a ring of groups the block its group all-gathers (segments ``:gathered``, all by
+        default) from the shards its ranks hold. ``on_arrival(k + 1, message)`` then sees the next
+        message before it is forwarded. ``region(k)`` is the part of the message that travels at step k
+        (all of it by default: a message whose weights are no longer needed sends its partials only).
 
+        On a ring of groups the segments from ``gathered`` on are partials: ``fill(t, block)`` writes
+        this rank's contribution to block t into them (before the steps, and in each step that an
+        arrival follows); the group sums the contributions by a reduce-scatter, each rank's piece added
+        to the partial of its place that travels on toward its owner, so the partial of
+        ``partial_shard_at(k)`` is held at step k and the owner's own at the end.
+
+        ``rider`` travels behind the message in every step (see ``Rider``): only on all steps of a
+        whole message not yet sent (one to be sent as it is gets copied into a ring buffer first).
         Exchanges may carry ``Passenger``s behind the message (and rider): a hop deferred by an
         earlier ring (``DeferredHops``) rides the first exchange that is this ring's own, sends its
         message to the end, and sends a message at the start of a buffer (a prefetched one lies behind
@@ -187,127 +209,67 @@ class Ring:
         first message); a deferred hop it cannot take goes alone before its first exchange.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
-        ring_pass = _RingPass(self, nbytes, tag, start, region, carry_next, rider)
-        for step in range(self.size):
+        ring_pass = _RingPass(self, message, tag, start, region, carry_next, rider, gathered, fill)
+        grouped = ring_pass.within is not None
+        for step in range(self.owners):
             ring_pass.send(step)
-            if during is not None:
-                try:
+            try:
+                if grouped:
+                    ring_pass.use_block(step, during)
+                elif during is not None:
                     during(step, ring_pass.current)
-                except BaseException:
-                    drain(ring_pass.works, self.context.waited_works)
-                    raise
+            except BaseException:
+                drain(ring_pass.works, self.context.waited_works)
+                raise
             ring_pass.receive(step, on_arrival)
         return ring_pass.finish()
 
-    def circulate_blocks(
-        self,
-        message: Message,
-        tag: int,
-        start: Callable[[torch.Tensor], None],
-        during: Callable[[int, torch.Tensor], None] | None,
-        gathered: int,
-        fill: Callable[[int, torch.Tensor], None] | None = None,
-        rider: "Rider | None" = None,
-    ) -> torch.Tensor:
-        """``circulate`` on a ring of groups: ``message`` (laid out in blocks, ``layout``) makes W/g - 1
-        exchanges between groups, each rank's of its own place's shards (``message.members``).
-
-        ``start`` writes this rank's first message (its own shards of segments ``:gathered``) into the
-        buffer it is given. At step k the rank's group all-gathers segments ``:gathered`` of the shards
-        its ranks hold into the block of ``weight_shard_at(k)`` and ``during(k, block)`` uses it, while
-        the next shards travel. The other segments are partials: ``fill(t, block)`` writes this rank's
-        contribution to block t into them; the group sums the contributions by a reduce-scatter, each
-        rank's piece added to the partial of its place that travels on toward its owner (the partial of
-        ``partial_shard_at(k)`` is held at step k, and the owner's own at the end). Returns the message
-        held last (``message.members``' layout: this rank's reduced shards of the partials).
-
-        A ``rider`` (an all-gather's, with ``arrived_from``) travels behind this rank's shards: each step's
-        all-gather brings the parts of the g ranks whose shards it gathers. No passenger rides these
-        exchanges: a deferred hop goes alone first. Every rank issues the same exchanges and
-        collectives in the same order, whatever the data."""
-        context = self.context
-        context.deferred_hops.flush()
-        regions = message.block_regions(gathered)
-        rider_at = _aligned(message.members.nbytes)
-        sent = message.members.nbytes if rider is None else rider_at + rider.nbytes
-        pair = self.buffers.pair(sent, self.device)
-        scratch_nbytes = regions.scratch_nbytes if rider is None else regions.staging_at + self.group_size * sent
-        scratch = self.buffers.scratch(max(regions.scratch_nbytes, scratch_nbytes), self.device)
-        block = scratch[: message.nbytes]
-        # The collectives' views, per buffer held.
-        sides = [self._within(regions, buffer, scratch, None if rider is None else (rider_at, sent)) for buffer in pair]
-        held = 0
-        start(pair[0])
-        if rider is not None:
-            rider.start(pair[0][rider_at:sent])
-        if fill is not None:
-            fill(self.partial_shard_at(0), block)
-            sides[0].reduce(add_held=False)
-        for step in range(self.owners):
-            works = []
-            if step + 1 < self.owners:
-                works = self.exchange(pair[held], pair[1 - held], tag)
-            try:
-                sides[held].gather()
-                if rider is not None:
-                    first = self.weight_shard_at(step) * self.group_size
-                    for place, part in enumerate(sides[held].rider_parts):
-                        rider.arrived_from(first + place, part)
-                if during is not None:
-                    during(step, block)
-                if fill is not None and works:
-                    fill(self.partial_shard_at(step + 1), block)
-            except BaseException:
-                drain(works, context.waited_works)
-                raise
-            if works:
-                wait_for(works, context.waited_works)
-                held = 1 - held
-                if fill is not None:
-                    sides[held].reduce(add_held=True)
-        if rider is not None:
-            rider.finish(pair[held][rider_at:sent])
-        return pair[held]
-
-    def _within(self, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple[int, int] | None) -> "_WithinGroup":
-        """The collectives within the group for ``held`` (one of the ring buffers), made once per pool
-        generation and buffer: the views they use cost host time, and a ring of groups runs them at
-        every step. Fresh buffers (selective checkpointing's, outside the pool) get fresh ones."""
-        if self.buffers.place_of(held) is None:
+    def _within(self, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple | None) -> "_WithinGroup":
+        """The collectives within the group for the message ``held`` (in the ring buffers: at the start
+        of one, or behind the message of the ring that carried it), made once per pool generation and
+        place: the views they use cost host time, and a ring of groups runs them at every step. Fresh
+        buffers (selective checkpointing's, outside the pool) get fresh ones."""
+        place = self.buffers.place_of(held)
+        if place is None:
             return _WithinGroup(self, regions, held, scratch, rider)
         # The buffers are the pool's own tensors, the same until it replaces them (a new generation);
         # their memory may be freed and given again between passes, and views follow it.
-        key = (self.buffers.generation, id(held), id(scratch), rider)
+        key = (self.buffers.generation, place, id(scratch), rider)
         within = regions.collectives.get(key)
-        if within is None or within.held is not held or within.scratch is not scratch:
-            if len(regions.collectives) >= 4:  # two buffers held (with a rider or not): the others are of older buffers
+        if within is None:
+            if len(regions.collectives) >= 8:  # two buffers and two prefetched places, with a rider or not: the others are older
                 regions.collectives.clear()
             within = regions.collectives[key] = _WithinGroup(self, regions, held, scratch, rider)
         return within
 
 
 class _WithinGroup:
-    """What a ring of groups does within its group with one message buffer ``held`` (this rank's
-    shards) and the scratch (the block, and the staging area behind it): ``gather`` all-gathers the
-    group's shards of the gathered segments into the block; ``reduce`` sums the group's contributions to
-    the partials in the block into ``held``'s, each rank's piece at its place. Several segments go in one
+    """What a ring of groups does within its group with one message ``held`` (this rank's shards) and
+    the scratch (the block, and the staging area behind it): ``gather`` all-gathers the group's shards
+    of the gathered segments into the block; ``reduce`` sums the group's contributions to the partials
+    in the block into ``held``'s, each rank's piece at its place. Several segments go in one
     collective, staged rank-major (``_wire.BlockRegions``); partials of several dtypes go one by one.
-    A ``rider`` (where its bytes lie behind the message: start, end) is gathered with the weights,
-    staged: ``rider_parts`` are the g ranks' parts of it, in place order."""
 
-    def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple[int, int] | None):
-        self.held, self.scratch, self.group = held, scratch, ring.within
+    A ``rider`` is ``(start, end, reduced_as)``: where its bytes lie behind the message, and for a
+    reduce-scatter's (``Rider.reduces``) the dtype it is summed in, None for an all-gather's. It goes
+    in the collective of its kind, staged with the weights or the partials (a reduce-scatter's only with
+    partials of its dtype: ``RingRun.turn`` offers it no other ring), and ``rider_parts`` is the g
+    ranks' parts of it, ``[g, its bytes]`` in place order."""
+
+    def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple | None):
+        self.group = ring.within
         size, place = ring.group_size, ring.rank % ring.group_size
         block, staging = scratch[: regions.staging_at], scratch[regions.staging_at :]
         self.gathers, self.unstage = [], []  # (output, input) of each all-gather; (block, staged) copies after
-        self.rider_parts = []
-        if rider is not None:
-            rider_at, end = rider
+        self.rider_parts = None
+        reduced_as = None if rider is None else rider[2]
+        if rider is not None and reduced_as is None:
+            rider_at, end, _ = rider
             gathered = staging[: size * end]
             self.gathers.append((gathered, held[:end]))
             by_rank = gathered.view(size, end)
             self.unstage = [(block[b].view(size, -1), by_rank[:, m]) for b, m in regions.weights]
-            self.rider_parts = list(by_rank[:, rider_at:end])
+            self.rider_parts = by_rank[:, rider_at:end]
         elif len(regions.weights) == 1:
             ((block_region, member_region),) = regions.weights
             self.gathers.append((block[block_region], held[member_region]))
@@ -319,12 +281,21 @@ class _WithinGroup:
         # (this rank's partials, the group's contributions, this rank's place in them) of each
         # reduce-scatter, and the (staged, block) copies before.
         self.reductions, self.stage = [], []
-        partials = held[regions.partials_start :]
-        if len(regions.partials) > 1 and regions.partial_dtype is not None:
+        staged_as = reduced_as or (regions.partial_dtype if len(regions.partials) > 1 else None)
+        if staged_as is not None:  # one reduce-scatter of every partial (and the rider), staged
+            # From the partials on, or, with none (they would start at the message's end, aligned for
+            # its segments only), from the rider; the gap between them and the rider is summed and
+            # never read.
+            first = regions.partials_start if regions.partials else rider[0]
+            end = regions.members_nbytes if reduced_as is None else rider[1]
+            partials = held[first:end]
             by_rank = staging[: size * partials.numel()].view(size, partials.numel())
             self.stage = [(by_rank[:, m], block[b].view(size, -1)) for b, m, _ in regions.partials]
-            pieces = [(partials.view(regions.partial_dtype), by_rank.view(-1).view(regions.partial_dtype))]
+            if reduced_as is not None:
+                self.rider_parts = by_rank[:, rider[0] - first : end - first]
+            pieces = [(partials.view(staged_as), by_rank.view(-1).view(staged_as))]
         else:
+            partials = held[regions.partials_start :]
             pieces = [(partials[m].view(dtype), block[b].view(dtype)) for b, m, dtype in regions.partials]
         for into, summed in pieces:
             self.reductions.append((into, summed, summed[place * into.numel() : (place + 1) * into.numel()]))
@@ -335,11 +306,14 @@ class _WithinGroup:
         for block, staged in self.unstage:
             block.copy_(staged)
 
-    def reduce(self, add_held: bool) -> None:
+    def reduce(self, add_held: bool, rider: "Rider | None", step: int) -> None:
         """The partials that arrived (``add_held``) are added to this rank's piece of the contributions
-        first, so that the reduce-scatter writes the sum over them."""
+        first, so that the reduce-scatter writes the sum over them; a reduce-scatter's ``rider`` writes
+        its contributions to the partial of ``step`` (``Rider.block``) into its parts first."""
         for staged, block in self.stage:
             staged.copy_(block)
+        if rider is not None:
+            rider.block(step, self.rider_parts)
         for into, summed, mine in self.reductions:
             if add_held:
                 mine.add_(into)
@@ -364,19 +338,23 @@ def within_group(group: dist.ProcessGroup, size: int) -> dist.ProcessGroup:
 
 class _RingPass:
     """One ``Ring.circulate``: the two message buffers, which of them holds the message ``current``, the
-    exchange in flight (``works``), and what rides it (rider, passengers).
+    exchange in flight (``works``), what rides it (rider, passengers) and, on a ring of groups, the
+    collectives within the group (``within``, per message held) and the scratch that holds the block.
 
     Step k ``send``s the message held (the part ``region(k)`` says) and starts receiving the next into
-    the other buffer, except at the last step and at a prefetched ring's first (done ahead); after the
-    step's computation, ``receive`` waits, makes the arrived message ``current`` and shows it to
-    ``on_arrival``, the rider and the passengers that alight."""
+    the other buffer, except at the last step and at a prefetched ring's first (done ahead); on a ring
+    of groups ``use_block`` then gathers the block and runs the step on it; after the step's
+    computation, ``receive`` waits, makes the arrived message ``current``, reduce-scatters a ring of
+    groups' contributions into it, and shows it to ``on_arrival``, the rider and the passengers that
+    alight."""
 
-    def __init__(self, ring: Ring, nbytes: int, tag: int, start, region, carry_next, rider: "Rider | None"):
+    def __init__(self, ring: Ring, message: Message, tag: int, start, region, carry_next, rider: "Rider | None", gathered, fill):
         self.ring, self.tag, self.region, self.rider = ring, tag, region, rider
-        self.hops = ring.size - 1
+        self.hops = ring.owners - 1
         # True for step 0 only: its exchange was done ahead, and its arrival is taken after the step's
         # computation like any other.
         self.prefetched = isinstance(start, Prefetched)
+        nbytes = message.members.nbytes
         self.rider_at = nbytes
         if rider is not None:
             if self.prefetched or region is not None:
@@ -384,20 +362,26 @@ class _RingPass:
             self.rider_at = _aligned(nbytes)
             nbytes = self.rider_at + rider.nbytes
         boarding = self.boarding = _Boarding(ring, nbytes, self.prefetched, region)
-        boarding.add_deferred_hop()
+        if ring.context.deferred_hops.pending is not None:
+            boarding.add_deferred_hop()
         if carry_next is not None:
             boarding.add_next_first(carry_next)
-        boarding.fit()
-        self.boarding_at = boarding.steps  # looked up at every step
-        buffers = ring.context.buffers
-        if boarding:
+        self.boarding_at = boarding_at = boarding.steps  # looked up at every step
+        if boarding_at and self.prefetched:
+            boarding.fit()
+        buffers, grouped = ring.buffers, ring.group_size > 1
+        if boarding_at:
             # First, so that the message's own (shorter) views below are of the buffers it makes.
             self.wide = buffers.pair(boarding.nbytes, ring.device)
-        if isinstance(start, torch.Tensor) and (rider is not None or boarding):
+        if isinstance(start, torch.Tensor) and (rider is not None or boarding_at or grouped):
             start = functools.partial(_copy_message, start)  # into a ring buffer, for what follows it
         self.buffers = buffers.pair(nbytes, ring.device)
         self.works: list = []
         self.held = None  # which of ``buffers`` holds ``current``, if one does
+        self.arriving_rider = None if grouped else rider  # a ring of groups' rider comes with its collectives
+        self.within, self.reduce_rider = None, None
+        if grouped:
+            self._within_group(message, nbytes, gathered, fill)
         if self.prefetched:
             self.current, self.incoming, self.arriving = start.sent, start.received, start.received_in
         elif callable(start):
@@ -405,8 +389,53 @@ class _RingPass:
             start(self.current)
         else:
             self.current = start
-        if rider is not None:
+        if rider is not None and self.reduce_rider is None:
             rider.start(self.current[self.rider_at :])
+        if self.within is not None:
+            self.side = self._side()
+            if self.reduces:
+                if fill is not None:
+                    fill(ring.partial_shard_at(0), self.block)
+                self.side.reduce(False, self.reduce_rider, 0)
+
+    def _within_group(self, message: Message, nbytes: int, gathered: int | None, fill) -> None:
+        """A ring of groups: the block's regions, the scratch, and the collectives of the two buffers."""
+        ring, rider = self.ring, self.rider
+        self.regions = regions = message.block_regions(len(message.segments) if gathered is None else gathered)
+        self.fill = fill
+        self.reduce_rider = rider if rider is not None and rider.reduces else None
+        scratch_nbytes = regions.scratch_nbytes
+        self.rider_key = None
+        if rider is not None:
+            self.rider_key = (self.rider_at, nbytes, rider.dtype if rider.reduces else None)
+            # Staged with the weights (from the message's start) or the partials (from theirs).
+            staged = nbytes - (regions.partials_start if rider.reduces and regions.partials else 0)
+            scratch_nbytes = max(scratch_nbytes, regions.staging_at + ring.group_size * staged)
+        self.scratch = ring.buffers.scratch(scratch_nbytes, ring.device)
+        self.block = self.scratch[: message.nbytes]
+        self.within = [ring._within(regions, buffer, self.scratch, self.rider_key) for buffer in self.buffers]
+        self.reduces = bool(self.within[0].reductions)
+
+    def _side(self) -> _WithinGroup:
+        """The collectives within the group for the message held (``side``, set as a message is held):
+        its buffer's own, or (a prefetched message, behind the carrying ring's) those of its place."""
+        held = self.held
+        if held is not None and self.current is self.buffers[held]:
+            return self.within[held]
+        return self.ring._within(self.regions, self.current, self.scratch, self.rider_key)
+
+    def use_block(self, step: int, during: Callable[[int, torch.Tensor], None] | None) -> None:
+        """A ring of groups' step: the group's all-gather of the shards held into the block (the
+        rider's parts with them), the step's computation on it, and the contribution to the partial
+        that arrives next."""
+        within = self.side
+        within.gather()
+        if within.rider_parts is not None and self.reduce_rider is None:
+            self.rider.block(step, within.rider_parts)
+        if during is not None:
+            during(step, self.block)
+        if self.fill is not None and step < self.hops:
+            self.fill(self.ring.partial_shard_at(step + 1), self.block)
 
     def send(self, step: int) -> None:
         """Start the exchange of ``step``: the message held (its ``region``, and what boards it) down,
@@ -436,10 +465,15 @@ class _RingPass:
             wait_for(self.works, self.ring.context.waited_works)
             self.works = []
         self.current, self.held = self.incoming, self.arriving
+        if self.within is not None:
+            held, within = self.held, self.within
+            self.side = side = within[held] if self.current is self.buffers[held] else self._side()
+            if self.reduces:
+                side.reduce(True, self.reduce_rider, step + 1)
         if on_arrival is not None:
             on_arrival(step + 1, self.current)
-        if self.rider is not None:
-            self.rider.arrived(step + 1, self.current[self.rider_at :])
+        if self.arriving_rider is not None:
+            self.arriving_rider.arrived(step + 1, self.current[self.rider_at :])
         if step in self.boarding_at:
             for passenger, sent_region, received_region in self.aboard:
                 passenger.alight(sent_region, received_region, self.arriving)
@@ -459,19 +493,13 @@ class _Boarding:
 
     def __init__(self, ring: Ring, nbytes: int, prefetched: bool, region: Callable[[int], slice] | None):
         self.ring, self.message_nbytes, self.prefetched, self.region = ring, nbytes, prefetched, region
-        self.hops = ring.size - 1
-        self._aboard: dict[int, list[tuple[Passenger, int]]] = {}  # step -> (passenger, where its data starts)
+        self.hops = ring.owners - 1
+        # The steps at which passengers board: step -> (passenger, where its data starts); a dict, as a
+        # step is looked up at every ring step.
+        self.steps: dict[int, list[tuple[Passenger, int]]] = {}
         self._ends: dict[int, int] = {}
         self.nbytes = 0
         self._deferred: DeferredHop | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self._aboard)
-
-    @property
-    def steps(self) -> dict:
-        """The steps at which passengers board (a dict: a step is looked up at every ring step)."""
-        return self._aboard
 
     def _can_board(self, step: int) -> bool:
         """Whether the exchange of ``step`` is this ring's own, sends its message to the end, and sends a
@@ -486,14 +514,14 @@ class _Boarding:
 
     def _add(self, step: int, passenger: Passenger) -> None:
         at = self._free_at(step)
-        self._aboard.setdefault(step, []).append((passenger, at))
+        self.steps.setdefault(step, []).append((passenger, at))
         self._ends[step] = at + passenger.nbytes
         self.nbytes = max(self.nbytes, self._ends[step])
 
     def add_deferred_hop(self) -> None:
+        """The hop an earlier ring deferred (``DeferredHops.pending``), aboard the first exchange that can
+        take it, or sent alone now."""
         deferred_hops = self.ring.context.deferred_hops
-        if not deferred_hops.pending:
-            return
         step = next((s for s in range(self.hops) if self._can_board(s)), None)
         hop = deferred_hops.take(self.ring, step is not None)
         if hop is not None:
@@ -515,14 +543,14 @@ class _Boarding:
             self._add(step, passenger)
 
     def fit(self) -> None:
-        """A prefetched ring must not grow the ring buffers: that would lose its own first message. If
-        they are too small it carries nothing (a deferred hop goes alone), and the next pass makes
-        them large enough from its start (``RingBuffers.hold``)."""
-        if self and self.prefetched and not self.ring.context.buffers.hold(self.nbytes, self.ring.device):
-            self._aboard, self._ends, self.nbytes = {}, {}, 0
+        """A prefetched ring that takes passengers must not grow the ring buffers: that would lose its
+        own first message. If they are too small it carries nothing (a deferred hop goes alone), and
+        the next pass makes them large enough from its start (``RingBuffers.hold``)."""
+        if not self.ring.context.buffers.hold(self.nbytes, self.ring.device):
+            self.steps.clear()
+            self._ends, self.nbytes = {}, 0
             if self._deferred is not None:
                 _send_alone(self._deferred)
-        self._deferred = None
 
     def end(self, step: int) -> int:
         return self._ends[step]
@@ -530,7 +558,7 @@ class _Boarding:
     def board(self, step: int, sent: torch.Tensor, received: torch.Tensor) -> list[tuple[Passenger, torch.Tensor, torch.Tensor]]:
         """Board the passengers of ``step`` into ``sent``; their regions in ``sent`` and ``received``."""
         aboard = []
-        for passenger, at in self._aboard[step]:
+        for passenger, at in self.steps[step]:
             start, stop = at - passenger.lead, at + passenger.nbytes
             sent_region, received_region = sent[start:stop], received[start:stop]
             passenger.board(sent_region)
@@ -555,13 +583,24 @@ class Rider(typing.Protocol):
     step) or, read the other way, the part that left shard ``ring.weight_shard_at(k)``'s owner k steps
     ago. ``start(region)`` writes this rank's part into its first message, ``arrived(k, region)`` sees
     the part that arrived at step k (before it is sent on), ``finish(region)`` the part held at the end;
-    ``region`` is a byte view of ``nbytes``."""
+    ``region`` is a byte view of ``nbytes``.
+
+    On a ring of groups the rider goes with the collectives within the group instead, in ``dtype``:
+    an all-gather's (``reduces`` False) with the weights, so that ``block(k, parts)`` sees the parts of
+    the g ranks of group ``ring.weight_shard_at(k)`` as they arrived; a reduce-scatter's (``reduces``)
+    with the partials, so that ``block(k, parts)`` writes this rank's contributions for the g ranks of
+    group ``ring.partial_shard_at(k)`` into ``parts`` before the group sums them (no ``start`` then,
+    and no ``arrived``); ``parts`` is ``[g, nbytes]`` bytes, in place order."""
 
     nbytes: int
+    dtype: torch.dtype
+    reduces: bool
 
     def start(self, region: torch.Tensor) -> None: ...
 
     def arrived(self, step: int, region: torch.Tensor) -> None: ...
+
+    def block(self, step: int, parts: torch.Tensor) -> None: ...
 
     def finish(self, region: torch.Tensor) -> None: ...
 
@@ -593,38 +632,34 @@ class DeferredHop:
 
 class DeferredHops:
     """The one hop deferred and not yet sent (per ``RingContext``). The next ``Ring.circulate`` takes it into an exchange when
-    it can (same group and device, an exchange of its own that sends its message to the end, from a
+    it can (same group, group size (so the same neighbours) and device, an exchange of its own that sends its message to the end, from a
     buffer's start: ``_Boarding``); otherwise, and when the backward ends with none to take it, it is
     sent alone. Every rank runs the same rings in the same order, so all decide alike (the messages'
     sizes match)."""
 
     def __init__(self, context):
         self._context = context
-        self._pending: DeferredHop | None = None
+        self.pending: DeferredHop | None = None  # read as each ring starts: an attribute, not a call
 
     def defer(self, hop: DeferredHop) -> None:
         self.flush()
-        self._pending = hop
+        self.pending = hop
         if current_graph_task_id() == -1:  # outside a backward nothing says a ring follows soon
             self.flush()
         else:
             self._context.end_with_backward(self)
 
-    @property
-    def pending(self) -> bool:
-        return self._pending is not None
-
     def take(self, ring: "Ring", can_carry: bool) -> DeferredHop | None:
         """The hop deferred, for an exchange of ``ring`` to carry, or None (sent alone if there is one
         that ``ring`` cannot carry)."""
-        hop, self._pending = self._pending, None
-        if hop is None or (can_carry and hop.ring.group is ring.group and hop.ring.device == ring.device):
+        hop, self.pending = self.pending, None
+        if hop is None or (can_carry and hop.ring.group is ring.group and hop.ring.group_size == ring.group_size and hop.ring.device == ring.device):
             return hop
         _send_alone(hop)
         return None
 
     def flush(self) -> None:
-        hop, self._pending = self._pending, None
+        hop, self.pending = self.pending, None
         if hop is not None:
             _send_alone(hop)
 
@@ -634,7 +669,7 @@ class DeferredHops:
 
     def abandon(self) -> None:
         """Drop a hop that a backward which raised left behind (called as a forward starts)."""
-        self._pending = None
+        self.pending = None
 
 
 def _send_alone(hop: DeferredHop) -> None:

@@ -15,9 +15,10 @@ it, so that what every ring does is written once:
 4. **Turn** (``RingRun.turn``, the only caller of ``Ring.circulate``): the next ring's first
    message rides the last exchange (the phase's prefetch, ``next_first``), and a pending collective
    rides every exchange where the ring carries one (``Rider``: the vectors' all-gather on a forward
-   ring, their gradients' reduce-scatter on a backward one). A ring of groups turns with
-   ``RingRun.turn_blocks`` (``Ring.circulate_blocks``): not prefetched, and only the vectors'
-   all-gather rides it (gathered with the shards within each group).
+   ring, their gradients' reduce-scatter on a backward one). A ring of groups turns the same way
+   (``gathered`` and ``fill`` say which segments its group all-gathers and how a rank contributes to
+   the partials it reduce-scatters); a reduce-scatter rides it only with partials of its own dtype,
+   with which its group sums it.
 5. **Ends**: a planned sub-block defers its partials' last hop to the next ring (``defer_last_hop``),
    and a backward pass trims the ring buffers once its result is copied out (``RingBuffers.trim``).
 
@@ -75,17 +76,12 @@ class RingDriver:
         """One forward pass of this ring: its first message is ``tensors`` (this rank's shards, the
         message's segments), which the ring before may send ahead unless the call makes them
         (``prefetchable=False``). ``during(k, buffer)`` computes with the shards ``buffer`` holds at step k."""
-        ring = self.ring
-        if ring.group_size > 1:
-            run = RingRun(self, Phase.FORWARD, message)
-            start = functools.partial(_pack, message.members, ring.rank, tensors)
-            turn = functools.partial(run.turn_blocks, start, during, len(message.segments))
-        else:
-            run = RingRun(self, Phase.FORWARD, message, tensors if prefetchable else None)
-            start = run.prefetched or message.as_is(tensors)  # as_is: a tensor or None, the last operand
-            if start is None:
-                start = functools.partial(_pack, message, ring.rank, tensors)
-            turn = functools.partial(run.turn, start, during)
+        run = RingRun(self, Phase.FORWARD, message, tensors if prefetchable else None)
+        members = message.members  # what travels: this rank's shards (the message itself on a ring of ranks)
+        start = run.prefetched or members.as_is(tensors)  # as_is: a tensor or None, the last operand
+        if start is None:
+            start = functools.partial(_pack, members, self.ring.rank, tensors)
+        turn = functools.partial(run.turn, start, during)
         if profiler_enabled():
             with record_function(self.range_names[Phase.FORWARD]):
                 turn()
@@ -135,10 +131,14 @@ class RingRun:
         during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
         region: Callable[[int], slice] | None = None,
+        gathered: int | None = None,
+        fill: Callable[[int, torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """The ring's W-1 exchanges of its message (``Ring.circulate``, whose arguments these are), with
+        """The ring's exchanges of its message (``Ring.circulate``, whose arguments these are), with
         the next ring's first message as a passenger and a pending collective as a rider where they
-        can ride. Returns the message held last."""
+        can ride. On a ring of groups a reduce-scatter rides only with partials of its dtype (it is
+        summed with them within the group). Returns the message held last (``message.members``'
+        layout: this rank's own shards)."""
         ring, context = self.ring, self.ring.context
         rider = None
         if self.phase is Phase.FORWARD:
@@ -148,25 +148,15 @@ class RingRun:
         else:
             carry_next = context.backward_prefetch.next_first
             if self.driver.carries_collectives and region is None:
-                rider = context.pending_reductions.ring_rider(ring)
-        return ring.circulate(self.message.nbytes, self.tag, start, during, on_arrival, region=region, carry_next=carry_next, rider=rider)
-
-    def turn_blocks(
-        self,
-        start: Callable[[torch.Tensor], None],
-        during: Callable[[int, torch.Tensor], None] | None,
-        gathered: int,
-        fill: Callable[[int, torch.Tensor], None] | None = None,
-    ) -> torch.Tensor:
-        """``turn`` on a ring of groups (``Ring.circulate_blocks``, whose arguments these are): ``start``
-        writes this rank's own shards, ``during`` and ``fill`` see the blocks of the run's message,
-        segments ``:gathered`` all-gathered, the others reduce-scattered. A forward ring carries the
-        pending vectors' all-gather where it may (its group's all-gathers bring every rank's part);
-        nothing else rides it. Returns the message held last, in ``message.members``' layout."""
-        rider = None
-        if self.phase is Phase.FORWARD and self.driver.carries_collectives:
-            rider = self.ring.context.pending_gathers.ring_rider(self.ring, start)
-        return self.ring.circulate_blocks(self.message, self.tag, start, during, gathered, fill, rider)
+                if ring.group_size == 1:
+                    rider = context.pending_reductions.ring_rider(ring)
+                else:
+                    dtype = self.message.block_regions(len(self.message.segments) if gathered is None else gathered).rider_dtype
+                    if dtype is not False:
+                        rider = context.pending_reductions.ring_rider(ring, dtype)
+        return ring.circulate(
+            self.message, self.tag, start, during, on_arrival, gathered=gathered, fill=fill, region=region, carry_next=carry_next, rider=rider
+        )
 
     def send_last_hop(self, final: torch.Tensor, nbytes: int, arrived: Callable[[torch.Tensor], None]) -> None:
         """The partials' last hop (``final[:nbytes]``, the message held last) sent now, with no copy:

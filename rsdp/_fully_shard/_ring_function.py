@@ -220,7 +220,7 @@ def ring_backward(
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
     travelling = weights_only if unsynced else message
-    if ring.group_size > 1:  # the ring's messages are a rank's shards, the blocks a scratch (``circulate_blocks``)
+    if ring.group_size > 1:  # the ring's messages are a rank's shards, the blocks a scratch (``Ring.circulate``)
         pair = travelling.members.nbytes
         scratch = max(travelling.block_regions(weight_segments).scratch_nbytes, grads.nbytes if unsynced else 0)
     else:
@@ -234,10 +234,7 @@ def ring_backward(
         if unsynced or not grad_keys:
             if weight_segments:
                 start, during = weights.rotation(ring, weights_only)
-                if ring.group_size > 1:
-                    run.turn_blocks(start, during, weight_segments)
-                else:
-                    run.turn(start, during)
+                run.turn(start, during, gathered=weight_segments)
             return None
         earlier = [state.take_unsynced(key) for key in grad_keys]
         return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution)
@@ -279,7 +276,7 @@ def _reduce_on_ring(
             contribution.start(shard, message.views(block, shard, weight_segments), earlier)
 
         start, during = weights.rotation(ring, weights_only) if weight_segments else (_nothing_to_pack, None)
-        final = run.turn_blocks(start, during, weight_segments, fill)
+        final = run.turn(start, during, gathered=weight_segments, fill=fill)
         return finished_gradients(state, message.members, weight_segments, final)
 
     def start(buffer: torch.Tensor) -> None:

@@ -68,7 +68,7 @@ def segment(layout: ShardLayout, trailing: torch.Size, dtype: torch.dtype) -> Se
 
 class BlockRegions:
     """Where a block message's segments lie in it and in its members' message (``Message.members``),
-    for the collectives within a group (``Ring.circulate_blocks``).
+    for the collectives within a group (``_ring._WithinGroup``).
 
     A segment's g member shards, each padded to its chunk, are its block's padded rows in rank order,
     so one segment's all-gather writes its block and its reduce-scatter reads it with no copy. Several
@@ -90,8 +90,12 @@ class BlockRegions:
                 self.partials.append((block_region, slice(start, start + member.padded_nbytes), block.dtype))
         self.gathered_end = self.weights[-1][1].stop if self.weights else 0
         self.partials_start = members.offsets[gathered] if gathered < len(members.segments) else members.nbytes
+        self.members_nbytes = members.nbytes
         dtypes = {dtype for _, _, dtype in self.partials}
-        self.partial_dtype = dtypes.pop() if len(dtypes) == 1 else None
+        self.partial_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+        # The dtype a reduce-scatter rider must have to be summed with the partials (``_ring._WithinGroup``):
+        # theirs, None (any) with no partials, False where they have several.
+        self.rider_dtype = False if len(dtypes) > 1 else self.partial_dtype
         self.staging_at = -(-message.nbytes // 16) * 16
         staged = max(
             self.gathered_end if len(self.weights) > 1 else 0,
