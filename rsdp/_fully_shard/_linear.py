@@ -101,7 +101,7 @@ def _stacked(layouts: tuple[ShardLayout, ...]) -> _Stacked:
 
 class LinearMember(NamedTuple):
     """One Linear of a ring group: its output features, and the key of its parameters' sync-off
-    gradient accumulators (``RSDPState.unsynced_gradient``)."""
+    gradient accumulators (``RingGradients.unsynced_total``)."""
 
     out_features: int
     key: object
@@ -140,7 +140,7 @@ class _GroupForward:
         ring = self.ring = layer.ring
         self.out_features = out_features = tuple(member.out_features for member in members)
         self.weights = params[0::2]
-        self.dtype = dtype = layer.state.matmul_dtype(self.weights[0].dtype)
+        self.dtype = dtype = layer.precision.matmul_dtype(self.weights[0].dtype)
         self.layouts = layouts = [ring.layout(rows) for rows in out_features]
         # Every member's weight, then the biases there are: the weights of one shard are then adjacent
         # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
@@ -213,7 +213,7 @@ class _GroupBackward:
         need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         self.n_params = len(need_params)
         dtype = ctx.dtype  # the forward's (autocast's, if it was on then)
-        reduce_dtype = ctx.layer.state.reduce_dtype(weights[0].dtype)
+        reduce_dtype = ctx.layer.precision.reduce_dtype(weights[0].dtype)
         self.layouts = layouts = [ring.layout(rows) for rows in ctx.out_features]
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
 
@@ -296,9 +296,9 @@ class RingInputSplitFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layer: RingLayer, full_shape: tuple[int, int], weight):
-        state, ring = layer.state, layer.ring
+        ring = layer.ring
         in_features, out_features = full_shape
-        dtype = state.matmul_dtype(weight.dtype)
+        dtype = layer.precision.matmul_dtype(weight.dtype)
         layout = ring.layout(in_features)
         message = layer.ring.buffers.message_of((segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
@@ -325,14 +325,14 @@ class RingInputSplitFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
         layer = ctx.layer
-        state, ring = layer.state, layer.ring
+        ring = layer.ring
         in_features, out_features = ctx.full_shape
         dtype = ctx.dtype
         layout = ring.layout(in_features)
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         dy = grad_out.reshape(-1, out_features).to(dtype)
         weight_segments = [segment(layout, weight.shape[1:], dtype)] if need_x else []
-        grad_segments = [segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
+        grad_segments = [segment(layout, weight.shape[1:], layer.precision.reduce_dtype(weight.dtype))] if need_weight else []
         message = layer.ring.buffers.message_of(tuple(weight_segments + grad_segments))
         grad_x = torch.zeros_like(x2d) if need_x else None
 
@@ -367,7 +367,9 @@ def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Te
 
 
 class RingLinear:
-    """Mixed into an ``nn.Linear`` (by class swap) whose weight rotates on the ring."""
+    """Mixed into an ``nn.Linear`` (by class swap) whose weight rotates on the ring: ``_rsdp_ring`` is its
+    ring layer, ``_rsdp_fusion`` its rsdp module's ``SharedInputFusion`` (``_fusion.py``), which runs
+    its ring, alone or with the Linears that share its input."""
 
     _rsdp_ring: RingLayer
 
@@ -391,4 +393,4 @@ class RingLinear:
                 f"in_features={self.in_features}"
             )
         check_device(input, weight, self)
-        return self._rsdp_ring.state.fusion.linear(self, input)
+        return self._rsdp_fusion.linear(self, input)
