@@ -51,7 +51,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
                 shard = ring.weight_shard_at(step)
                 rows, flags = message.views(buffer, shard)
                 seen.bitwise_or_(flags)
-                if layout.rows_of(shard):
+                if layout.sizes[shard]:
                     torch.index_select(rows.reshape(rows.shape[0], -1), 0, rows_in[shard], out=scratch)
                     out2d.add_(scratch.masked_fill_(~selects[shard].unsqueeze(1), 0))
 
@@ -87,7 +87,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
 
         def add_contribution(shard: int, views: list[torch.Tensor]) -> None:
             (rows,) = views
-            if layout.rows_of(shard):
+            if layout.sizes[shard]:
                 masked.copy_(dy).masked_fill_(~selects[shard].unsqueeze(1), 0)
                 rows.view(rows.shape[0], dy.shape[1]).index_add_(0, rows_in[shard], masked)
 

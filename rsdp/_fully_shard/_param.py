@@ -58,7 +58,8 @@ class ShardLayout:
 
     @functools.cached_property
     def sizes(self) -> list[int]:
-        """Every shard's row count, in shard order: what ``split`` takes to cut all shards in one op."""
+        """Every shard's row count, in shard order: what ``split`` takes to cut all shards in one op, and
+        what a ring step indexes (``rows_of`` costs a Python call)."""
         return [stop - start for start, stop in self._bounds]
 
     def row_slice(self, shard: int) -> slice:

@@ -51,13 +51,16 @@ class RingLayer:
     tags, the protocol of a pass), its module's gradient store ``gradients`` (``_grad.RingGradients``:
     gradient leaves, gradient sync and divisor, local accumulators) and ``precision``
     (``_param.Precision``). ``carries_collectives``: whether its rings may carry a pending collective
-    (not a planned sub-block's: ``_ring_driver.py``)."""
+    (not a planned sub-block's: ``_ring_driver.py``). ``by_shape`` holds what its autograd Functions
+    derive from shapes and dtypes alone (layouts, segments, which gradients travel), made once per key
+    rather than at every pass: host time at every ring."""
 
     def __init__(self, ring: Ring, gradients: RingGradients, precision: Precision, tags: dict[Phase, int], name: str, carries_collectives: bool = True):
         self.ring, self.gradients, self.precision = ring, gradients, precision
         self.tags = tags
         self.name = name
         self.driver = RingDriver(ring, tags, name, carries_collectives)
+        self.by_shape: dict = {}
 
     def sharing(self, name: str) -> "RingLayer":
         """A ring layer for a group of ring modules whose first is this one's (``_fusion.py``): the same
@@ -229,13 +232,17 @@ def ring_backward(
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
     travelling = weights_only if unsynced else message
-    if ring.group_size > 1:  # the ring's messages are a rank's shards, the blocks a scratch (``circulate_blocks``)
-        pair = travelling.members.nbytes
-        scratch = max(travelling.block_regions(weight_segments).scratch_nbytes, grads.nbytes if unsynced else 0)
+    if ring.group_size > 1:
+        # ``circulate_blocks`` asks for its buffers itself (a rank's shards; the block, a scratch): asked
+        # here too they would cost a request each. Without sync the contributions need the scratch
+        # first, as large as the block's so that both are one allocation.
+        pair = None
+        scratch = max(travelling.block_regions(weight_segments).scratch_nbytes, grads.nbytes) if unsynced else None
     else:
         pair, scratch = message.nbytes, grads.nbytes if contribution.computes_ahead else None
     with layer.driver.run(Phase.BACKWARD, travelling, pair=pair, scratch=scratch) as run:
-        contribution.reserve(run, grads)
+        if scratch is not None:
+            contribution.reserve(run, grads)
         if unsynced:
             totals = [gradients.unsynced_total(key, segment) for key, segment in zip(grad_keys, grads.segments)]
             for shard in range(ring.owners):
