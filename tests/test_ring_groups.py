@@ -13,10 +13,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from models import TinyLM, assert_param_grads_match, lm_loss, local_rows, rank_and_world, train_and_compare, twin
+from models import MLP, TinyLM, assert_param_grads_match, lm_loss, local_rows, rank_and_world, train_and_compare, twin
 from rsdp import ring_checkpoint_context, rsdp_shard
+from rsdp._compat import sum_scatter_in_group
 from rsdp.memory import CommCounter
 from test_experts import tiny_moe
+from test_ring_ops import OpCounter
 from test_nccl_semantics import under_nccl_semantics
 from test_training import bf16_case
 from test_two_models import exchanges_case, two_models_case
@@ -264,3 +266,31 @@ def bad_group_size_case(size, hsdp, kwargs):
 def test_bad_group_size_errors_on_every_rank(ranks, size, hsdp, kwargs, expected):
     errors = ranks.run(4, bad_group_size_case, size, hsdp, kwargs)
     assert all(error is not None and expected in error for error in errors), errors
+
+
+def group_step_copies_case():
+    """One steady-state training step of a SwiGLU MLP (gate/up share a ring, down is alone) on a ring
+    of groups of 2: its aten copies, its reduce-scatters within the group, and the copies one such
+    reduce-scatter makes itself (gloo copies its result out at ``wait()``)."""
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    rsdp_shard(model, ring_group_size=2)
+    x = torch.randn(3, 8, requires_grad=True)
+    for _ in range(3):  # the ring buffers' sizes and the views cached of them settle
+        model(x).sum().backward()
+    with OpCounter() as ops, CommCounter() as comm:
+        model(x).sum().backward()
+    with OpCounter() as one:
+        sum_scatter_in_group(model._get_rsdp_state().ring.within, torch.zeros(2), torch.zeros(4))
+    reduce_scatters = sum(count for op, count in comm.calls.items() if "reduce_scatter" in op)
+    return ops.by_op["aten.copy_"], reduce_scatters, one.by_op.get("aten.copy_", 0)
+
+
+def test_a_group_step_copies_once_per_run_of_equal_segments(ranks):
+    """A step more per ring (6 ranks in groups of 2 against 4) costs gate/up's ring 3 copies between
+    the block and the collectives' staging area, one per run of equal-width segments (gate and up
+    together): the forward's and the backward's all-gathered weights, and the backward's contributions
+    before their reduce-scatter. Down's ring, one segment, gathers and reduces in place and copies
+    nothing per step. Each copy is a host dispatch, a kernel launch on a GPU."""
+    (copies4, reduces4, per_reduce), (copies6, reduces6, _) = (ranks.run(world, group_step_copies_case)[0] for world in (4, 6))
+    assert copies6 - copies4 - (reduces6 - reduces4) * per_reduce == 3, (copies4, copies6, reduces4, reduces6, per_reduce)

@@ -241,6 +241,12 @@ def _routers(managed: list[nn.Module], experts: list[ExpertRing], planned: set[i
     }
 
 
+def _ring_layer(state: RSDPState, name: str, carries_collectives: bool = True) -> RingLayer:
+    """A new ring layer of ``state``'s module, handed what it runs with: the module's ring, gradient store
+    and precision, and message tags of its own."""
+    return RingLayer(state.ring, state.gradients, state.precision, new_layer_tags(), name, carries_collectives)
+
+
 def _make_ring_layers(
     state: RSDPState, managed: list[nn.Module], blocks: list, names: dict[int, str], whole: set[int]
 ) -> set[tuple[int, str]]:
@@ -259,14 +265,16 @@ def _make_ring_layers(
         ring_names = ("weight",) if id(owner) in rows or not isinstance(owner, nn.Linear) else ("weight", "bias")
         ring_slots.update((id(owner), name) for name in ring_names)
         _swap_class(owner, mixin, "Ring")
-        owner._rsdp_ring = RingLayer(state, new_layer_tags(), names.get(id(owner), type(owner).__qualname__))
+        owner._rsdp_ring = _ring_layer(state, names.get(id(owner), type(owner).__qualname__))
+        if mixin is RingLinear:  # its calls go through its module's shared-input fusion
+            owner._rsdp_fusion = state.fusion
         owner._rsdp_row_of = rows.get(id(owner))
         state.ring_modules.append(owner)
     for block in blocks:
         # Its forward steps run the module's code, which reads the gathered vectors a rider would bring.
         for ring_block in block.stages if isinstance(block, ExpertRing) else (block,):
             name = ring_block.name or type(block.module).__qualname__
-            ring_block.ring = RingLayer(state, new_layer_tags(), name, carries_collectives=False)
+            ring_block.ring = _ring_layer(state, name, carries_collectives=False)
         # The module the model calls: an experts module's outermost LoRA wrapper if any (_expert_lora.py).
         call_site = block.call_site if isinstance(block, ExpertRing) else block.module
         _swap_class(call_site, RingExperts if isinstance(block, ExpertRing) else RingSubBlock, "RingSub")
@@ -299,7 +307,7 @@ def _install_parameters(
             continue
         if sharded.dim() >= 2 and id(owner) not in whole:
             if id(sharded) not in operand_layers:
-                operand_layers[id(sharded)] = RingLayer(state, new_layer_tags(), f"{names.get(id(owner))}.{name}")
+                operand_layers[id(sharded)] = _ring_layer(state, f"{names.get(id(owner))}.{name}")
             operand_slots.append((owner, name, operand_layers[id(sharded)]))
             continue
         if id(sharded) not in gathered_index:
@@ -360,7 +368,7 @@ class RSDPModule:
         (``1.0`` keeps the sum, for trainers that normalise the loss themselves, like torchtitan)."""
         if factor <= 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be positive, got {factor}")
-        self._get_rsdp_state().gradient_divide_factor = factor
+        self._get_rsdp_state().gradients.divide_factor = factor
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Skip (``False``) or resume gradient reduction, e.g. for all but the last micro-batch.
@@ -374,7 +382,7 @@ class RSDPModule:
         modules = self.modules() if recurse else [self]
         for module in modules:
             if isinstance(module, RSDPModule):
-                module._get_rsdp_state().requires_gradient_sync = requires_gradient_sync
+                module._get_rsdp_state().gradients.requires_sync = requires_gradient_sync
             elif isinstance(module, FSDPModule):
                 module.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
 

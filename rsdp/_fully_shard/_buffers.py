@@ -48,7 +48,8 @@ class RingBuffers:
     def __init__(self, context):
         self._context = context  # its RingContext: the end of a backward that used the buffers frees them
         self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
-        self._index: dict[int, tuple[int, int]] = {}  # data_ptr of a live buffer -> (its index, 0)
+        # data_ptr of a live buffer -> (its index, 0): where a message at a buffer's start lies (``_wire.MessagePool``).
+        self.starts: dict[int, tuple[int, int]] = {}
         self._spans: list[tuple[int, int, int]] = []  # (index, first and last + 1 address) of each live buffer
         # Bumped whenever buffers are replaced, so views of old ones are not reused.
         self.generation = 0
@@ -69,7 +70,10 @@ class RingBuffers:
 
     def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The two message buffers (ping-pong), ``nbytes`` long."""
-        return self._buffer(0, nbytes, device), self._buffer(1, nbytes, device)
+        if in_selective_checkpoint():
+            return _fresh(nbytes, device), _fresh(nbytes, device)
+        schedule = self._schedule_now()
+        return self._buffer(0, nbytes, device, schedule), self._buffer(1, nbytes, device, schedule)
 
     def hold(self, nbytes: int, device: torch.device) -> bool:
         """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
@@ -83,17 +87,20 @@ class RingBuffers:
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
-        return self._buffer(2, nbytes, device)
-
-    def _buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
         if in_selective_checkpoint():
-            # Fresh buffers (and so fresh views): SAC replays a recomputation op by op, and whether a
-            # shared buffer exists already would change the ops issued.
-            return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            return _fresh(nbytes, device)
+        return self._buffer(2, nbytes, device, self._schedule_now())
+
+    def _schedule_now(self):
+        """The schedule of the pass running, which records the requests (asked once per request, not
+        per buffer: each check is host time at every ring); a backward's end frees the buffers."""
         backward = in_backward()
         if backward:
             self._context.end_with_backward(self)
-        size = self._context.schedules[backward].ask(index, nbytes)
+        return self._context.schedules[backward]
+
+    def _buffer(self, index: int, nbytes: int, device: torch.device, schedule) -> torch.Tensor:
+        size = schedule.ask(index, nbytes)
         buffers = self._sets.setdefault(device, [None, None, None])
         buffer = buffers[index]
         # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
@@ -164,7 +171,7 @@ class RingBuffers:
         in none of them. A message is at offset 0, or behind the message of the ring that carried it
         (a prefetched one, a deferred hop)."""
         pointer = buffer.data_ptr()
-        place = self._index.get(pointer)
+        place = self.starts.get(pointer)
         if place is None:
             for index, start, end in self._spans:
                 if start < pointer < end:
@@ -180,7 +187,7 @@ class RingBuffers:
 
     def _reindex(self) -> None:
         live = list(self._live())
-        self._index = {buffer.data_ptr(): (index, 0) for index, buffer in live}
+        self.starts = {buffer.data_ptr(): (index, 0) for index, buffer in live}
         self._spans = [(index, buffer.data_ptr(), buffer.data_ptr() + buffer.untyped_storage().nbytes()) for index, buffer in live]
 
     def _reset(self) -> None:
@@ -204,3 +211,9 @@ class RingBuffers:
         for _, buffer in list(self._live()):
             buffer.untyped_storage().resize_(0)
         self._reindex()
+
+
+def _fresh(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A buffer of its own under selective activation checkpointing (and so fresh views): SAC replays a
+    recomputation op by op, and whether a shared buffer exists already would change the ops issued."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)

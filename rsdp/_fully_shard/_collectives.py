@@ -71,11 +71,13 @@ from ._ring import Prefetched
 class GatheredParams:
     """The non-rotating parameters of one rsdp module, laid out as one padded flat segment per rank."""
 
-    def __init__(self, state, params: list[nn.Parameter], reshard_after_forward: bool):
-        self.state = state
+    def __init__(self, ring, precision, gradients, params: list[nn.Parameter], reshard_after_forward: bool):
+        # Handed by its module's state: the ring (its group and device, and through it the model's
+        # context), the precision, and the gradient store its reduced gradients go to.
+        self.ring, self.precision, self.gradients = ring, precision, gradients
         self.params = params
         self.reshard_after_forward = reshard_after_forward
-        self.layouts = [shard_layout(p.shape[0], state.ring.size) for p in params]
+        self.layouts = [shard_layout(p.shape[0], ring.size) for p in params]
         self.trailing = [p.shape[1:] for p in params]
         self._inner = [math.prod(shape) for shape in self.trailing]
         self._widths = [layout.chunk * inner for layout, inner in zip(self.layouts, self._inner)]  # per rank
@@ -148,7 +150,7 @@ class GatheredParams:
     def gather_key(self) -> tuple:
         """What modules whose parameters are gathered in one collective share: the shard group, the
         dtype on the wire and the device."""
-        return (self.state.ring.group, self.state.compute_dtype(self.params[0].dtype), self.state.device)
+        return (self.ring.group, self.precision.compute_dtype(self.params[0].dtype), self.ring.device)
 
     def gather(self) -> list[nn.Parameter]:
         """All-gather the full parameters into their persistent leaf tensors."""
@@ -156,12 +158,12 @@ class GatheredParams:
         return self.full
 
     def _pack(self, send: torch.Tensor) -> None:
-        for view, param in zip(self.segment_views(send, self.state.ring.rank), self.params):
+        for view, param in zip(self.segment_views(send, self.ring.rank), self.params):
             view.copy_(local_of(param))
 
     def _unpack(self, received: torch.Tensor) -> None:
         """The full parameters from ``received`` (``[W, segment]``: every rank's segment)."""
-        world = self.state.ring.size
+        world = self.ring.size
         if self.full is None:
             with outside_inference_mode():
                 self._make_full(world, received.dtype)
@@ -177,7 +179,7 @@ class GatheredParams:
         self.is_gathered = True
 
     def _make_full(self, world: int, dtype: torch.dtype) -> None:
-        self._flat = torch.empty(world * self.segment_numel, dtype=dtype, device=self.state.device)
+        self._flat = torch.empty(world * self.segment_numel, dtype=dtype, device=self.ring.device)
         self.full = []
         for param, offset in zip(self.params, self._offsets):
             data = self._flat[world * offset : world * offset + param.numel()].view(param.shape)
@@ -195,16 +197,16 @@ class GatheredParams:
     def reduce_gradients(self) -> None:
         """Reduce-scatter the gradients accumulated in the full tensors into the sharded parameters'
         ``.grad`` (or keep them locally while gradient sync is off)."""
-        state, world, count = self.state, self.state.ring.size, len(self.params)
+        ring, gradients, world, count = self.ring, self.gradients, self.ring.size, len(self.params)
         if not self.requires_grad:
             return
         grads = [full.grad for full in self.full]
         used_here = [grad is not None or earlier for grad, earlier in zip(grads, self.unsynced_used)]
         for full in self.full:
             full.grad = None
-        dtype = state.reduce_dtype(self.params[0].dtype)
+        dtype = self.precision.reduce_dtype(self.params[0].dtype)
         # [W, segment | one "used" flag per parameter]: rank r receives the sum of everyone's flags.
-        contributions = torch.zeros(world, self.segment_numel + count, dtype=dtype, device=state.device)
+        contributions = torch.zeros(world, self.segment_numel + count, dtype=dtype, device=ring.device)
         used = [index for index, grad in enumerate(grads) if grad is not None]
         places = contributions.split([*self._widths, count], dim=1)
         for index in used:
@@ -217,7 +219,7 @@ class GatheredParams:
             for index in used:
                 flags[:, index] = 1
 
-        if not state.requires_gradient_sync:
+        if not gradients.requires_sync:
             if self.unsynced is None:
                 self.unsynced = contributions
             else:
@@ -228,22 +230,22 @@ class GatheredParams:
             contributions.add_(self.unsynced)
             self.unsynced, self.unsynced_used = None, [False] * count
 
-        if state.replicate_group is None and in_backward():
-            self.state.ring.context.pending_reductions.add(self, contributions, used_here)
+        if gradients.replicate_group is None and in_backward():
+            ring.context.pending_reductions.add(self, contributions, used_here)
             return
         # Under HSDP each module's reduced gradients join its one all-reduce over replicas at once.
-        reduced = torch.empty(self.segment_numel + count, dtype=dtype, device=state.device)
-        reduce_scatter_flat(reduced, contributions.view(-1), group=state.ring.group)
+        reduced = torch.empty(self.segment_numel + count, dtype=dtype, device=ring.device)
+        reduce_scatter_flat(reduced, contributions.view(-1), group=ring.group)
         self.finish_reduction(reduced, used_here)
 
     def finish_reduction(self, reduced: torch.Tensor, used_here: list[bool]) -> None:
         """This rank's segment of the reduced gradients (and "used" flags): divided, then written."""
-        self.state.divide_gradient(reduced)
-        self.state.gradients.add_reduced(reduced, functools.partial(self._write_gradients, used_here))
+        self.gradients.divide(reduced)
+        self.gradients.add_reduced(reduced, functools.partial(self._write_gradients, used_here))
 
     def _write_gradients(self, used_here: list[bool], reduced: torch.Tensor) -> None:
         """Each used parameter's shard of ``reduced`` (summed over replicas, under HSDP) into its ``.grad``."""
-        views = self.segment_views(reduced, self.state.ring.rank)
+        views = self.segment_views(reduced, self.ring.rank)
         for index, (param, used, view) in enumerate(zip(self.params, used_here, views)):
             if not param.requires_grad:
                 continue
@@ -266,14 +268,14 @@ def gather_together(modules: list[GatheredParams], forward_pass: int | None = No
     outermost rsdp forward gathers every module's under it so (``RSDPState.gather_nested``), one
     collective per step instead of one per module, as each module's vectors are small and a
     collective's cost is mostly its latency. With ``forward_pass``, marks them gathered in it."""
-    state = modules[0].state
-    dtype, world = modules[0].gather_key[1], state.ring.size
+    ring = modules[0].ring
+    dtype, world = modules[0].gather_key[1], ring.size
     parts = _parts(modules)
-    send = torch.empty(parts[-1][2], dtype=dtype, device=state.device)
+    send = torch.empty(parts[-1][2], dtype=dtype, device=ring.device)
     for module, start, stop in parts:
         module._pack(send[start:stop])
-    received = torch.empty(world, parts[-1][2], dtype=dtype, device=state.device)
-    all_gather_flat(received.view(-1), send, group=state.ring.group)
+    received = torch.empty(world, parts[-1][2], dtype=dtype, device=ring.device)
+    all_gather_flat(received.view(-1), send, group=ring.group)
     for module, start, stop in parts:
         module._unpack(received[:, start:stop])
         if forward_pass is not None:
@@ -434,10 +436,10 @@ class PendingReductions:
         for entry in self._queued.pop(task, []):
             batches.setdefault(_batch_key(entry), []).append(entry)
         for batch in batches.values():
-            state = batch[0][0].state
+            ring = batch[0][0].ring
             contributions = _contributions_of(batch)
-            reduced = torch.empty(contributions.shape[1], dtype=contributions.dtype, device=state.device)
-            reduce_scatter_flat(reduced, contributions.view(-1), group=state.ring.group)
+            reduced = torch.empty(contributions.shape[1], dtype=contributions.dtype, device=ring.device)
+            reduce_scatter_flat(reduced, contributions.view(-1), group=ring.group)
             _finish_batch(batch, reduced)
 
     def abandon(self) -> None:
@@ -447,7 +449,7 @@ class PendingReductions:
 def _batch_key(entry: tuple) -> tuple:
     """What the queued gradients reduced in one collective share: the group, the dtype, the device."""
     module, contributions, _ = entry
-    return (module.state.ring.group, contributions.dtype, module.state.device)
+    return (module.ring.group, contributions.dtype, module.ring.device)
 
 
 def _contributions_of(batch: list) -> torch.Tensor:

@@ -30,8 +30,8 @@ from ._wire import segment
 class RingEmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, indices, weight, layer: RingLayer, num_embeddings: int, padding_idx):
-        state, ring = layer.state, layer.ring
-        dtype = state.compute_dtype(weight.dtype)
+        ring = layer.ring
+        dtype = layer.precision.compute_dtype(weight.dtype)
         layout = ring.layout(num_embeddings)
         # The table's rows, and one byte per rank: "this rank saw an index out of range".
         message = layer.ring.buffers.message_of(
@@ -51,7 +51,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
                 shard = ring.weight_shard_at(step)
                 rows, flags = message.views(buffer, shard)
                 seen.bitwise_or_(flags)
-                if layout.rows_of(shard):
+                if layout.sizes[shard]:
                     torch.index_select(rows.reshape(rows.shape[0], -1), 0, rows_in[shard], out=scratch)
                     out2d.add_(scratch.masked_fill_(~selects[shard].unsqueeze(1), 0))
 
@@ -78,7 +78,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
         (flat_indices,) = ctx.saved_tensors
         layer = ctx.layer
         ring = layer.ring
-        reduce_dtype = layer.state.reduce_dtype(ctx.weight_dtype)
+        reduce_dtype = layer.precision.reduce_dtype(ctx.weight_dtype)
         layout = ring.layout(ctx.num_embeddings)
         message = layer.ring.buffers.message_of((segment(layout, ctx.trailing, reduce_dtype),))
         selects, rows_in = _shard_selection(flat_indices, layout, ctx.padding_idx)
@@ -87,7 +87,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
 
         def add_contribution(shard: int, views: list[torch.Tensor]) -> None:
             (rows,) = views
-            if layout.rows_of(shard):
+            if layout.sizes[shard]:
                 masked.copy_(dy).masked_fill_(~selects[shard].unsqueeze(1), 0)
                 rows.view(rows.shape[0], dy.shape[1]).index_add_(0, rows_in[shard], masked)
 

@@ -120,7 +120,7 @@ class SharedInputFusion:
         for members in groups:
             leader = members[0]._rsdp_ring
             name = "+".join(member._rsdp_ring.name for member in members)
-            group_layer = RingLayer(self.state, leader.tags, name)
+            group_layer = leader.sharing(name)
             for member in members:
                 self._formed[id(member)] = (group_layer, members)
         if groups:  # the next pass runs other rings: this one says nothing about its order

@@ -7,9 +7,12 @@ host time spent on every ring call (docs/benchmarks.md).
 It takes a *gradient leaf* instead: a detached alias of the local shard (same storage and version
 counter, so the optimizer's in-place updates are seen and autograd's saved-tensor checks still hold)
 that requires grad when the parameter does. Autograd accumulates into the leaf; a hook after each
-accumulation moves the gradient to the parameter's rsdp state, which writes it into the parameter's
-``.grad`` (a DTensor made without autograd) at the module's post-backward, or when the backward ends
-for a module that has none, and then runs the parameter's hooks.
+accumulation moves the gradient to its module's gradient store (``RingGradients``, which every ring
+layer of the module is handed when it is made), which writes it into the parameter's ``.grad`` (a
+DTensor made without autograd) at the module's post-backward, or when the backward ends for a module
+that has none, and then runs the parameter's hooks. The store also keeps the module's gradient
+settings (synchronise or not, the divisor) and, while synchronisation is off, the full-size local
+accumulators.
 
 Under HSDP (a 2-D mesh) that write waits for one all-reduce over the replicate dimension of everything
 the module's backward produced, ring and gathered parameters together in one flat tensor, instead of
@@ -29,6 +32,7 @@ Pitfalls:
 """
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -51,13 +55,56 @@ class _Leaf:
 
 
 class RingGradients:
-    """One rsdp state's gradient leaves, and what its module's backward produced, awaiting ``flush``."""
+    """The gradient store of one rsdp module (``RSDPState``), handed to its ring layers and gathered
+    parameters when they are made: its gradient leaves; what its module's backward produced, awaiting
+    ``flush``; how reduced gradients are divided (``divisor``); whether backward synchronises them
+    (``requires_sync``), and the full-size local accumulators of the backwards that do not.
 
-    def __init__(self, state):
-        self.state = state
+    It reaches the backward running through its ``ring``'s ``RingContext`` (``rsdp_shard`` on a parent
+    replaces a ring's context); ``precision`` gives the dtype of an HSDP all-reduce; ``replicate_group``
+    is the replicate dimension's process group under HSDP, else None; ``data_parallel_ranks`` is every
+    rank that holds a replica of a shard's data."""
+
+    def __init__(self, ring, precision, replicate_group, data_parallel_ranks: int):
+        self.ring, self.precision, self.replicate_group = ring, precision, replicate_group
+        self._data_parallel_ranks = data_parallel_ranks
+        self.requires_sync = True  # ``set_requires_gradient_sync``
+        self.divide_factor: float | None = None  # ``set_gradient_divide_factor``
         self._leaves: dict[int, _Leaf] = {}  # id(param) -> its leaf (params are held by their module)
         self._per_param: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         self._reduced: list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]] = []
+        # Per ring parameter: its contributions while gradient sync was off.
+        self._unsynced: dict[tuple[int, str], torch.Tensor] = {}
+
+    @property
+    def divisor(self) -> float:
+        """What a shard group's reduced gradient is divided by: the mean over all data-parallel ranks once
+        the replica groups' are summed (HSDP, ``flush``), unless a divide factor was set."""
+        return self.divide_factor or self._data_parallel_ranks
+
+    def divide(self, reduced: torch.Tensor) -> None:
+        """Divide a shard group's reduced gradient in place (``divisor``)."""
+        if self.divisor != 1:
+            reduced.div_(self.divisor)
+
+    def unsynced_total(self, key, segment) -> torch.Tensor:
+        """The full-size gradient (every owner's shard, ``[owners, padded shard]``) accumulated for one
+        parameter of a ring while gradient sync is off: the memory cost of skipping sync, as with FSDP2.
+        Keyed per parameter, so it survives a change of grouping between micro-batches."""
+        if key not in self._unsynced:
+            numel = segment.layout.chunk * math.prod(segment.trailing)
+            self._unsynced[key] = torch.zeros(self.ring.owners, numel, dtype=segment.dtype, device=self.ring.device)
+        return self._unsynced[key]
+
+    @staticmethod
+    def unsynced_shard(total: torch.Tensor, shard: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Shard ``shard`` of an accumulator from ``unsynced_total``, shaped ``shape`` (its message view's)."""
+        return total[shard, : math.prod(shape)].view(shape)
+
+    def take_unsynced(self, key) -> torch.Tensor | None:
+        """The accumulator of ``key``, if backwards without synchronisation made one, to add in the
+        synchronised backward running; it is gone from the store afterwards."""
+        return self._unsynced.pop(key, None)
 
     def leaf(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The tensor a ring function computes with for ``param`` (a DTensor)."""
@@ -80,7 +127,7 @@ class RingGradients:
     def receive(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """``param``'s gradient (its local shard's) from this backward: what its leaf received, or what a
         ring function hands over itself because it arrives after the function returned."""
-        self.state.ring.context.running_backward.holds(self)
+        self.ring.context.running_backward.holds(self)
         earlier = self._per_param.get(id(param))
         if earlier is None:
             self._per_param[id(param)] = (param, grad)
@@ -90,7 +137,7 @@ class RingGradients:
     def add_reduced(self, reduced: torch.Tensor, finish: Callable[[torch.Tensor], None]) -> None:
         """A flat tensor of reduced gradients from this backward (the gathered parameters'), for
         ``finish`` to write once the replicas have summed it (under HSDP) at the next flush."""
-        self.state.ring.context.running_backward.holds(self)
+        self.ring.context.running_backward.holds(self)
         self._reduced.append((reduced, finish))
 
     def drop(self) -> None:
@@ -102,9 +149,9 @@ class RingGradients:
         parts = [(grad, functools.partial(write_gradient, param)) for param, grad in self._per_param.values()]
         parts += self._reduced
         self.drop()
-        running = self.state.ring.context.running_backward
+        running = self.ring.context.running_backward
         running.flushed(self)
-        group = self.state.replicate_group
+        group = self.replicate_group
         if group is None:
             for tensor, finish in parts:
                 finish(tensor)
@@ -112,7 +159,7 @@ class RingGradients:
         running.finish_all_reduces()
         by_dtype: dict[torch.dtype, list] = {}
         for tensor, finish in parts:
-            by_dtype.setdefault(self.state.reduce_dtype(tensor.dtype), []).append((tensor, finish))
+            by_dtype.setdefault(self.precision.reduce_dtype(tensor.dtype), []).append((tensor, finish))
         for dtype, same in by_dtype.items():
             flat = torch.cat([tensor.reshape(-1).to(dtype) for tensor, _ in same])
             running.all_reduce(flat, group, same)

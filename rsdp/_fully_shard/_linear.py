@@ -72,7 +72,9 @@ class _Stacked:
         """``[tokens, W, width]`` laid out like the products, holding ``outputs`` (every member's
         ``[tokens, out_features]``) and zeros in the padding columns."""
         world, tokens = self.layouts[0].world, outputs[0].shape[0]
-        spread = (outputs[0].new_empty if self.unpadded else outputs[0].new_zeros)(tokens, world, self.width)
+        if self.unpadded:  # one op (and a view per member)
+            return torch.cat([output.view(tokens, world, layout.chunk) for layout, output in zip(self.layouts, outputs)], dim=2)
+        spread = outputs[0].new_zeros(tokens, world, self.width)
         for layout, start, output in zip(self.layouts, self.offsets, outputs):
             columns = spread[:, :, start : start + layout.chunk]
             if layout.chunk * world == layout.rows:
@@ -101,7 +103,7 @@ def _stacked(layouts: tuple[ShardLayout, ...]) -> _Stacked:
 
 class LinearMember(NamedTuple):
     """One Linear of a ring group: its output features, and the key of its parameters' sync-off
-    gradient accumulators (``RSDPState.unsynced_gradient``)."""
+    gradient accumulators (``RingGradients.unsynced_total``)."""
 
     out_features: int
     key: object
@@ -117,7 +119,7 @@ class RingLinearFunction(torch.autograd.Function):
         outs = kept_or_run(layer, group.rotate)
         ctx.save_for_backward(group.x2d, *group.weights)
         ctx.layer, ctx.members, ctx.out_features = layer, members, group.out_features
-        ctx.has_bias = [p is not None for p in params[1::2]]
+        ctx.has_bias = group.has_bias
         ctx.x_shape, ctx.x_dtype, ctx.dtype = x.shape, x.dtype, group.dtype
         return outs
 
@@ -131,25 +133,46 @@ class RingLinearFunction(torch.autograd.Function):
         return group.x_gradient(), None, None, *group.parameter_gradients(reduced)
 
 
+class _ForwardLayout:
+    """What a Linear group's forward derives from its shapes alone, made once per ring layer, matmul
+    dtype, input width and biases present (``_GroupForward.of``), not at every pass: its members'
+    ``layouts``, the message's ``order`` of parameters (every member's weight, then the biases there
+    are: the weights of one shard are then adjacent in the message, one [sum of chunks, in] matrix that
+    a group multiplies in one GEMM), their ``segments`` and ``slot`` in it, the group's ``stacked``
+    weights (``_Stacked``; None for a lone Linear), and whether every member has a bias."""
+
+    def __init__(self, ring, out_features: tuple[int, ...], has_bias: tuple[bool, ...], in_features: int, dtype: torch.dtype):
+        self.layouts = layouts = [ring.layout(rows) for rows in out_features]
+        self.order = order = [2 * member for member in range(len(out_features))] + [
+            2 * member + 1 for member, present in enumerate(has_bias) if present
+        ]
+        trailing = {0: torch.Size([in_features]), 1: torch.Size()}
+        self.segments = tuple(segment(layouts[index // 2], trailing[index % 2], dtype) for index in order)
+        self.slot = {index: position for position, index in enumerate(order)}
+        self.stacked = _stacked(tuple(layouts)) if len(out_features) > 1 else None
+        self.all_biases = all(has_bias)
+
+
 class _GroupForward:
     """One forward of a Linear group (``RingLinearFunction``): its message (every member's weight, then
-    the biases there are) and, at each ring step, the products of the shard held (``during``)."""
+    the biases there are; ``_ForwardLayout``) and, at each ring step, the products of the shard held
+    (``during``)."""
 
     def __init__(self, layer: RingLayer, x: torch.Tensor, members: tuple[LinearMember, ...], params: tuple):
         self.layer, self.x_shape, self.params = layer, x.shape, params
         ring = self.ring = layer.ring
         self.out_features = out_features = tuple(member.out_features for member in members)
         self.weights = params[0::2]
-        self.dtype = dtype = layer.state.matmul_dtype(self.weights[0].dtype)
-        self.layouts = layouts = [ring.layout(rows) for rows in out_features]
-        # Every member's weight, then the biases there are: the weights of one shard are then adjacent
-        # in the message, one [sum of chunks, in] matrix that a group multiplies in one GEMM.
-        self.order = order = list(range(0, len(params), 2)) + [i for i in range(1, len(params), 2) if params[i] is not None]
-        self.message = layer.ring.buffers.message_of(tuple(segment(layouts[index // 2], params[index].shape[1:], dtype) for index in order))
-        self.slot = {index: position for position, index in enumerate(order)}
+        self.has_bias = has_bias = tuple(bias is not None for bias in params[1::2])
+        self.dtype = dtype = layer.precision.matmul_dtype(self.weights[0].dtype)
+        key = ("forward", members, has_bias, x.shape[-1], dtype)
+        known = layer.by_shape.get(key)
+        if known is None:
+            known = layer.by_shape[key] = _ForwardLayout(ring, out_features, has_bias, x.shape[-1], dtype)
+        self.layouts, self.order, self.slot = known.layouts, known.order, known.slot
+        self.stacked, self.all_biases = known.stacked, known.all_biases
+        self.message = ring.buffers.message_of(known.segments)
         self.x2d = x.reshape(-1, x.shape[-1]).to(dtype)
-        self.stacked = _stacked(tuple(layouts)) if len(members) > 1 else None
-        self.all_biases = all(bias is not None for bias in params[1::2])
 
     def rotate(self) -> tuple[torch.Tensor, ...]:
         """The group's outputs, from one ring."""
@@ -180,11 +203,11 @@ class _GroupForward:
                 return
             torch.mm(x2d, stacked.rows_of(views, 0, transposed=True), out=product)
             for member, layout in enumerate(self.layouts):
-                if 2 * member + 1 in self.slot and layout.rows_of(shard):
+                if 2 * member + 1 in self.slot and layout.sizes[shard]:
                     start = stacked.offsets[member]
-                    product[:, start : start + layout.rows_of(shard)].add_(views[self.slot[2 * member + 1]])
+                    product[:, start : start + layout.sizes[shard]].add_(views[self.slot[2 * member + 1]])
             return
-        if not self.layouts[0].rows_of(shard):
+        if not self.layouts[0].sizes[shard]:
             return
         views = self.message.views(buffer, shard, transposed=(True,))
         # A column block of a row-major matrix is a valid BLAS output (leading dimension
@@ -193,6 +216,43 @@ class _GroupForward:
             torch.addmm(views[self.slot[1]], x2d, views[0], out=self.columns[shard])
         else:
             torch.mm(x2d, views[0], out=self.columns[shard])
+
+
+class _BackwardLayout:
+    """What a Linear group's backward derives from its shapes alone, made once per ring layer and the
+    gradients wanted, dtypes and input width (``_GroupBackward``), not at every pass: the members'
+    ``layouts``; the gradients in the message (``wanted``: (member, is_bias) for every parameter that
+    needs one, the weights' first, so that a group's are adjacent, one GEMM per shard when every member's
+    is wanted: ``stacked``, ``stacked_biases``); whether the input gradient's term is one GEMM per shard
+    (``stacked_input``: only without padding rows, which hold stale bytes of earlier messages that a
+    zero column of the gradient would not cancel, 0 × NaN); which splits of the output gradients the
+    steps use; the message's segments (the weights when the input gradient is wanted, then the
+    gradients) and the gradients' sync-off ``keys``."""
+
+    def __init__(self, ctx, in_features: int, dtype: torch.dtype, reduce_dtype: torch.dtype):
+        ring = ctx.layer.ring
+        need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        self.n_params = len(need_params)
+        self.layouts = layouts = [ring.layout(rows) for rows in ctx.out_features]
+        self.wanted = wanted = sorted(
+            ((index // 2, index % 2 == 1) for index, need in enumerate(need_params)
+             if need and (index % 2 == 0 or ctx.has_bias[index // 2])),
+            key=lambda entry: (entry[1], entry[0]),
+        )
+        self.group = group = _stacked(tuple(layouts)) if len(layouts) > 1 else None
+        every = range(len(layouts))
+        self.stacked = stacked = group is not None and wanted[: len(layouts)] == [(member, False) for member in every]
+        self.stacked_biases = stacked and wanted == [(m, False) for m in every] + [(m, True) for m in every]
+        self.stacked_input = group is not None and need_x and group.unpadded
+        unstacked_biases = not self.stacked_biases and any(is_bias for _, is_bias in wanted)
+        self.splits_dy = (need_x and not self.stacked_input) or unstacked_biases
+        self.splits_dy_t = not stacked and any(not is_bias for _, is_bias in wanted)
+        trailing = torch.Size([in_features])
+        weight_segments = [segment(layout, trailing, dtype) for layout in layouts] if need_x else []
+        grad_segments = [segment(layouts[member], torch.Size() if is_bias else trailing, reduce_dtype) for member, is_bias in wanted]
+        self.segments = tuple(weight_segments + grad_segments)
+        self.weight_segments = len(weight_segments)
+        self.keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
 
 
 class _GroupBackward:
@@ -207,50 +267,30 @@ class _GroupBackward:
     GEMM per shard (``_Stacked``), and so is the input gradient's term when no member is padded."""
 
     def __init__(self, ctx, x2d: torch.Tensor, weights: list[torch.Tensor], grad_outs: tuple[torch.Tensor, ...]):
-        ring = ctx.layer.ring
+        layer = ctx.layer
         self.x2d, self.weights = x2d, weights
         self.x_shape, self.x_dtype = ctx.x_shape, ctx.x_dtype
-        need_x, need_params = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
-        self.n_params = len(need_params)
         dtype = ctx.dtype  # the forward's (autocast's, if it was on then)
-        reduce_dtype = ctx.layer.state.reduce_dtype(weights[0].dtype)
-        self.layouts = layouts = [ring.layout(rows) for rows in ctx.out_features]
+        reduce_dtype = layer.precision.reduce_dtype(weights[0].dtype)
+        key = ("backward", ctx.members, ctx.has_bias, ctx.needs_input_grad, x2d.shape[1], dtype, reduce_dtype)
+        known = layer.by_shape.get(key)
+        if known is None:
+            known = layer.by_shape[key] = _BackwardLayout(ctx, x2d.shape[1], dtype, reduce_dtype)
+        self.n_params, self.layouts, self.wanted, self.group = known.n_params, known.layouts, known.wanted, known.group
+        self.stacked, self.stacked_biases, self.stacked_input = known.stacked, known.stacked_biases, known.stacked_input
+        self.weight_segments, self.keys = known.weight_segments, known.keys
+        self.message = layer.ring.buffers.message_of(known.segments)
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
-
-        # Gradients in the message: (member, is_bias) for every parameter that needs one, the weights'
-        # first, so that a group's are adjacent (one GEMM per shard when every member's is wanted).
-        self.wanted = wanted = sorted(
-            ((index // 2, index % 2 == 1) for index, need in enumerate(need_params)
-             if need and (index % 2 == 0 or ctx.has_bias[index // 2])),
-            key=lambda entry: (entry[1], entry[0]),
-        )
-        self.group = group = _stacked(tuple(layouts)) if len(layouts) > 1 else None
-        every = range(len(layouts))
-        self.stacked = stacked = group is not None and wanted[: len(layouts)] == [(member, False) for member in every]
-        self.stacked_biases = stacked and wanted == [(m, False) for m in every] + [(m, True) for m in every]
-        # The input gradient's term is one GEMM per shard too, but only without padding rows: they hold
-        # stale bytes of earlier messages, which a zero column of the gradient would not cancel (0 × NaN).
-        self.stacked_input = group is not None and need_x and group.unpadded
         # Each shard's columns of the output gradients (and, transposed, as the weight gradient's GEMM
         # takes them), split once (an op or two) rather than sliced and transposed at every step.
-        if stacked or self.stacked_input:
-            dy_stacked = group.spread(dys)
+        if known.stacked or known.stacked_input:
+            dy_stacked = known.group.spread(dys)
             self.dy_shards, self.dy_shards_t = dy_stacked.unbind(1), dy_stacked.permute(1, 2, 0).unbind(0)
-        unstacked_biases = not self.stacked_biases and any(is_bias for _, is_bias in wanted)
-        if (need_x and not self.stacked_input) or unstacked_biases:
-            self.dys_split = [dy.split(layout.sizes, 1) for dy, layout in zip(dys, layouts)]
-        if not stacked and any(not is_bias for _, is_bias in wanted):
-            self.dys_split_t = [dy.t().split(layout.sizes, 0) for dy, layout in zip(dys, layouts)]
-
-        weight_segments = [segment(layout, w.shape[1:], dtype) for layout, w in zip(layouts, weights)] if need_x else []
-        grad_segments = [
-            segment(layouts[member], torch.Size() if is_bias else weights[member].shape[1:], reduce_dtype)
-            for member, is_bias in wanted
-        ]
-        self.message = ctx.layer.ring.buffers.message_of(tuple(weight_segments + grad_segments))
-        self.weight_segments = len(weight_segments)
-        self.keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
-        self.grad_x = torch.zeros_like(x2d) if need_x else None
+        if known.splits_dy:
+            self.dys_split = [dy.split(layout.sizes, 1) for dy, layout in zip(dys, known.layouts)]
+        if known.splits_dy_t:
+            self.dys_split_t = [dy.t().split(layout.sizes, 0) for dy, layout in zip(dys, known.layouts)]
+        self.grad_x = torch.zeros_like(x2d) if ctx.needs_input_grad[0] else None
 
     def pack_weights(self, views: list[torch.Tensor]) -> None:
         for view, weight in zip(views, self.weights):
@@ -261,7 +301,7 @@ class _GroupBackward:
             self.grad_x.addmm_(self.dy_shards[shard], self.group.rows_of(views, 0))
             return
         for layout, dy, weight in zip(self.layouts, self.dys_split, views):
-            if layout.rows_of(shard):
+            if layout.sizes[shard]:
                 self.grad_x.addmm_(dy[shard], weight)
 
     def contribute(self, shard: int, views: Views) -> None:
@@ -296,9 +336,9 @@ class RingInputSplitFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layer: RingLayer, full_shape: tuple[int, int], weight):
-        state, ring = layer.state, layer.ring
+        ring = layer.ring
         in_features, out_features = full_shape
-        dtype = state.matmul_dtype(weight.dtype)
+        dtype = layer.precision.matmul_dtype(weight.dtype)
         layout = ring.layout(in_features)
         message = layer.ring.buffers.message_of((segment(layout, weight.shape[1:], dtype),))
         x2d = x.reshape(-1, in_features).to(dtype)
@@ -309,7 +349,7 @@ class RingInputSplitFunction(torch.autograd.Function):
 
             def during(step: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(step)
-                if layout.rows_of(shard):
+                if layout.sizes[shard]:
                     out.addmm_(x_shards[shard], message.views(buffer, shard)[0])
 
             layer.driver.forward(message, during, [weight])
@@ -325,14 +365,14 @@ class RingInputSplitFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2d, weight = ctx.saved_tensors
         layer = ctx.layer
-        state, ring = layer.state, layer.ring
+        ring = layer.ring
         in_features, out_features = ctx.full_shape
         dtype = ctx.dtype
         layout = ring.layout(in_features)
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         dy = grad_out.reshape(-1, out_features).to(dtype)
         weight_segments = [segment(layout, weight.shape[1:], dtype)] if need_x else []
-        grad_segments = [segment(layout, weight.shape[1:], state.reduce_dtype(weight.dtype))] if need_weight else []
+        grad_segments = [segment(layout, weight.shape[1:], layer.precision.reduce_dtype(weight.dtype))] if need_weight else []
         message = layer.ring.buffers.message_of(tuple(weight_segments + grad_segments))
         grad_x = torch.zeros_like(x2d) if need_x else None
 
@@ -343,7 +383,7 @@ class RingInputSplitFunction(torch.autograd.Function):
         x_shards_t = x2d.t().split(layout.sizes, 0) if need_weight else None
 
         def use_weights(shard: int, views: Views) -> None:
-            if layout.rows_of(shard):
+            if layout.sizes[shard]:
                 grad_x_shards[shard].addmm_(dy, views.derived(("t", 0), lambda views: views[0].t()))
 
         def contribute(shard: int, views: Views) -> None:
@@ -367,7 +407,9 @@ def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Te
 
 
 class RingLinear:
-    """Mixed into an ``nn.Linear`` (by class swap) whose weight rotates on the ring."""
+    """Mixed into an ``nn.Linear`` (by class swap) whose weight rotates on the ring: ``_rsdp_ring`` is its
+    ring layer, ``_rsdp_fusion`` its rsdp module's ``SharedInputFusion`` (``_fusion.py``), which runs
+    its ring, alone or with the Linears that share its input."""
 
     _rsdp_ring: RingLayer
 
@@ -391,4 +433,4 @@ class RingLinear:
                 f"in_features={self.in_features}"
             )
         check_device(input, weight, self)
-        return self._rsdp_ring.state.fusion.linear(self, input)
+        return self._rsdp_fusion.linear(self, input)

@@ -103,7 +103,7 @@ class RingOperand(torch.Tensor):
 
     def local(self) -> torch.Tensor:
         """The local shard, as the gradient leaf ring functions compute with (``_grad.py``)."""
-        return self.layer.state.gradients.leaf(self.sharded_param)
+        return self.layer.gradients.leaf(self.sharded_param)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -171,20 +171,20 @@ def _reduce_to_shard(operand: RingOperand) -> None:
         grad = torch.zeros(shape, dtype=operand.dtype, device=operand.device)
     if operand.transposed:
         grad = grad.t()
-    param = operand.sharded_param
-    state = operand.layer.state
-    reduced = _reduce_full_gradient(state, shard_layout(param.shape[0], state.ring.size), grad, param.dtype)
-    state.gradients.receive(param, reduced)
+    param, layer = operand.sharded_param, operand.layer
+    reduced = _reduce_full_gradient(layer, shard_layout(param.shape[0], layer.ring.size), grad, param.dtype)
+    layer.gradients.receive(param, reduced)
 
 
-def _reduce_full_gradient(state, layout, grad: torch.Tensor, local_dtype: torch.dtype) -> torch.Tensor:
+def _reduce_full_gradient(layer: RingLayer, layout, grad: torch.Tensor, local_dtype: torch.dtype) -> torch.Tensor:
     """This rank's rows of the reduced (summed, then divided) full-weight gradient ``grad``."""
-    padded = grad.new_zeros(state.ring.size * layout.chunk, *grad.shape[1:], dtype=state.reduce_dtype(local_dtype))
+    ring = layer.ring
+    padded = grad.new_zeros(ring.size * layout.chunk, *grad.shape[1:], dtype=layer.precision.reduce_dtype(local_dtype))
     padded[: layout.rows].copy_(grad)
     reduced = padded.new_empty(layout.chunk, *grad.shape[1:])
-    reduce_scatter_flat(reduced, padded, group=state.ring.group)
-    state.divide_gradient(reduced)
-    return reduced[: layout.rows_of(state.ring.rank)].to(local_dtype)
+    reduce_scatter_flat(reduced, padded, group=ring.group)
+    layer.gradients.divide(reduced)
+    return reduced[: layout.rows_of(ring.rank)].to(local_dtype)
 
 
 def _full_weight(operand: RingOperand) -> torch.Tensor:
@@ -221,21 +221,21 @@ class _GatherShards(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, layer: RingLayer, rows: int):
-        state = layer.state
-        layout = shard_layout(rows, state.ring.size)
+        ring = layer.ring
+        layout = shard_layout(rows, ring.size)
         trailing = local.shape[1:]
-        dtype = state.compute_dtype(local.dtype)
+        dtype = layer.precision.compute_dtype(local.dtype)
         send = torch.zeros(layout.chunk, *trailing, dtype=dtype, device=local.device)
         send[: local.shape[0]].copy_(local)
-        received = torch.empty(state.ring.size * layout.chunk, *trailing, dtype=dtype, device=local.device)
-        all_gather_flat(received, send, group=state.ring.group)
-        ctx.state, ctx.layout, ctx.local_dtype = state, layout, local.dtype
+        received = torch.empty(ring.size * layout.chunk, *trailing, dtype=dtype, device=local.device)
+        all_gather_flat(received, send, group=ring.group)
+        ctx.layer, ctx.layout, ctx.local_dtype = layer, layout, local.dtype
         return received[: layout.rows]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        return _reduce_full_gradient(ctx.state, ctx.layout, grad, ctx.local_dtype), None, None
+        return _reduce_full_gradient(ctx.layer, ctx.layout, grad, ctx.local_dtype), None, None
 
 
 def _check_input(x, operand: RingOperand, features: int) -> None:

@@ -10,6 +10,9 @@ shards of the ``group`` consecutive ranks ``T*group ...``. Since only trailing s
 block's real rows are contiguous, and a block is a shard of a layout of ``world / group`` owners whose
 chunk is ``group`` shard chunks (``shard_layout(rows, owners, group)``): a ring layer's code is the
 same on a ring of ranks and on a ring of groups.
+
+``Precision`` is the dtypes a module's ring layers compute and reduce in (its mixed-precision policy),
+handed to each ring layer and gradient store of the module when they are made.
 """
 
 import functools
@@ -20,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._compat import DTensor, Replicate, Shard
+from .._compat import DTensor, Replicate, Shard, autocast_dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,7 +58,8 @@ class ShardLayout:
 
     @functools.cached_property
     def sizes(self) -> list[int]:
-        """Every shard's row count, in shard order: what ``split`` takes to cut all shards in one op."""
+        """Every shard's row count, in shard order: what ``split`` takes to cut all shards in one op, and
+        what a ring step indexes (``rows_of`` costs a Python call)."""
         return [stop - start for start, stop in self._bounds]
 
     def row_slice(self, shard: int) -> slice:
@@ -85,6 +89,28 @@ def owners_layout(owners: int, group: int, rows: int) -> ShardLayout:
     """``shard_layout(rows, owners, group)``, its arguments in the order a ring binds them
     (``Ring.layout``): a cache hit is then no Python call, and ring layers look layouts up at every pass."""
     return shard_layout(rows, owners, group)
+
+
+class Precision:
+    """The dtypes one rsdp module's parameters compute and reduce in, from its ``MixedPrecisionPolicy``
+    (``param_dtype``, ``reduce_dtype``; unset: the parameter's own), on ``device_type``."""
+
+    def __init__(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, device_type: str):
+        self.param_dtype, self.reduce, self.device_type = param_dtype, reduce_dtype, device_type
+
+    def compute_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.param_dtype or param_dtype
+
+    def matmul_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of a ring layer's matrix products, and so of its weights on the wire: the compute
+        dtype, or the one ``torch.autocast`` casts a matmul's operands to where it is on (as for stock
+        layers; it leaves float64 alone). Embedding lookups are not autocast: they use ``compute_dtype``."""
+        dtype = self.param_dtype or param_dtype
+        cast = autocast_dtype(self.device_type)
+        return cast if cast is not None and dtype != torch.float64 else dtype
+
+    def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        return self.reduce or self.param_dtype or param_dtype
 
 
 def placements_for(mesh: DeviceMesh, dim: int = 0) -> tuple:

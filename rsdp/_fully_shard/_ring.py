@@ -268,7 +268,7 @@ class _WithinGroup:
             gathered = staging[: size * end]
             self.gathers.append((gathered, held[:end]))
             by_rank = gathered.view(size, end)
-            self.unstage = [(block[b].view(size, -1), by_rank[:, m]) for b, m in regions.weights]
+            self.unstage = _block_and_staged(block, by_rank, regions.weights)
             self.rider_parts = by_rank[:, rider_at:end]
         elif len(regions.weights) == 1:
             ((block_region, member_region),) = regions.weights
@@ -277,7 +277,7 @@ class _WithinGroup:
             gathered = staging[: size * regions.gathered_end]
             self.gathers.append((gathered, held[: regions.gathered_end]))
             by_rank = gathered.view(size, regions.gathered_end)
-            self.unstage = [(block[b].view(size, -1), by_rank[:, m]) for b, m in regions.weights]
+            self.unstage = _block_and_staged(block, by_rank, regions.weights)
         # (this rank's partials, the group's contributions, this rank's place in them) of each
         # reduce-scatter, and the (staged, block) copies before.
         self.reductions, self.stage = [], []
@@ -290,7 +290,7 @@ class _WithinGroup:
             end = regions.members_nbytes if reduced_as is None else rider[1]
             partials = held[first:end]
             by_rank = staging[: size * partials.numel()].view(size, partials.numel())
-            self.stage = [(by_rank[:, m], block[b].view(size, -1)) for b, m, _ in regions.partials]
+            self.stage = [(staged, block_part) for block_part, staged in _block_and_staged(block, by_rank, [(b, m) for b, m, _ in regions.partials])]
             if reduced_as is not None:
                 self.rider_parts = by_rank[:, rider[0] - first : end - first]
             pieces = [(partials.view(staged_as), by_rank.view(-1).view(staged_as))]
@@ -318,6 +318,34 @@ class _WithinGroup:
             if add_held:
                 mine.add_(into)
             sum_scatter_in_group(self.group, into, summed)
+
+
+def _block_and_staged(block: torch.Tensor, by_rank: torch.Tensor, regions: list[tuple[slice, slice]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (block, staged) views a ring of groups copies between for ``regions`` (per segment: its block
+    region, the g ranks' shards in rank order; its member region, a column range of ``by_rank``,
+    ``[g, bytes]``): one pair per run of segments of equal width that follow each other in both (q/k/v
+    or gate/up of one width), each run a transposition of ``[g, segments, width]``, so that a step
+    copies once per run, not once per segment (each copy is a host dispatch, a kernel on a GPU)."""
+    size = by_rank.shape[0]
+    runs: list[list[int]] = []  # [block start, member start, width, segments]
+    for block_region, member_region in regions:
+        width = member_region.stop - member_region.start
+        if runs:
+            block_start, member_start, run_width, count = runs[-1]
+            if (width == run_width and block_region.start == block_start + count * size * width
+                    and member_region.start == member_start + count * width):
+                runs[-1][3] += 1
+                continue
+        runs.append([block_region.start, member_region.start, width, 1])
+    pairs = []
+    for block_start, member_start, width, count in runs:
+        block_part = block[block_start : block_start + count * size * width]
+        staged = by_rank[:, member_start : member_start + count * width]
+        if count == 1:
+            pairs.append((block_part.view(size, width), staged))
+        else:
+            pairs.append((block_part.view(count, size, width), staged.view(size, count, width).transpose(0, 1)))
+    return pairs
 
 
 _within_groups: dict[tuple[dist.ProcessGroup, int], dist.ProcessGroup] = {}

@@ -37,30 +37,42 @@ import torch
 import torch.nn as nn
 
 from .._compat import DTensor, autocast_dtype
+from ._grad import RingGradients
+from ._param import Precision
 from ._ring import Phase, Ring
 from ._ring_driver import RingDriver, RingRun
 from ._wire import Message, Views
 
 
 class RingLayer:
-    """What one ring-rotated module needs at run time: its ring ``driver`` (``_ring_driver.py``: the ring,
-    its message tags, the protocol of a pass), and the rsdp state whose settings (mixed precision,
-    gradient reduction) it follows. ``carries_collectives``: whether its rings may carry a pending
-    collective (not a planned sub-block's: ``_ring_driver.py``)."""
+    """What one ring-rotated module needs at run time, handed to it when it is made (it looks nothing up
+    through its rsdp module's state): its ``ring`` (group, neighbours, and the ring buffers its messages
+    are laid out in, ``ring.buffers``), its ring ``driver`` (``_ring_driver.py``: the ring, its message
+    tags, the protocol of a pass), its module's gradient store ``gradients`` (``_grad.RingGradients``:
+    gradient leaves, gradient sync and divisor, local accumulators) and ``precision``
+    (``_param.Precision``). ``carries_collectives``: whether its rings may carry a pending collective
+    (not a planned sub-block's: ``_ring_driver.py``). ``by_shape`` holds what its autograd Functions
+    derive from shapes and dtypes alone (layouts, segments, which gradients travel), made once per key
+    rather than at every pass: host time at every ring."""
 
-    def __init__(self, state, tags: dict[Phase, int], name: str, carries_collectives: bool = True):
-        self.state = state
-        self.ring = state.ring
+    def __init__(self, ring: Ring, gradients: RingGradients, precision: Precision, tags: dict[Phase, int], name: str, carries_collectives: bool = True):
+        self.ring, self.gradients, self.precision = ring, gradients, precision
         self.tags = tags
         self.name = name
-        self.driver = RingDriver(state.ring, tags, name, carries_collectives)
+        self.driver = RingDriver(ring, tags, name, carries_collectives)
+        self.by_shape: dict = {}
+
+    def sharing(self, name: str) -> "RingLayer":
+        """A ring layer for a group of ring modules whose first is this one's (``_fusion.py``): the same
+        ring, store, precision and tags, under ``name``."""
+        return RingLayer(self.ring, self.gradients, self.precision, self.tags, name)
 
 
-def finished_gradients(state, message: Message, first: int, final: torch.Tensor) -> list[torch.Tensor]:
+def finished_gradients(layer: RingLayer, message: Message, first: int, final: torch.Tensor) -> list[torch.Tensor]:
     """This rank's reduced shards of the gradient segments ``first:`` of the last message, copied out of
-    the ring buffer divided (``gradient_divisor``): one op each, from views of the buffer."""
-    divisor = state.gradient_divisor
-    return [view.clone() if divisor == 1 else view / divisor for view in message.views(final, state.ring.rank, first)]
+    the ring buffer divided (``RingGradients.divisor``): one op each, from views of the buffer."""
+    divisor = layer.gradients.divisor
+    return [view.clone() if divisor == 1 else view / divisor for view in message.views(final, layer.ring.rank, first)]
 
 
 def autocast_like(addend: torch.Tensor, product: torch.Tensor) -> torch.Tensor:
@@ -212,10 +224,10 @@ def ring_backward(
 
     Returns this rank's reduced gradient shards, or None when there are none to reduce: no gradient is
     wanted, or synchronisation is off (then the contributions go to the local accumulators)."""
-    state, ring = layer.state, layer.ring
+    gradients, ring = layer.gradients, layer.ring
     grads = message.tail(weight_segments)
     weights_only = ring.buffers.message_of(message.segments[:weight_segments])
-    unsynced = bool(grad_keys) and not state.requires_gradient_sync
+    unsynced = bool(grad_keys) and not gradients.requires_sync
     # Its first message carries partials: not prefetchable, but its last exchange may carry the next
     # ring's first message. Begun before the buffers are asked for: a backward's first ring says which
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
@@ -226,24 +238,25 @@ def ring_backward(
     else:
         pair, scratch = message.nbytes, grads.nbytes if contribution.computes_ahead else None
     with layer.driver.run(Phase.BACKWARD, travelling, pair=pair, scratch=scratch) as run:
-        contribution.reserve(run, grads)
+        if scratch is not None:
+            contribution.reserve(run, grads)
         if unsynced:
-            totals = [state.unsynced_gradient(key, segment) for key, segment in zip(grad_keys, grads.segments)]
+            totals = [gradients.unsynced_total(key, segment) for key, segment in zip(grad_keys, grads.segments)]
             for shard in range(ring.owners):
-                contribution.add_to(shard, _unsynced_shards(state, grads, totals, shard))
+                contribution.add_to(shard, _unsynced_shards(grads, totals, shard))
         if unsynced or not grad_keys:
             if weight_segments:
                 start, during = weights.rotation(ring, weights_only)
                 run.turn(start, during, gathered=weight_segments)
             return None
-        earlier = [state.take_unsynced(key) for key in grad_keys]
+        earlier = [gradients.take_unsynced(key) for key in grad_keys]
         return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution)
 
 
-def _unsynced_shards(state, grads: Message, totals: list[torch.Tensor | None], shard: int) -> list[torch.Tensor | None]:
+def _unsynced_shards(grads: Message, totals: list[torch.Tensor | None], shard: int) -> list[torch.Tensor | None]:
     """Shard ``shard`` of each full-size local accumulator in ``totals``."""
     return [
-        None if total is None else state.unsynced_shard(total, shard, (segment.layout.rows_of(shard), *segment.trailing))
+        None if total is None else RingGradients.unsynced_shard(total, shard, (segment.layout.rows_of(shard), *segment.trailing))
         for total, segment in zip(totals, grads.segments)
     ]
 
@@ -255,11 +268,11 @@ def _reduce_on_ring(
     (``grads``, the rest) round the ring: the partial of shard ``ring.partial_shard_at(k)`` is held at
     step k and reaches its owner after W-1 hops, reduced. ``unsynced``: what backwards without
     synchronisation kept for each gradient (None where nothing), added on the way."""
-    state, ring, message = layer.state, layer.ring, run.message
+    ring, message = layer.ring, run.message
     weight_segments = len(weights_only.segments)
 
     def add_unsynced(shard: int, views: list[torch.Tensor]) -> None:
-        for view, total in zip(views, _unsynced_shards(state, grads, unsynced, shard)):
+        for view, total in zip(views, _unsynced_shards(grads, unsynced, shard)):
             if total is not None:
                 view.add_(total)
 
@@ -277,7 +290,7 @@ def _reduce_on_ring(
 
         start, during = weights.rotation(ring, weights_only) if weight_segments else (_nothing_to_pack, None)
         final = run.turn(start, during, gathered=weight_segments, fill=fill)
-        return finished_gradients(state, message.members, weight_segments, final)
+        return finished_gradients(layer, message.members, weight_segments, final)
 
     def start(buffer: torch.Tensor) -> None:
         if weight_segments:
@@ -293,7 +306,7 @@ def _reduce_on_ring(
             contribution.ahead(ring.partial_shard_at(step + 1), earlier)
 
     final = run.turn(start, during, contribution.arrival(ring, message, weight_segments, earlier))
-    return finished_gradients(state, message, weight_segments, final)
+    return finished_gradients(layer, message, weight_segments, final)
 
 
 def _nothing_to_pack(buffer: torch.Tensor) -> None:
@@ -319,7 +332,7 @@ def local_shard(param: nn.Parameter | None, module: nn.Module, name: str, layer:
     """What a ring function computes with for ``module.<name>``: its local shard, as the gradient leaf
     through which rsdp accumulates its gradient (``_grad.py``)."""
     param = sharded(param, module, name)
-    return None if param is None else layer.state.gradients.leaf(param)
+    return None if param is None else layer.gradients.leaf(param)
 
 
 def check_device(input: torch.Tensor, weight: torch.Tensor, module: nn.Module) -> None:

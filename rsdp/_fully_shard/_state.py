@@ -24,7 +24,6 @@ Pitfalls:
 """
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -37,7 +36,6 @@ from .._compat import (
     FSDPState,
     MixedPrecisionPolicy,
     apply_to_tensors,
-    autocast_dtype,
     calling_modules,
     current_graph_task_id,
     get_module_state,
@@ -50,6 +48,7 @@ from ._ddp_habits import first_names
 from ._fusion import SharedInputFusion
 from ._grad import RingGradients
 from ._operand import RingOperand
+from ._param import Precision
 from ._ring_function import sharded
 from ._ring import Ring
 
@@ -75,7 +74,7 @@ class RSDPState(FSDPState):
         super().__init__()
         self._modules = (module,)
         self.mesh = mesh
-        self._data_parallel_ranks = mesh.size()  # read by every gradient; DeviceMesh.size() is Python calls
+        self._data_parallel_ranks = mesh.size()  # read at every outermost forward; DeviceMesh.size() is Python calls
         self._callers_checked = False  # whether its callers were checked (_check_callers_are_sharded)
         self.mp_policy = mp_policy
         self.device = (
@@ -85,13 +84,11 @@ class RSDPState(FSDPState):
         )
         # A context of its own until a root's rsdp_shard (or parallelize) gives it the model's.
         self.ring = Ring(mesh.get_group(mesh.ndim - 1), self.device, RingContext(), ring_group_size)
-        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        # Handed to its ring layers and gathered parameters when they are made.
+        self.precision = Precision(mp_policy.param_dtype, mp_policy.reduce_dtype, self.device.type)
+        self.gradients = RingGradients(self.ring, self.precision, mesh.get_group(0) if mesh.ndim == 2 else None, self._data_parallel_ranks)
         self.ring_modules: list[nn.Module] = []
         self.fusion = SharedInputFusion(self)
-        # Per ring parameter: its contributions while gradient sync was off.
-        self._unsynced: dict[tuple[int, str], torch.Tensor] = {}
-        self.gradient_divide_factor: float | None = None
-        self.requires_gradient_sync = True
         self.gathered: GatheredParams | None = None
         self._nested: list[RSDPState] | None = None  # the rsdp states under this module, found at its first outermost forward
         self._gathered_slots: list[tuple[nn.Module, str, int]] = []
@@ -103,56 +100,13 @@ class RSDPState(FSDPState):
         # The backward (graph task) whose post-backward this state awaits, None when none does.
         self._post_backward_task: int | None = None
         self.forward_depth = 0  # this module's forwards running now (nested calls count)
-        self.gradients = RingGradients(self)
-
-    def compute_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
-        return self.mp_policy.param_dtype or param_dtype
-
-    def matmul_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of a ring layer's matrix products, and so of its weights on the wire: the compute
-        dtype, or the one ``torch.autocast`` casts a matmul's operands to where it is on (as for stock
-        layers; it leaves float64 alone). Embedding lookups are not autocast: they use ``compute_dtype``."""
-        dtype = self.compute_dtype(param_dtype)
-        cast = autocast_dtype(self.device.type)
-        return cast if cast is not None and dtype != torch.float64 else dtype
-
-    def reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
-        return self.mp_policy.reduce_dtype or self.compute_dtype(param_dtype)
-
-    @property
-    def gradient_divisor(self) -> float:
-        """What a shard group's reduced gradient is divided by: the mean over all data-parallel ranks once
-        the replica groups' are summed (HSDP, ``RingGradients.flush``), unless a divide factor was set."""
-        return self.gradient_divide_factor or self._data_parallel_ranks
-
-    def divide_gradient(self, reduced: torch.Tensor) -> None:
-        """Divide a shard group's reduced gradient in place (``gradient_divisor``)."""
-        if self.gradient_divisor != 1:
-            reduced.div_(self.gradient_divisor)
-
-    def unsynced_gradient(self, key, segment) -> torch.Tensor:
-        """The full-size gradient (every owner's shard, ``[owners, padded shard]``) accumulated for one parameter of a
-        ring while gradient sync is off: the memory cost of skipping sync, as with FSDP2. Keyed per
-        parameter, so it survives a change of grouping between micro-batches."""
-        if key not in self._unsynced:
-            numel = segment.layout.chunk * math.prod(segment.trailing)
-            self._unsynced[key] = torch.zeros(self.ring.owners, numel, dtype=segment.dtype, device=self.device)
-        return self._unsynced[key]
-
-    @staticmethod
-    def unsynced_shard(total: torch.Tensor, shard: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """Shard ``shard`` of an accumulator from ``unsynced_gradient``, shaped ``shape`` (its message view's)."""
-        return total[shard, : math.prod(shape)].view(shape)
-
-    def take_unsynced(self, key) -> torch.Tensor | None:
-        return self._unsynced.pop(key, None)
 
     def set_gathered(
         self, params: list[nn.Parameter], slots: list[tuple[nn.Module, str, int]], reshard_after_forward: bool
     ) -> None:
         """``slots`` lists (module, attribute, index into ``params``) for every place a gathered
         parameter is registered."""
-        self.gathered = GatheredParams(self, params, reshard_after_forward) if params else None
+        self.gathered = GatheredParams(self.ring, self.precision, self.gradients, params, reshard_after_forward) if params else None
         self._gathered_slots = slots
 
     def register_hooks(self, module: nn.Module) -> None:

@@ -582,15 +582,15 @@ class _SubBlockForward:
     def __init__(self, call: _Call, tensors_and_params: tuple, needs: tuple[bool, ...]):
         self.call = call
         self.layer = call.block.ring
-        state, ring = self.layer.state, self.layer.ring
+        precision, ring = self.layer.precision, self.layer.ring
         self.ring = ring
         tensors = tensors_and_params[: call.tensor_count]
         self.params = params = tensors_and_params[call.tensor_count :]
         present = [p for p in params if p is not None]
         # Inputs in the policy's compute dtype (as FSDP2 casts them); the weights in the dtype the
         # sub-block's matmuls use, which autocast, where it is on, may lower further.
-        self.input_dtype = state.compute_dtype(present[0].dtype)
-        self.dtype = state.matmul_dtype(present[0].dtype)
+        self.input_dtype = precision.compute_dtype(present[0].dtype)
+        self.dtype = precision.matmul_dtype(present[0].dtype)
         self.message = self.ring.buffers.message_of(call.block.segments(self.dtype, ring.size))
         self.cast = call.cast(tensors, self.input_dtype)
         self.row_layout = self.message.segments[-1].layout  # the cached message's: its bounds are computed once
@@ -640,7 +640,7 @@ class _RingSubBlockFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_total):
         backward = _SubBlockBackward(ctx, grad_total)
-        if backward.grad_index and backward.state.requires_gradient_sync:
+        if backward.grad_index and backward.gradients.requires_sync:
             backward.synchronised()
         else:
             backward.unsynchronised()
@@ -662,7 +662,7 @@ class _SubBlockBackward:
         self.call: _Call = ctx.call
         self.block = block = self.call.block
         self.layer = block.ring
-        self.state, self.ring = self.layer.state, self.layer.ring
+        self.gradients, self.ring = self.layer.gradients, self.layer.ring
         self.graphs, self.input_dtype, self.autocast = ctx.graphs, ctx.input_dtype, ctx.autocast
         saved = ctx.saved_tensors
         n = self.call.tensor_count
@@ -672,7 +672,7 @@ class _SubBlockBackward:
         self.needs_params = [need and p is not None for need, p in zip(ctx.needs_input_grad[1 + n :], self.params)]
         self.present = [i for i, p in enumerate(self.params) if p is not None]
         self.weight_segments = block.segments(dtype, self.ring.size)
-        self.reduce_dtype = self.state.reduce_dtype(self.params[self.present[0]].dtype)
+        self.reduce_dtype = self.layer.precision.reduce_dtype(self.params[self.present[0]].dtype)
         self.grad_index = [slot for slot, i in enumerate(self.present) if self.needs_params[i]]
         self.grad_segments = [
             segment(self.weight_segments[slot].layout, self.weight_segments[slot].trailing, self.reduce_dtype)
@@ -744,7 +744,7 @@ class _SubBlockBackward:
             index = self.present[slot]
             linear, name = self.block.param_slots[index]
             grad = grad.t().contiguous() if self.block.param_transposed[index] else grad
-            self.state.gradients.receive(sharded(getattr(linear, name), linear, name), grad.to(self.params[index].dtype))
+            self.gradients.receive(sharded(getattr(linear, name), linear, name), grad.to(self.params[index].dtype))
 
     def synchronised(self) -> None:
         """The weights and the partials round the ring, ``[partials | weights]``: a message's first
@@ -761,7 +761,7 @@ class _SubBlockBackward:
             # buffer, so that it needs no copy to outlive this ring (the deferred hop) nor to become the
             # gradients.
             self.mine = torch.zeros(self.grads.nbytes, dtype=torch.uint8, device=self.ring.device)
-            self.unsynced = [self.state.take_unsynced(key) for key in self.keys]
+            self.unsynced = [self.gradients.take_unsynced(key) for key in self.keys]
             self.has_unsynced = any(total is not None for total in self.unsynced)
             pack = functools.partial(self._pack, message)
             if alone:
@@ -785,7 +785,7 @@ class _SubBlockBackward:
         """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""
         for view, total in zip(views, self.unsynced):
             if total is not None:
-                view.add_(self.state.unsynced_shard(total, shard, view.shape))
+                view.add_(self.gradients.unsynced_shard(total, shard, view.shape))
 
     def _own_contribution(self, hop: int, buffer: torch.Tensor) -> None:
         """The owner's own contribution, from its local shard: while the first message (its weights)
@@ -817,8 +817,8 @@ class _SubBlockBackward:
 
     def _finished(self, own: torch.Tensor) -> list[torch.Tensor]:
         """This rank's reduced gradient shards, views of ``own`` (the whole message's memory, which they
-        keep), divided in place (``gradient_divisor``): no copy of a layer's gradient shard is made."""
-        divisor = self.state.gradient_divisor
+        keep), divided in place (``RingGradients.divisor``): no copy of a layer's gradient shard is made."""
+        divisor = self.gradients.divisor
         if divisor != 1:
             own.view(self.reduce_dtype).div_(divisor)
         return self.grads.views(own, self.ring.rank)
@@ -828,12 +828,12 @@ class _SubBlockBackward:
         contributions to every shard are kept locally until the next synchronised backward."""
         ring = self.ring
         weights_only = self.ring.buffers.message_of(self.weight_segments)
-        totals = [self.state.unsynced_gradient(key, segment) for key, segment in zip(self.keys, self.grad_segments)]
+        totals = [self.gradients.unsynced_total(key, segment) for key, segment in zip(self.keys, self.grad_segments)]
 
         def during(hop: int, buffer: torch.Tensor) -> None:
             shard = ring.weight_shard_at(hop)
             views = weights_only.views(buffer, shard)
-            into = [self.state.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, self.grad_index)]
+            into = [self.gradients.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, self.grad_index)]
             into = [view.mT if transposed else view for view, transposed in zip(into, self.grads_transposed)]
             self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
 

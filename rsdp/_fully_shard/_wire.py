@@ -39,6 +39,9 @@ class MessagePool(typing.Protocol):
     """What a ``Message`` asks of the buffers that hold messages (``_buffers.RingBuffers``)."""
 
     generation: int  # bumped whenever the pool's buffers are replaced
+    # ``place_of`` of a buffer at the start of one of the pool's (data_ptr -> place), looked up first: a
+    # ring step's views are of such a buffer, and the lookup then costs no Python call.
+    starts: dict[int, tuple[int, int]]
 
     def place_of(self, buffer: torch.Tensor) -> tuple[int, int] | None: ...
 
@@ -74,9 +77,10 @@ class BlockRegions:
     so one segment's all-gather writes its block and its reduce-scatter reads it with no copy. Several
     segments go in one collective over the members' bytes ``[:gathered_end]`` (or, for partials of
     one dtype, ``[partials_start:]``), laid out rank-major in a staging area behind the block: one copy
-    per segment between staging and block (``weights``: block and member byte slices; ``partials``:
-    block, member slices from ``partials_start``, dtype). The staging area starts at ``staging_at``
-    in the scratch buffer, whose size with the block before it is ``scratch_nbytes``."""
+    per run of equal-width segments between staging and block (``_ring._block_and_staged``;
+    ``weights``: block and member byte slices; ``partials``: block, member slices from
+    ``partials_start``, dtype). The staging area starts at ``staging_at`` in the scratch buffer, whose
+    size with the block before it is ``scratch_nbytes``."""
 
     def __init__(self, message: "Message", gathered: int):
         members, group = message.members, message.segments[0].layout.group if message.segments else 1
@@ -186,7 +190,8 @@ class Message:
 
         Views of the ring's buffers are made once and reused (making them is most of a small ring
         step's host time); other buffers get fresh views, since their memory may be reused."""
-        place = self._buffers.place_of(buffer)
+        pool = self._buffers
+        place = pool.starts.get(buffer.data_ptr()) or pool.place_of(buffer)
         if place is None:
             return Views(self._make_views(buffer, shard, first, transposed), cached=False)
         if self._generation != self._buffers.generation:
@@ -208,7 +213,8 @@ class Message:
             dtype = self._flat_dtypes[first] = dtypes.pop() if len(dtypes) == 1 else None
         if dtype is None:
             return None
-        place = self._buffers.place_of(buffer)
+        pool = self._buffers
+        place = pool.starts.get(buffer.data_ptr()) or pool.place_of(buffer)
         if place is None:
             return buffer[self.offsets[first] : self.nbytes].view(dtype)
         if self._generation != self._buffers.generation:
