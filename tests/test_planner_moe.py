@@ -107,36 +107,52 @@ def _cut_to_four_blocks(registry):
 
 
 MOE_FLAVORS = [("qwen3", "30B-A3B"), ("deepseek_v3", "16B"), ("gpt_oss", "20b"), ("gpt_oss", "120b")]
+# Each family's debug flavor (flavor None: the family's imports fail), and what planning it gives: "planned",
+# or what its one line says.
+DEBUG_FLAVORS = {
+    ("llama3", "debugmodel"): "planned",
+    ("qwen3", "debugmodel"): "planned",
+    ("qwen3", "debugmodel_moe"): "planned",
+    ("deepseek_v3", "debugmodel"): "planned",
+    ("gpt_oss", "debugmodel"): "planned",
+    ("kimi_k2_7", "debugmodel"): "never ran in the training step (a multimodal model's encoder",
+    ("muse_glimmer", "debugmodel"): "cannot be counted on the meta device (SpmdTypeError",
+    ("flux", "flux-debug"): "has no token embedding",
+    ("qwen3_5", None): "needs the package 'fla'",
+}
 
 
 @pytest.mark.parametrize("activation_checkpoint", ["none", "selective", "full"])
 def test_every_torchtitan_model_is_planned_or_refused_in_one_line(monkeypatch, activation_checkpoint):
     """Every flavor of every model family torchtitan 0.3 ships, through ``rsdp plan`` on the meta device
     (8 devices, 64 tokens, blocks cut to four): a plan, or an exit with one line that names the reason;
-    never a traceback. Under checkpointing (which wraps the blocks alike in every flavor of a family),
-    each family's first flavor and the MoE flavors."""
+    never a traceback. Without checkpointing every flavor, under bf16 mixed precision; under
+    checkpointing (which wraps the blocks alike in every flavor of a family) each family's debug flavor,
+    in bf16. The MoE flavors also in fp32, under every mode. Each debug flavor plans or says why as
+    DEBUG_FLAVORS states, the MoE flavors plan, and no family is left out."""
     flavors = _torchtitan_flavors()
-    if activation_checkpoint != "none":
-        firsts = {family: (family, flavor) for family, flavor in reversed(flavors)}
-        flavors = [entry for entry in flavors if entry in firsts.values() or entry in MOE_FLAVORS]
+    assert {family for family, _ in flavors} == {family for family, _ in DEBUG_FLAVORS}, "a family is not walked"
+    walked = flavors if activation_checkpoint == "none" else [entry for entry in flavors if entry in DEBUG_FLAVORS]
     outcomes = {}
-    for family, flavor in flavors:
+    for (family, flavor), precision in [*((entry, "bf16") for entry in walked), *((entry, "fp32") for entry in MOE_FLAVORS)]:
         if flavor is not None:
             module = importlib.import_module(f"torchtitan.models.{family}")
             monkeypatch.setattr(module, "model_registry", _cut_to_four_blocks(module.model_registry))
         argv = ["plan", "--model", f"torchtitan:{family}:{flavor or 'any'}", "--world-size", "8", "--seq-len", "64",
-                "--budget", "1TiB", "--activation-checkpoint", activation_checkpoint]
+                "--budget", "1TiB", "--activation-checkpoint", activation_checkpoint, "--mixed-precision", precision]
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 cli.main(argv)
-                outcomes[family, flavor] = "planned"
+                outcomes[family, flavor, precision] = "planned"
             except SystemExit as exit:
                 message = str(exit.code)
-                assert exit.code != 0 and "\n" not in message and message.startswith("rsdp"), f"{family}:{flavor}: {message!r}"
-                outcomes[family, flavor] = message
-    print("\n".join(f"{family}:{flavor}: {outcome}" for (family, flavor), outcome in outcomes.items()))
-    assert all(outcomes[name] == "planned" for name in MOE_FLAVORS), {name: outcomes[name] for name in MOE_FLAVORS}
+                assert exit.code != 0 and "\n" not in message and message.startswith("rsdp"), f"{family}:{flavor}, {precision}: {message!r}"
+                outcomes[family, flavor, precision] = message
+    print("\n".join(f"{family}:{flavor}, {precision}: {outcome}" for (family, flavor, precision), outcome in outcomes.items()))
+    for (family, flavor), expected in DEBUG_FLAVORS.items():
+        assert expected in outcomes[family, flavor, "bf16"], (family, flavor, outcomes[family, flavor, "bf16"])
+    assert all(outcomes[name] == "planned" for name in outcomes if name[:2] in MOE_FLAVORS), outcomes
 
 
 @pytest.mark.parametrize("activation_checkpoint", ["none", "selective", "full"])
