@@ -223,10 +223,10 @@ def test_experts_peak_against_fsdp2_on_four_ranks(ranks):
     """FSDP2 gathers a layer's experts whole, prefetches the next layer's, and holds their unsharded
     gradient in backward: 3 layers of experts above the sharded gradients (1/W of the model) here. The
     expert rings' backward peaks in the first layer's up-projection ring (gate_up_proj, 2/3 of the
-    experts): its two messages ([gradient partials | weights], 2/W of gate_up_proj each) and the owner's
-    own contribution (1/W); each step's weight gradient is written into the partials and the partials'
-    last hop goes from the ring buffer, so nothing else of the experts' size: 5/W of gate_up_proj, 0.83
-    of a layer's experts on 4 ranks. Measured 0.368-0.369 of FSDP2's peak (CPU counts are exact)."""
+    experts): its two messages ([gradient partials | weights], 2/W of gate_up_proj each) and, as it
+    ends, the owner's reduced shard copied out (1/W); each step's weight gradient is written into the
+    partials expert by expert, so nothing else of the experts' size: 5/W of gate_up_proj, 0.83 of a
+    layer's experts on 4 ranks. Measured 0.365 of FSDP2's peak (CPU counts are exact)."""
     for rank, peaks in enumerate(ranks.run(4, experts_peaks_case, "grouped_mm")):
         ratio = peaks["rsdp"] / peaks["fsdp"]
         print(f"rank {rank}: fsdp {peaks['fsdp'] / 2**20:.3f} MiB, rsdp {peaks['rsdp'] / 2**20:.3f} MiB, ratio {ratio:.3f}")

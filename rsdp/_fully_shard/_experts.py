@@ -22,13 +22,18 @@ Each ring is a planned sub-block's ring (``_sub_block.py``): the forward keeps e
 (under activation checkpointing none, and each backward step computes its block's product again), and
 the backward rotates each ring's weights again with its gradient partials, summed on their way to the
 owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
-projection's ring the input's. Rings of one weight each, rather than one ring of all, make every
-message smaller: the ring buffers hold two messages of the larger ring (in backward: weights and
-partials), about 2/W of the up projection's experts in forward and 4/W in backward (and the owner's
-own contribution, 1/W, which becomes its gradient shard), and no step recomputes a forward. A backward
-step writes its weight gradients into the partials (``GradientSink``), and a ring's last hop goes at
-once from the ring buffer (``defers_last_hop``): neither leaves a block-sized tensor beside the buffers. Every rank runs all W steps of both rings whatever its routing, so ranks that
-route differently make the same exchanges; a block that got none of a rank's tokens multiplies no rows.
+projection's ring the input's. A step's weight gradients need no weights (a product's weight gradient
+is its input times its output's gradient, a bias's the sum of its rows), so the ring computes them
+itself (``ExpertStage.weight_gradients``) and the partials travel as a Linear's: from the owner's
+neighbour to the owner in the ring's W-1 exchanges, with no last hop, each rank writing its
+contribution into a partial as it arrives, expert by expert (``mm`` with ``out=``, or ``addmm_``), so
+that no gradient of a block's size exists beside the ring buffers. The kept graphs then compute the
+inputs' gradients only. Rings of one weight each, rather than one ring of all, make every message
+smaller: the ring buffers hold two messages of the larger ring (in backward: weights and partials),
+about 2/W of the up projection's experts in forward and 4/W in backward (and, as the ring ends, the
+owner's reduced shards copied out, 1/W, its gradient shard), and no step recomputes a forward. Every
+rank runs all W steps of both rings whatever its routing, so ranks that route differently make the
+same exchanges; a block that got none of a rank's tokens multiplies no rows.
 
 What each kind says (``ExpertsBlock`` here for Hugging Face, ``GroupedExpertsBlock`` in
 ``_grouped_experts.py`` for torchtitan): its two rings' parameters, how a call's tokens are routed and
@@ -41,6 +46,9 @@ Pitfalls:
   ``expert_product`` is an autograd function that saves its weight operand itself and casts it (to a
   compute dtype such as torchtitan's bfloat16) inside, in its forward and again in its backward; a
   cast or transposed view made outside would be saved instead, and not follow the re-pointing.
+- ``weight_gradients`` computes what autograd would through a step's products, so a kind whose product
+  differs from ``x @ w`` (plus a bias per expert) over all its output's columns says how
+  (``ExpertRing.gradient_term``: torchtitan's ``w1``/``w3`` each make half of the columns, in bfloat16).
 - Hugging Face's experts implementations (the eager loop, ``batched_mm``, ``grouped_mm``) compute one
   function; the ring computes it as ``grouped_mm`` does (the module's ``_apply_gate`` or ``act_fn``, its
   biases and weight layout), so results match the implementation set up to the order of float sums.
@@ -141,51 +149,31 @@ def _grouped_weight(a: torch.Tensor, g: torch.Tensor, groups: Groups) -> torch.T
     return torch.stack([a[start:end].mT @ g[start:end] for start, end in groups.bounds])
 
 
-# The weight gradients a backward step's products write themselves (``GradientSink``), by the address of
-# the weight operand: rings never run concurrently on one rank, so one step's sink is the only one.
-_sinks: dict[int, "_SinkEntry"] = {}
+def _write_weight_gradient(view: torch.Tensor, a: torch.Tensor, g: torch.Tensor, groups: Groups, add: bool) -> None:
+    """Each expert's ``a_e^T g_e`` written (or added) into its matrix of ``view`` (``[experts, in, out]``,
+    a partial's): one ``mm`` per expert with ``out=`` (or ``addmm_``), so that no gradient the size of the
+    block exists beside the partial; in a compute dtype other than the partial's (torchtitan's bfloat16
+    products, float32 partials), one expert's product at a time, added."""
+    for matrix, (start, end) in zip(view.unbind(0), groups.bounds):
+        if matrix.dtype != a.dtype:
+            product = a[start:end].mT @ g[start:end]
+            matrix.add_(product) if add else matrix.copy_(product)
+        elif add:
+            if end > start:
+                matrix.addmm_(a[start:end].mT, g[start:end])
+        else:
+            torch.mm(a[start:end].mT, g[start:end], out=matrix)
 
 
-class _SinkEntry:
-    """One weight's place in a backward step's partials: its view (``[experts, in, out]``, as the
-    operand), whether the step adds to it, and where in the step's gradients it stands."""
-
-    def __init__(self, view: torch.Tensor, add: bool, position: int, sink: "GradientSink"):
-        self.view, self.add, self.position, self.sink = view, add, position, sink
-
-    def write(self, a: torch.Tensor, g: torch.Tensor, groups: Groups) -> None:
-        """Each expert's ``a_e^T g_e`` written (or added) into its matrix of the view: no gradient the
-        size of the block exists beside the partial."""
-        for matrix, (start, end) in zip(self.view.unbind(0), groups.bounds):
-            if self.add:
-                if end > start:
-                    matrix.addmm_(a[start:end].mT, g[start:end])
-            else:
-                torch.mm(a[start:end].mT, g[start:end], out=matrix)
-        self.sink.written.add(self.position)
-
-
-class GradientSink:
-    """For one backward step of an expert ring (``_sub_block._SubBlockBackward.step``): the products'
-    weight gradients go straight into the partials the step writes or adds them to (``into``), one
-    ``mm`` per expert with ``out=`` (or ``addmm_``) instead of a grouped GEMM's result beside them, which
-    at the backward's peak would be 1/W of the projection's experts more. A weight whose gradient
-    autograd must carry on (a LoRA-updated weight is not the operand itself) or whose compute dtype is
-    not the partial's is left to autograd. ``written``: the positions in ``into`` written."""
-
-    def __init__(self, operands: list[torch.Tensor], grad_slots: list[int], into: list[torch.Tensor], add: bool):
-        self.written: set[int] = set()
-        self.keys = []
-        for position, (slot, view) in enumerate(zip(grad_slots, into)):
-            operand = operands[slot]
-            if operand.dim() == 3:
-                key = operand.data_ptr()
-                _sinks[key] = _SinkEntry(view, add, position, self)
-                self.keys.append(key)
-
-    def close(self) -> None:
-        for key in self.keys:
-            del _sinks[key]
+def _write_bias_gradient(view: torch.Tensor, g: torch.Tensor, groups: Groups, add: bool) -> None:
+    """Each expert's sum of its rows of ``g`` written (or added) into its row of ``view`` (``[experts, out]``)."""
+    if g.dtype != view.dtype:
+        sums = torch.zeros(view.shape, dtype=g.dtype, device=g.device).index_add_(0, groups.expert_of_rows, g)
+        view.add_(sums) if add else view.copy_(sums)
+        return
+    if not add:
+        view.zero_()
+    view.index_add_(0, groups.expert_of_rows, g)
 
 
 class _ExpertProduct(torch.autograd.Function):
@@ -205,13 +193,10 @@ class _ExpertProduct(torch.autograd.Function):
         groups, dtype = ctx.groups, ctx.dtype
         grad = grad.contiguous()  # a sum's gradient comes expanded, which the grouped GEMM refuses
         grad_x = _grouped(grad, w_t.to(dtype).mT, groups).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            sink = _sinks.get(w_t.data_ptr())
-            if sink is not None and sink.view.dtype == dtype:
-                sink.write(x.to(dtype), grad, groups)  # autograd gets None: the step's partial has it
-            else:
-                grad_w = _grouped_weight(x.to(dtype), grad, groups).to(w_t.dtype)
+        # Only where the weight operand is not the ring's (a LoRA-updated weight, whose gradient reaches the
+        # adapters): a ring's own weights are leaves that need none, their gradients written by
+        # ``ExpertStage.weight_gradients``.
+        grad_w = _grouped_weight(x.to(dtype), grad, groups).to(w_t.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
 
 
@@ -230,11 +215,6 @@ class ExpertStage:
 
     per_shard = shard_parts = ()  # parameters used whole at every step: none but LoRA adapters (_expert_lora.py)
     keeps_graphs = True
-    gradient_sink = GradientSink  # a backward step's weight gradients written into its partials
-    # The partials' last hop goes at once from the ring buffer, not deferred to the next ring: a copy of an
-    # up projection's partials, or room for a down projection's in the up ring's messages, would be the
-    # backward's peak (docs/design.md, "Expert rings").
-    defers_last_hop = False
     advice = ""  # a sub-block's refusal names plan entries; no ring_plan entry names an experts module
 
     def __init__(self, experts: "ExpertRing", names: tuple[str, ...], product, label: str):
@@ -245,6 +225,9 @@ class ExpertStage:
         # stored [experts, out, in] is viewed transposed.
         self.transposed = tuple(getattr(module, name).dim() == 3 and not experts.stored_transposed for name in names)
         self.param_transposed = (False,) * len(names)
+        # Per parameter: the columns of the step's output its product makes (None: all) and the dtype it
+        # computes in (None: the operand's), which is all its gradient needs (``weight_gradients``).
+        self.terms = [experts.gradient_term(name) for name in names]
         self.ring = None
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
 
@@ -264,6 +247,28 @@ class ExpertStage:
         call.keeps_graphs = self.keeps_graphs and torch.is_grad_enabled() and not saved_tensors_hooks_active()
         per_shard = [module._parameters[name] for module, name in self.per_shard]  # as installed: gathered
         return _RingSubBlockFunction.apply(call, rows, *per_shard, *params)
+
+    def weight_gradients(
+        self, call, rows: torch.Tensor, dy: torch.Tensor, shard: int, params: list[tuple[int, torch.dtype]], into: list[torch.Tensor], add: bool
+    ) -> None:
+        """Block ``shard``'s parameter gradients from its rows of ``rows`` (the call's input) and of ``dy``
+        (its output's gradient) alone: a product's weight gradient is its input times its output's
+        gradient, a bias's the sum of its rows, neither reads the weights. Written, or added (``add``),
+        into ``into`` (views shaped as the operands: ``[experts, in, out]``, biases ``[experts, out]``), one
+        per entry of ``params``: (the parameter's index, its operand's dtype)."""
+        routing = call.leaves[1]
+        first, end = routing.rows[shard], routing.rows[shard + 1]
+        groups = routing.groups(shard)
+        x, g = rows[first:end], dy[first:end]
+        for (index, dtype), view in zip(params, into):
+            columns, compute = self.terms[index]
+            term = g if columns is None else g[:, columns]
+            if view.dim() == 3:
+                compute = compute or dtype
+                # contiguous, as the grouped GEMM's backward takes it: the same products, bit for bit
+                _write_weight_gradient(view, x.to(compute), term.to(compute).contiguous(), groups, add)
+            else:
+                _write_bias_gradient(view, term.to(dtype), groups, add)
 
     def run_step(self, call, arguments, shard: int, operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The block ``shard``'s product (its parameters ``operands``) on its rows, in a partial output as
@@ -306,6 +311,11 @@ class ExpertRing:
             )
         self.stages = (ExpertStage(self, first, self.first_product, "up"), ExpertStage(self, second, self.second_product, "down"))
         self.param_slots = [slot for stage in self.stages for slot in stage.param_slots]
+
+    def gradient_term(self, name: str) -> tuple[slice | None, torch.dtype | None]:
+        """How a step's product uses parameter ``name``: the columns of its output it makes (None: all) and
+        the dtype it computes in (None: the operand's); a subclass whose products differ says so."""
+        return None, None
 
     def bound_arguments(self, args: tuple, kwargs: dict) -> list:
         """A call's arguments in the order of the module's forward, defaults applied."""
