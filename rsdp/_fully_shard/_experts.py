@@ -18,20 +18,19 @@ A call runs in three parts, written once here for both kinds of experts module (
 3. **The second ring** carries the down projection the same way; the pairs are weighted by the router
    and summed back per token (``combine``).
 
-Each ring is a planned sub-block's ring (``_sub_block.py``): the forward keeps each step's graph
-(under activation checkpointing none, and each backward step computes its block's product again), and
-the backward rotates each ring's weights again with its gradient partials, summed on their way to the
+Each ring is a planned sub-block's ring (``_sub_block.py``), and the backward rotates each ring's weights again with its gradient partials, summed on their way to the
 owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
 projection's ring the input's. A step's weight gradients need no weights (a product's weight gradient
 is its input times its output's gradient, a bias's the sum of its rows), so the ring computes them
 itself (``ExpertStage.weight_gradients``) and the partials travel as a Linear's: from the owner's
 neighbour to the owner in the ring's W-1 exchanges, with no last hop, each rank writing its
 contribution into a partial as it arrives, expert by expert (``mm`` with ``out=``, or ``addmm_``), so
-that no gradient of a block's size exists beside the ring buffers. The kept graphs then compute the
-inputs' gradients only. Rings of one weight each, rather than one ring of all, make every message
+that no gradient of a block's size exists beside the ring buffers. The input's gradient is the ring's
+own too (``input_gradients``: ``dy @ w^T`` with the weights held), so no step's graph is kept and no
+forward runs again, under activation checkpointing either. Rings of one weight each, rather than one ring of all, make every message
 smaller: the ring buffers hold two messages of the larger ring (in backward: weights and partials),
 about 2/W of the up projection's experts in forward and 4/W in backward (and, as the ring ends, the
-owner's reduced shards copied out, 1/W, its gradient shard), and no step recomputes a forward. Every
+owner's reduced shards copied out, 1/W, its gradient shard). Every
 rank runs all W steps of both rings whatever its routing, so ranks that route differently make the
 same exchanges; a block that got none of a rank's tokens multiplies no rows.
 
@@ -41,12 +40,8 @@ combined, and what a step and the activation compute, as the stock forward compu
 Hugging Face's experts adds each step's update to the weights it carries (``_expert_lora.py``).
 
 Pitfalls:
-- A kept graph's weights are leaves over the forward's ring buffer that the backward re-points
-  (``_sub_block._ShardGraphs``), so a step must hand them to the op that saves them as they are:
-  ``expert_product`` is an autograd function that saves its weight operand itself and casts it (to a
-  compute dtype such as torchtitan's bfloat16) inside, in its forward and again in its backward; a
-  cast or transposed view made outside would be saved instead, and not follow the re-pointing.
-- ``weight_gradients`` computes what autograd would through a step's products, so a kind whose product
+- ``input_gradients`` and ``weight_gradients`` compute what autograd would through a step's products
+  (bit for bit: the same products, in the same dtypes), so a kind whose product
   differs from ``x @ w`` (plus a bias per expert) over all its output's columns says how
   (``ExpertRing.gradient_term``: torchtitan's ``w1``/``w3`` each make half of the columns, in bfloat16).
 - Hugging Face's experts implementations (the eager loop, ``batched_mm``, ``grouped_mm``) compute one
@@ -57,7 +52,7 @@ Pitfalls:
 - torch's grouped GEMM takes float32, bfloat16 and float16; other dtypes (float64) run one ``mm`` per
   expert of the block, the same products.
 - Each call reads its per-expert token counts to the host once (a device-to-host copy on a GPU).
-- The kept graphs hold the experts' activations as the stock experts do (the sorted rows, the
+- The backward keeps the experts' activations as the stock experts do (the sorted rows, the
   intermediate, the activation): where many tokens meet small experts they outweigh the ring buffers'
   saving; activation checkpointing drops them.
 - On a GPU, torch's grouped GEMM wants 16-byte-aligned strides and addresses: a message lays each block
@@ -73,7 +68,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._compat import grouped_mm, saved_tensors_hooks_active
+from .._compat import grouped_mm
 from ._param import shard_layout
 from ._ring_function import local_shard
 from ._sub_block import _Call, _RingSubBlockFunction
@@ -113,7 +108,7 @@ class Routing:
 class Groups:
     """One block's experts as its grouped GEMMs take them, its rows counted from its first: ``offsets``
     (each expert's end, int32 on the device), ``tokens`` (each expert's row count, on the device),
-    ``bounds`` (each expert's rows, host integers) and, made when a bias asks, ``expert_of_rows`` (each
+    ``bounds`` and ``sizes`` (each expert's rows and their count, host integers) and, made when a bias asks, ``expert_of_rows`` (each
     row's expert within the block)."""
 
     def __init__(self, routing: Routing, shard: int):
@@ -123,6 +118,7 @@ class Groups:
         self.offsets = routing.counts[experts].cumsum(0, dtype=torch.int32)
         ends = routing.ends[experts.start : experts.stop + 1]
         self.bounds = [(start - first, end - first) for start, end in itertools.pairwise(ends)]
+        self.sizes = [end - start for start, end in self.bounds]
         self.tokens = routing.counts[experts]  # each expert's rows, on the device
         self._expert_of_rows = None
 
@@ -142,27 +138,21 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
     return torch.cat([a[start:end] @ b[expert] for expert, (start, end) in enumerate(groups.bounds)])
 
 
-def _grouped_weight(a: torch.Tensor, g: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """Each expert's ``a_e^T g_e`` (``[experts, in, out]``): a grouped GEMM's weight gradient."""
-    if grouped_mm is not None and a.dtype in _GROUPED_MM_DTYPES:
-        return grouped_mm(a.mT, g, offs=groups.offsets)
-    return torch.stack([a[start:end].mT @ g[start:end] for start, end in groups.bounds])
-
-
 def _write_weight_gradient(view: torch.Tensor, a: torch.Tensor, g: torch.Tensor, groups: Groups, add: bool) -> None:
     """Each expert's ``a_e^T g_e`` written (or added) into its matrix of ``view`` (``[experts, in, out]``,
     a partial's): one ``mm`` per expert with ``out=`` (or ``addmm_``), so that no gradient the size of the
     block exists beside the partial; in a compute dtype other than the partial's (torchtitan's bfloat16
     products, float32 partials), one expert's product at a time, added."""
-    for matrix, (start, end) in zip(view.unbind(0), groups.bounds):
+    # Each expert's operands split in one op each (not sliced one by one: ops are host time at every step).
+    for matrix, a_t, g_expert in zip(view.unbind(0), a.mT.split(groups.sizes, 1), g.split(groups.sizes)):
         if matrix.dtype != a.dtype:
-            product = a[start:end].mT @ g[start:end]
+            product = a_t @ g_expert
             matrix.add_(product) if add else matrix.copy_(product)
         elif add:
-            if end > start:
-                matrix.addmm_(a[start:end].mT, g[start:end])
+            if g_expert.shape[0]:
+                matrix.addmm_(a_t, g_expert)
         else:
-            torch.mm(a[start:end].mT, g[start:end], out=matrix)
+            torch.mm(a_t, g_expert, out=matrix)
 
 
 def _write_bias_gradient(view: torch.Tensor, g: torch.Tensor, groups: Groups, add: bool) -> None:
@@ -176,45 +166,21 @@ def _write_bias_gradient(view: torch.Tensor, g: torch.Tensor, groups: Groups, ad
     view.index_add_(0, groups.expert_of_rows, g)
 
 
-class _ExpertProduct(torch.autograd.Function):
-    """``x @ w_t[e]`` for each row's expert e, computed in ``dtype`` (``x`` and ``w_t`` cast inside), as
-    torch's grouped GEMM of ``x.to(dtype)`` and ``w_t.to(dtype)`` and its autograd compute it; it saves ``w_t``
-    itself (see the module's pitfalls)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w_t: torch.Tensor, groups: Groups, dtype: torch.dtype) -> torch.Tensor:
-        ctx.groups, ctx.dtype = groups, dtype
-        ctx.save_for_backward(x, w_t)
-        return _grouped(x.to(dtype), w_t.to(dtype), groups)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w_t = ctx.saved_tensors
-        groups, dtype = ctx.groups, ctx.dtype
-        grad = grad.contiguous()  # a sum's gradient comes expanded, which the grouped GEMM refuses
-        grad_x = _grouped(grad, w_t.to(dtype).mT, groups).to(x.dtype) if ctx.needs_input_grad[0] else None
-        # Only where the weight operand is not the ring's (a LoRA-updated weight, whose gradient reaches the
-        # adapters): a ring's own weights are leaves that need none, their gradients written by
-        # ``ExpertStage.weight_gradients``.
-        grad_w = _grouped_weight(x.to(dtype), grad, groups).to(w_t.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None
-
-
 def expert_product(x: torch.Tensor, w_t: torch.Tensor, groups: Groups, dtype: torch.dtype) -> torch.Tensor:
-    """A ring step's product of its rows ``x`` with its block's weights ``w_t`` (``[experts, in, out]``)."""
-    return _ExpertProduct.apply(x, w_t, groups, dtype)
+    """A ring step's product of its rows ``x`` with its block's weights ``w_t`` (``[experts, in, out]``),
+    both cast to ``dtype``, as torch's grouped GEMM computes it (autograd runs through it only where a
+    step is backpropagated: a LoRA-updated weight's, ``_expert_lora.py``)."""
+    return _grouped(x.to(dtype), w_t.to(dtype), groups)
 
 
 class ExpertStage:
     """One of an experts module's two rings (``ExpertRing.stages``): its parameters, and at each step
     its ``product`` of the rows routed to the block held. The interface the sub-block ring
     (``_sub_block.py``) drives: ``param_slots``, ``per_shard``, ``param_transposed``, ``transposed``,
-    ``segments``, ``run_step``; a call keeps each step's graph unless saved-tensor hooks (activation
-    checkpointing) are on or its weights carry a LoRA update (its weights are re-pointed: see
-    ``expert_product``; LoRA: ``_expert_lora.py``)."""
+    ``segments``, ``run_step``, and its backward itself (``input_gradients``, ``weight_gradients``;
+    with a LoRA update on its weights, autograd through each step computed again: ``_expert_lora.py``)."""
 
     per_shard = shard_parts = ()  # parameters used whole at every step: none but LoRA adapters (_expert_lora.py)
-    keeps_graphs = True
     advice = ""  # a sub-block's refusal names plan entries; no ring_plan entry names an experts module
 
     def __init__(self, experts: "ExpertRing", names: tuple[str, ...], product, label: str):
@@ -242,11 +208,24 @@ class ExpertStage:
     def __call__(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This ring's output for every routed row (``rows``, sorted by expert)."""
         params = [local_shard(getattr(module, name), module, name, self.ring) for module, name in self.param_slots]
-        call = _Call(self, [rows, routing], None, [0], None)
-        # Decided here: inside the autograd Function's forward, grad mode is off.
-        call.keeps_graphs = self.keeps_graphs and torch.is_grad_enabled() and not saved_tensors_hooks_active()
+        call = _Call(self, [rows, routing], None, [0], None)  # keeps no step's graph: see input_gradients
         per_shard = [module._parameters[name] for module, name in self.per_shard]  # as installed: gathered
         return _RingSubBlockFunction.apply(call, rows, *per_shard, *params)
+
+    def input_gradients(self, call, dy: torch.Tensor, shard: int, operands: list[torch.Tensor], into: torch.Tensor) -> None:
+        """Block ``shard``'s term of the input's gradient, added into its rows of ``into`` (the routed rows',
+        in their dtype): each weight's product's, ``dy @ w^T`` over the columns it makes, as the grouped
+        GEMM's backward computes it (a bias has none)."""
+        routing = call.leaves[1]
+        first, end = routing.rows[shard], routing.rows[shard + 1]
+        if end == first:
+            return
+        groups, g, rows = routing.groups(shard), dy[first:end], into[first:end]
+        for (columns, compute), operand in zip(self.terms, operands):
+            if operand.dim() == 3:
+                compute = compute or operand.dtype
+                term = (g if columns is None else g[:, columns]).to(compute).contiguous()
+                rows.add_(_grouped(term, operand.to(compute).mT, groups).to(into.dtype))
 
     def weight_gradients(
         self, call, rows: torch.Tensor, dy: torch.Tensor, shard: int, params: list[tuple[int, torch.dtype]], into: list[torch.Tensor], add: bool

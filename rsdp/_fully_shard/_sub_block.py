@@ -44,7 +44,8 @@ gradients that are zero outside its shard's rows or columns.
   arrives, and hands the gradient to the parameters itself (the function has returned by then). So a
   backward costs W-1 exchanges of its own (W-2 prefetched), the ZeRO-3 bytes. A ring of experts
   computes its weight gradients without weights (``SubBlock.weight_gradients``), so its partials travel
-  as a Linear's instead, owner's neighbour to owner in the W-1 exchanges, with no last hop.
+  as a Linear's instead, owner's neighbour to owner in the W-1 exchanges, with no last hop; and its
+  inputs' gradients itself (``SubBlock.input_gradients``), so it keeps no step's graph.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
   its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
   ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
@@ -174,13 +175,18 @@ class SubBlock:
         self.param_transposed = (False,) * (len(self.param_slots) - 1) + (True,)
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
 
-    # The interface the ring below drives, which an experts block (``_experts.py``) also provides.
     keeps_graphs = True  # each forward step's graph is kept for the backward (``_ShardGraphs``)
+
+    # The interface the ring below drives, which an experts block (``_experts.py``) also provides.
     # ``weight_gradients(call, rows, dy, shard, params, into, add)``: a block whose parameter gradients
     # need no weights computes them itself (an experts block's: ``_experts.ExpertStage``), so its partials
     # travel as a Linear's (``_SubBlockBackward.synchronised``); None: autograd computes them through the
     # step, which needs the shard's weights (a sub-block's flow back through its rowwise weight).
     weight_gradients = None
+    # ``input_gradients(call, dy, shard, operands, into)``: a block that computes its inputs' gradients
+    # itself from the weights held (an experts block's), added into ``into``; None: autograd, through the
+    # step's kept graph or its recomputation.
+    input_gradients = None
 
     def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
@@ -595,11 +601,9 @@ class _SubBlockForward:
         self.cast = call.cast(tensors, self.input_dtype)
         self.row_layout = self.message.segments[-1].layout  # the cached message's: its bounds are computed once
         self.graphs = None
-        # Where the block computes its parameter gradients itself, a step's graph computes its inputs' only.
-        needs_params = [need and call.block.weight_gradients is None for need, p in zip(needs[len(tensors) :], params) if p is not None]
-        if call.keeps_graphs and (any(needs[: len(tensors)]) or any(needs_params)):
+        if call.keeps_graphs and any(needs):
             inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(self.cast, needs)]
-            self.graphs = _ShardGraphs(call, inputs, needs_params)
+            self.graphs = _ShardGraphs(call, inputs, [need for need, p in zip(needs[len(tensors) :], params) if p is not None])
 
     def rotate(self) -> tuple:
         """The sum of the partial outputs, from one ring, and the output's structure."""
@@ -731,6 +735,11 @@ class _SubBlockBackward:
         ``operands``: the inputs' gradients added into this rank's; returns an iterator over the weight
         gradients autograd computed (``graph_grad_slots``)."""
         if not any(self.needs_inputs) and not self.graph_grad_slots:
+            return iter(())
+        if self.block.input_gradients is not None:  # the block's own (its inputs: the call's one tensor)
+            if self.grad_inputs[0] is None:
+                self.grad_inputs[0] = torch.zeros_like(self.tensors[0], dtype=self.input_dtype)
+            self.block.input_gradients(self.call, self.dy, shard, operands, self.grad_inputs[0])
             return iter(())
         got = None if self.graphs is None else self.graphs.backward(shard, operands, self.dy, self.needs_inputs, self.graph_grad_slots)
         if got is None:
