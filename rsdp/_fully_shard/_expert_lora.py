@@ -45,7 +45,6 @@ import torch
 import torch.nn as nn
 
 from ._experts import ExpertsBlock, ExpertStage, Groups, is_experts_module
-from ._param import shard_layout
 
 
 def peft_wrappers(experts: nn.Module, parents: dict[int, nn.Module]) -> list[nn.Module]:
@@ -128,7 +127,7 @@ class LoraExpertsBlock(ExpertsBlock):
                     stage.shard_parts.append(functools.partial(part, rank=ranks[adapter]))
 
     def _layout(self):
-        return shard_layout(self.experts, self.stages[0].ring.ring.size)
+        return self.stages[0].ring.ring.layout(self.experts)
 
     def _a_rows(self, full: torch.Tensor, shard: int, rank: int) -> torch.Tensor:
         """``lora_A``'s rows of the block's experts: ``[count · r, in]``."""

@@ -69,7 +69,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._compat import grouped_mm
-from ._param import shard_layout
 from ._ring_function import local_shard
 from ._sub_block import _Call, _RingSubBlockFunction
 from ._wire import Segment, segment
@@ -198,10 +197,11 @@ class ExpertStage:
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
 
     def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
-        """Each parameter's block of experts, in ``param_slots`` order: one layout (the experts') for all."""
+        """Each parameter's block of experts, in ``param_slots`` order: one layout (the experts' over the
+        ring's owners: ranks, or groups of them) for all."""
         key = (dtype, world)
         if key not in self._segments:
-            layout = shard_layout(getattr(self.module, self.param_slots[0][1]).shape[0], world)
+            layout = self.ring.ring.layout(getattr(self.module, self.param_slots[0][1]).shape[0])
             self._segments[key] = tuple(segment(layout, getattr(self.module, name).shape[1:], dtype) for _, name in self.param_slots)
         return self._segments[key]
 
@@ -305,7 +305,7 @@ class ExpertRing:
     def forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """The experts' output for a call: routed, both rings, combined."""
         rows, counts, restore = self.routed(*self.call_arguments(args, kwargs))
-        routing = Routing(counts, shard_layout(self.experts, self.stages[0].ring.ring.size))
+        routing = Routing(counts, self.stages[0].ring.ring.layout(self.experts))
         hidden = self.stages[0](rows, routing)
         return self.combine(self.stages[1](self.activation(hidden), routing), restore)
 

@@ -766,8 +766,10 @@ class _SubBlockBackward:
             wanted = [x for x, need in zip(inputs, self.needs_inputs) if need] + [leaves[slot] for slot in self.graph_grad_slots]
             return gradients_of(partial, wanted, self.dy.to(partial.dtype))
 
-    def _pack(self, into: Message, buffer: torch.Tensor) -> None:
-        into.pack(buffer, self.ring.rank, self.weights, len(into.segments) - len(self.weight_segments))
+    def _pack(self, into: Message, first: int, buffer: torch.Tensor) -> None:
+        """This rank's weights into ``buffer`` as ``into``'s segments ``first:`` (one rank's layout:
+        ``members``, on a ring of groups)."""
+        into.members.pack(buffer, self.ring.rank, self.weights, first)
 
     def _deliver(self, reduced: list[torch.Tensor]) -> None:
         """This rank's reduced gradient shards, to its parameters (``_grad.py``): not returned, since
@@ -783,12 +785,12 @@ class _SubBlockBackward:
         exchange sends the weights alone (nothing is added to a partial yet), so the ring before may
         have done it, and a deferred hop travelling behind it follows them directly."""
         self.grads = self.ring.buffers.message_of(tuple(self.grad_segments))
-        self.message = message = self.ring.buffers.message_of(self.grads.segments + self.weight_segments)
-        self.first_weight = len(self.grad_segments)
-        self.weights_start = message.offsets[self.first_weight]
         if self.computes_weight_gradients:
             self._weights_free()
             return
+        self.message = message = self.ring.buffers.message_of(self.grads.segments + self.weight_segments)
+        self.first_weight = len(self.grad_segments)
+        self.weights_start = message.offsets[self.first_weight]
         alone = self.ring.size == 1  # no exchange: the message is packed and used where it is
         pair = message.nbytes if alone else None
         with self.layer.driver.run(Phase.BACKWARD, message, self.weights, self.first_weight, pair=pair) as run:
@@ -798,7 +800,7 @@ class _SubBlockBackward:
             self.mine = torch.zeros(self.grads.nbytes, dtype=torch.uint8, device=self.ring.device)
             self.unsynced = [self.gradients.take_unsynced(key) for key in self.keys]
             self.has_unsynced = any(total is not None for total in self.unsynced)
-            pack = functools.partial(self._pack, message)
+            pack = functools.partial(self._pack, message, self.first_weight)
             if alone:
                 buffer = run.buffers[0]
                 pack(buffer)
@@ -813,38 +815,49 @@ class _SubBlockBackward:
 
     def _weights_free(self) -> None:
         """The synchronised backward of a block whose parameter gradients need no weights (experts): the
-        partials travel as a Linear's (``_ring_function.ring_backward``), the partial of
-        ``ring.partial_shard_at(k)`` held at step k beside the weights of ``ring.weight_shard_at(k)``,
-        and reach their owners in the ring's W-1 exchanges, the owner's own contribution added last: no
-        last hop, deferred or sent. A rank adds its contribution into a partial as it arrives (no
-        scratch beside the ring buffers: what the backward's peak would hold), and the owner's reduced
-        shards are copied out as the ring ends. The first message carries partials, so the ring before
-        cannot send it ahead."""
-        ring, message = self.ring, self.message
+        partials travel as a Linear's (``_ring_function.ring_backward``), in ``[weights | partials]``
+        messages, the partial of ``ring.partial_shard_at(k)`` held at step k beside the weights of
+        ``ring.weight_shard_at(k)``, and reach their owners in the ring's own exchanges, the owner's own
+        contribution added last: no last hop, deferred or sent. A rank adds its contribution into a
+        partial as it arrives (no scratch beside the ring buffers: what the backward's peak would hold),
+        and its reduced shards are copied out as the ring ends. The first message carries partials, so
+        the ring before cannot send it ahead. On a ring of groups each step's contributions are written
+        into the block (``fill``) and the group sums them into the travelling partials (``Ring.circulate``)."""
+        ring, weights = self.ring, len(self.weight_segments)
+        message = ring.buffers.message_of(self.weight_segments + self.grads.segments)
         with self.layer.driver.run(Phase.BACKWARD, message) as run:
             self.unsynced = [self.gradients.take_unsynced(key) for key in self.keys]
             self.has_unsynced = any(total is not None for total in self.unsynced)
+            pack = functools.partial(self._pack, message, 0)
 
-            def start(buffer: torch.Tensor) -> None:
-                self._pack(message, buffer)
-                self._contribute(ring.partial_shard_at(0), buffer, add=False)
-
-            def during(step: int, buffer: torch.Tensor) -> None:
+            def during(step: int, block: torch.Tensor) -> None:
                 shard = ring.weight_shard_at(step)
                 if self.row_layout.rows_of(shard):
-                    self._backpropagated(shard, message.views(buffer, shard, self.first_weight, self.block.transposed))
+                    self._backpropagated(shard, message.views(block, shard, 0, self.block.transposed))
 
-            def arrived(step: int, buffer: torch.Tensor) -> None:
-                self._contribute(ring.partial_shard_at(step), buffer, add=True)
+            if ring.group_size > 1:
+                def fill(shard: int, block: torch.Tensor) -> None:
+                    self._contribute(message, shard, block, add=False)
 
-            final = run.turn(start, during, arrived)
-            self._deliver(finished_gradients(self.layer, self.grads, 0, final))
+                final = run.turn(pack, during, gathered=weights, fill=fill)
+            else:
+                def start(buffer: torch.Tensor) -> None:
+                    pack(buffer)
+                    self._contribute(message, ring.partial_shard_at(0), buffer, add=False)
 
-    def _contribute(self, shard: int, buffer: torch.Tensor, add: bool) -> None:
-        """This rank's contribution to the partial of ``shard`` in ``buffer``, written or added."""
-        self._weight_gradients(shard, self.grads.views(buffer, shard, transposed=self.grads_transposed), add)
+                def arrived(step: int, buffer: torch.Tensor) -> None:
+                    self._contribute(message, ring.partial_shard_at(step), buffer, add=True)
+
+                final = run.turn(start, during, arrived)
+            self._deliver(finished_gradients(self.layer, message.members, weights, final))
+
+    def _contribute(self, message: Message, shard: int, buffer: torch.Tensor, add: bool) -> None:
+        """This rank's contribution to the partials of ``shard`` in ``buffer`` (``message``'s segments
+        after its weights), written or added."""
+        weights = len(self.weight_segments)
+        self._weight_gradients(shard, message.views(buffer, shard, weights, self.grads_transposed), add)
         if self.has_unsynced:
-            self._add_unsynced(shard, self.grads.views(buffer, shard))
+            self._add_unsynced(shard, message.views(buffer, shard, weights))
 
     def _add_unsynced(self, shard: int, views: list[torch.Tensor]) -> None:
         """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""
@@ -903,4 +916,4 @@ class _SubBlockBackward:
             self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
 
         with self.layer.driver.run(Phase.BACKWARD, weights_only) as run:
-            run.turn(functools.partial(self._pack, weights_only), during)
+            run.turn(functools.partial(self._pack, weights_only, 0), during)
