@@ -707,10 +707,10 @@ class _SubBlockBackward:
         return [None if g is None else g.to(t.dtype) for g, t in zip(self.grad_inputs, self.tensors)]
 
     def step(self, shard: int, operands: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
-        """Backpropagate through the sub-block for ``shard`` (its kept graph, or a recomputation) with its
-        weight ``operands``: input gradients into this rank's, weight gradients written or added
-        (``add``) into ``into``, views shaped as the operands are (a colwise weight's transposed:
-        ``grads_transposed``), so that no gradient is transposed first."""
+        """Backpropagate through the sub-block for ``shard`` (its kept graph, a recomputation, or the
+        block's own: experts) with its weight ``operands``: input gradients into this rank's, weight
+        gradients written or added (``add``) into ``into``, views shaped as the operands are (a colwise
+        weight's transposed: ``grads_transposed``), so that no gradient is transposed first."""
         if self.row_layout.rows_of(shard) == 0:
             if into is not None and not add:
                 for view in into:
