@@ -61,20 +61,21 @@ def experts_modules(model) -> list:
 
 def training_case(
     family: str, implementation: str, steps: int, checkpointing: bool = False, one_rank_routes: bool = False, experts: int = EXPERTS,
-    micro_batches: int = 1,
+    micro_batches: int = 1, ring_group_size: int = 1,
 ):
     """``steps`` optimizer steps of the sharded model against its unsharded float64 twin: loss, every
     gradient, then the parameters; no expert weight may be gathered op by op. ``one_rank_routes``: rank
     0's tokens are one token repeated, so they reach two experts and most blocks get none of them.
-    ``micro_batches``: gradients accumulated over that many, reduced in the last one's backward only."""
+    ``micro_batches``: gradients accumulated over that many, reduced in the last one's backward only.
+    ``ring_group_size``: every ``rsdp_shard`` call's (a ring of groups)."""
     rank, world = rank_and_world()
     dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
     reference = tiny_moe(family, implementation if dtype == torch.float64 else "eager", experts=experts)
     model = copy.deepcopy(reference).to(dtype)
     model.config._experts_implementation = implementation
     for layer in model.model.layers:
-        rsdp_shard(layer)
-    rsdp_shard(model)
+        rsdp_shard(layer, ring_group_size=ring_group_size)
+    rsdp_shard(model, ring_group_size=ring_group_size)
     assert all(hasattr(m, "_rsdp_sub_block") for m in experts_modules(model)), "experts are not on a ring"
     if checkpointing:
         for m in (model, reference):
@@ -152,6 +153,14 @@ def test_experts_with_gradient_accumulation(ranks, implementation):
     ranks.run(2, training_case, "gpt_oss", implementation, 2, micro_batches=2)
 
 
+def test_experts_on_a_ring_of_groups(ranks):
+    """4 ranks in 2 groups of 2 (``ring_group_size=2``): each group all-gathers its block of experts
+    (4 of 8) and reduce-scatters its contributions to the partials travelling between the groups; gpt-oss's
+    biases in float64, Mixtral's grouped GEMMs with gradients accumulated over two micro-batches."""
+    ranks.run(4, training_case, "gpt_oss", "eager", 2, ring_group_size=2)
+    ranks.run(4, training_case, "mixtral", "grouped_mm", 1, micro_batches=2, ring_group_size=2)
+
+
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
 def test_experts_under_activation_checkpointing(ranks, implementation):
     ranks.run(2, training_case, "mixtral", implementation, 1, checkpointing=True)
@@ -223,10 +232,10 @@ def test_experts_peak_against_fsdp2_on_four_ranks(ranks):
     """FSDP2 gathers a layer's experts whole, prefetches the next layer's, and holds their unsharded
     gradient in backward: 3 layers of experts above the sharded gradients (1/W of the model) here. The
     expert rings' backward peaks in the first layer's up-projection ring (gate_up_proj, 2/3 of the
-    experts): its two messages ([gradient partials | weights], 2/W of gate_up_proj each) and the owner's
-    own contribution (1/W); each step's weight gradient is written into the partials and the partials'
-    last hop goes from the ring buffer, so nothing else of the experts' size: 5/W of gate_up_proj, 0.83
-    of a layer's experts on 4 ranks. Measured 0.368-0.369 of FSDP2's peak (CPU counts are exact)."""
+    experts): its two messages ([gradient partials | weights], 2/W of gate_up_proj each) and, as it
+    ends, the owner's reduced shard copied out (1/W); each step's weight gradient is written into the
+    partials expert by expert, so nothing else of the experts' size: 5/W of gate_up_proj, 0.83 of a
+    layer's experts on 4 ranks. Measured 0.365 of FSDP2's peak (CPU counts are exact)."""
     for rank, peaks in enumerate(ranks.run(4, experts_peaks_case, "grouped_mm")):
         ratio = peaks["rsdp"] / peaks["fsdp"]
         print(f"rank {rank}: fsdp {peaks['fsdp'] / 2**20:.3f} MiB, rsdp {peaks['rsdp'] / 2**20:.3f} MiB, ratio {ratio:.3f}")

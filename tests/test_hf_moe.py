@@ -11,6 +11,7 @@ checkpoints and LoRA. 3 ranks hold the 8 experts in blocks of 3, 3 and 2.
 """
 
 import copy
+import functools
 import re
 import warnings
 
@@ -27,11 +28,12 @@ from test_experts import FLOAT32_TOLERANCE, TOLERANCE, VOCAB, tiny_llama4, tiny_
 pytest.importorskip("transformers")
 
 
-def shard_moe(model, strategy: str, experts_first: bool = False):
+def shard_moe(model, strategy: str, experts_first: bool = False, ring_group_size: int = 1):
     """Each decoder layer, then the root (a peft model's, after ``get_peft_model``), with ``rsdp_shard``
-    or FSDP2's ``fully_shard``; ``experts_first``: each layer's ``mlp.experts`` by a call of its own
-    before its layer (under peft's LoRA on the experts, the outermost wrapper)."""
-    shard = rsdp_shard if strategy == "rsdp" else fully_shard
+    (on a ring of groups of ``ring_group_size``) or FSDP2's ``fully_shard``; ``experts_first``: each
+    layer's ``mlp.experts`` by a call of its own before its layer (under peft's LoRA on the experts, the
+    outermost wrapper)."""
+    shard = functools.partial(rsdp_shard, ring_group_size=ring_group_size) if strategy == "rsdp" else fully_shard
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in base.model.layers:
         if experts_first:
@@ -184,12 +186,15 @@ def lora_moe(family: str, implementation: str, dtype, experts: int, adapters: tu
     return model
 
 
-def lora_case(family: str, implementation: str, experts: int, adapters: tuple[str, ...], checkpointing: bool, experts_first: bool) -> None:
+def lora_case(
+    family: str, implementation: str, experts: int, adapters: tuple[str, ...], checkpointing: bool, experts_first: bool, ring_group_size: int = 1,
+) -> None:
     """An SGD step of LoRA on the experts, every adapter active, against the unsharded float64 model:
     loss, every adapter's gradient, the adapters after the steps; then the logits with the adapters
     disabled (``disable_adapter()``: the base experts alone). ``checkpointing``: the decoder layers
     recomputed in backward (Hugging Face's gradient checkpointing), the wrapper's rings called again.
-    ``experts_first``: ``rsdp_shard(layer.mlp.experts)`` (peft's outermost wrapper) before each layer."""
+    ``experts_first``: ``rsdp_shard(layer.mlp.experts)`` (peft's outermost wrapper) before each layer.
+    ``ring_group_size``: rsdp's (a ring of groups)."""
     rank, world = rank_and_world()
     dtype = torch.float32 if implementation == "grouped_mm" else torch.float64
     reference = lora_moe(family, implementation if dtype == torch.float64 else "eager", torch.float64, experts, adapters)
@@ -197,7 +202,7 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
     model.base_model.set_adapter(list(adapters))
     reference.base_model.set_adapter(list(adapters))
     model.get_base_model().config._experts_implementation = implementation
-    shard_moe(model, "rsdp", experts_first)
+    shard_moe(model, "rsdp", experts_first, ring_group_size)
     if checkpointing:
         for m in (model, reference):
             m.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -235,6 +240,12 @@ def lora_case(family: str, implementation: str, experts: int, adapters: tuple[st
 )
 def test_lora_on_experts_matches_the_unsharded_model(ranks, family, implementation, world, experts, adapters, checkpointing, experts_first):
     ranks.run(world, lora_case, family, implementation, experts, adapters, checkpointing, experts_first)
+
+
+def test_lora_on_experts_on_a_ring_of_groups(ranks):
+    """4 ranks in 2 groups of 2: each step's block of 4 experts takes its adapters' part for the group's
+    experts."""
+    ranks.run(4, lora_case, "mixtral", "eager", 8, ("default",), False, False, ring_group_size=2)
 
 
 def lora_against_fsdp2_case(family: str, implementation: str, experts: int, precision: str) -> list[float]:

@@ -17,7 +17,6 @@ from models import MLP, TinyLM, assert_param_grads_match, lm_loss, local_rows, r
 from rsdp import ring_checkpoint_context, rsdp_shard
 from rsdp._compat import sum_scatter_in_group
 from rsdp.memory import CommCounter
-from test_experts import tiny_moe
 from test_ring_ops import OpCounter
 from test_nccl_semantics import under_nccl_semantics
 from test_training import bf16_case
@@ -227,21 +226,6 @@ def test_group_of_every_rank_is_fsdp_pattern(ranks):
     """g = W: no exchange, one all-gather forward, one all-gather and one reduce-scatter backward."""
     (forward, backward), _, _ = ranks.run(4, linear_exchanges_case, 4, False)[0]
     assert forward[:2] == (0, 1) and backward[:2] == (0, 2)
-
-
-def experts_refused_case():
-    model = tiny_moe("mixtral", "eager")
-    try:
-        rsdp_shard(model.model.layers[0], ring_group_size=2)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
-def test_experts_are_refused_on_every_rank(ranks):
-    expected = "ring_group_size=2 does not compose with experts modules yet: use ring_group_size=1 in the rsdp_shard call"
-    errors = ranks.run(2, experts_refused_case)
-    assert all(error is not None and error.startswith(f"rsdp_shard: {expected}") for error in errors), errors
 
 
 def bad_group_size_case(size, hsdp, kwargs):

@@ -145,11 +145,12 @@ def layer_tokens(step: int, rank: int, world: int, dim: int, dtype=torch.float64
     return torch.randn(1, count, dim, generator=torch.Generator().manual_seed(100 * step + rank), dtype=dtype)
 
 
-def moe_layer_case(family: str, experts: int = 8, steps: int = 2, checkpointing: bool = False) -> int:
+def moe_layer_case(family: str, experts: int = 8, steps: int = 2, checkpointing: bool = False, ring_group_size: int = 1) -> int:
     """``steps`` SGD steps of one MoE layer under rsdp and FSDP2, each rank on its own tokens, against the
     unsharded float64 layer run on every rank's tokens (gradients averaged over ranks, as both average):
     outputs, every gradient (see ``layer_tolerance``), the token counts the load balancing reads, then the
-    parameters. No expert weight may be gathered op by op. Returns the most experts that got none of this rank's tokens in a step."""
+    parameters. No expert weight may be gathered op by op. ``ring_group_size``: rsdp's (a ring of groups).
+    Returns the most experts that got none of this rank's tokens in a step."""
     import copy
     import warnings
 
@@ -160,7 +161,7 @@ def moe_layer_case(family: str, experts: int = 8, steps: int = 2, checkpointing:
 
     rank, world = rank_and_world()
     reference = moe_layer(family, experts)
-    models = {"rsdp": rsdp_shard(copy.deepcopy(reference)), "fsdp": fully_shard(copy.deepcopy(reference))}
+    models = {"rsdp": rsdp_shard(copy.deepcopy(reference), ring_group_size=ring_group_size), "fsdp": fully_shard(copy.deepcopy(reference))}
     assert hasattr(models["rsdp"].routed_experts.inner_experts, "_rsdp_sub_block"), "the experts are not on a ring"
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in [*models.items(), ("reference", reference)]}
     dim = reference.router.gate.in_features
@@ -209,6 +210,13 @@ def test_moe_layer_experts_rotate_exactly(ranks, family, world):
     most 6 experts a step, so some experts get none of them, and the ranks route differently."""
     empty_on_rank_0 = ranks.run(world, moe_layer_case, family)[0]
     assert empty_on_rank_0 >= 2
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_moe_layer_on_a_ring_of_groups(ranks, family):
+    """4 ranks in 2 groups of 2: blocks of 4 experts gathered within a group, their partials summed
+    within it and carried between the groups; qwen3's w1 and w3, gpt-oss's biases."""
+    ranks.run(4, moe_layer_case, family, ring_group_size=2)
 
 
 def test_moe_layer_with_fewer_experts_than_ranks(ranks):
@@ -271,14 +279,14 @@ def moe_layer_peaks_case(experts: int, tokens: int) -> dict:
 def test_moe_layer_peak_against_fsdp2_on_four_ranks(ranks):
     """One layer: FSDP2 gathers the experts whole and keeps them (a lone root reshards nothing after
     forward), then adds their unsharded gradient: 2 layers of experts. The expert rings' backward holds
-    its up-projection ring's two messages and the owner's contribution (w1 and w3; ``test_experts.py``'s
-    peak test says which) and a step's weight gradient (torchtitan's products are bfloat16, the partials
-    float32, so it is not written into them): 6/W of the up projection, measured 0.521 of FSDP2's peak
-    on 4 ranks."""
+    its up-projection ring's two messages and the owner's reduced shard (w1 and w3; ``test_experts.py``'s
+    peak test says which); torchtitan's products are bfloat16 and the partials float32, so a step adds
+    its weight gradient into them one expert's product at a time, never a block's: 5/W of the up
+    projection, measured 0.425 of FSDP2's peak on 4 ranks."""
     for rank, peaks in enumerate(ranks.run(4, moe_layer_peaks_case, 16, 16)):
         ratio = peaks["rsdp"] / peaks["fsdp"]
         print(f"rank {rank}: fsdp {peaks['fsdp'] / 2**20:.3f} MiB, rsdp {peaks['rsdp'] / 2**20:.3f} MiB, ratio {ratio:.3f}")
-        assert ratio <= 0.53, f"rank {rank}: rsdp peak {peaks['rsdp']} B is {ratio:.3f} of fsdp's {peaks['fsdp']} B"
+        assert ratio <= 0.43, f"rank {rank}: rsdp peak {peaks['rsdp']} B is {ratio:.3f} of fsdp's {peaks['fsdp']} B"
 
 
 def wrong_call_case() -> str:

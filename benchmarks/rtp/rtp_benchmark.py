@@ -6,8 +6,8 @@ attention and its FFN rotate as one ring each, when the heads and the FFN width 
 otherwise each Linear (q/k/v together) rotates on its own ring. The MoE model (``--experts``) gets
 Hugging Face's plan (its attention one ring, when the heads divide); its experts rotate in blocks of
 whole experts whatever the plan. With ``--ring_group_size`` g > 1 the ranks form a ring of groups of g
-(``rsdp_shard``'s ``ring_group_size``), which ring plans and experts do not compose with yet: each
-Linear then rotates on its own ring.
+(``rsdp_shard``'s ``ring_group_size``), which ring plans do not compose with yet: each Linear then
+rotates on its own ring (experts in blocks of a group's experts).
 
     python benchmarks/rtp/rtp_benchmark.py --use_synthetic_data [--nproc 4 --device cpu ...]
 """

@@ -78,7 +78,7 @@ def rsdp_shard(
             reduce-scattered within it). 1 (the default) is a ring of ranks; W is one all-gather,
             FSDP's pattern. Parameters stay ``Shard(0)`` over all W ranks (docs/design.md, "A ring of
             groups"); on a 2-D mesh the groups form within each replica's shard dimension. Not yet
-            with ``ring_plan`` or experts modules.
+            with ``ring_plan``.
 
     Returns:
         ``module``, now an :class:`RSDPModule` (or the checkpoint wrapper around one).
@@ -94,11 +94,6 @@ def rsdp_shard(
     _check_not_managed(module)
     _check_ring_group_size(ring_group_size, mesh, bool(ring_plan))
     managed, nested = _managed_and_nested_modules(module)
-    if ring_group_size > 1 and any(map(_on_expert_rings, managed)):
-        raise ValueError(
-            f"rsdp_shard: ring_group_size={ring_group_size} does not compose with experts modules yet: use "
-            "ring_group_size=1 in the rsdp_shard call that shards the module holding the experts."
-        )
     names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
     check_wrappers_reach_their_experts(managed, nested, names)
     _refuse_routed_experts_without_rings(managed, names)

@@ -32,9 +32,10 @@ Pitfalls:
 - A wrapper must adapt a ``[experts, ...]`` 3-D weight of the experts module itself; peft's 2-D case (an
   expert bias ``[experts, out]``, adapted as one Linear) mixes experts and is refused at ``rsdp_shard``.
 - The update is folded in the weights' dtype with autocast off, as peft's parametrization folds it.
-- A ring whose weights carry an update keeps no step graphs: its product would save each step's
-  updated weights, a copy of the whole projection over the W steps. Its backward computes each step's
-  update and product again, as under activation checkpointing.
+- A ring whose weights carry an update runs autograd through each step in its backward, the step's
+  update and product computed again (the adapters' gradients flow through the updated weights), where
+  the other rings compute their backward themselves (``_experts.py``); kept from the forward, each
+  step's graph would save its updated weights, a copy of the whole projection over the W steps.
 """
 
 import contextlib
@@ -44,7 +45,6 @@ import torch
 import torch.nn as nn
 
 from ._experts import ExpertsBlock, ExpertStage, Groups, is_experts_module
-from ._param import shard_layout
 
 
 def peft_wrappers(experts: nn.Module, parents: dict[int, nn.Module]) -> list[nn.Module]:
@@ -109,7 +109,9 @@ class LoraExpertsBlock(ExpertsBlock):
             # (wrapper, the operand it adapts) of this ring's adapted weights
             adapted = [(w, names.index(w.parameter_name)) for w in wrappers if w.parameter_name in names]
             if adapted:
-                stage.keeps_graphs = False  # see the module's pitfalls
+                # Autograd through each step, computed again (see the module's pitfalls): the adapters'
+                # gradients flow through the updated weights.
+                stage.input_gradients = None
                 stage.per_shard, stage.shard_parts = [], []
                 for wrapper, _ in adapted:
                     self._add_parts(stage, wrapper.lora_A, wrapper.r, self._a_rows)
@@ -125,7 +127,7 @@ class LoraExpertsBlock(ExpertsBlock):
                     stage.shard_parts.append(functools.partial(part, rank=ranks[adapter]))
 
     def _layout(self):
-        return shard_layout(self.experts, self.stages[0].ring.ring.size)
+        return self.stages[0].ring.ring.layout(self.experts)
 
     def _a_rows(self, full: torch.Tensor, shard: int, rank: int) -> torch.Tensor:
         """``lora_A``'s rows of the block's experts: ``[count · r, in]``."""

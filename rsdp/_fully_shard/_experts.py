@@ -18,17 +18,21 @@ A call runs in three parts, written once here for both kinds of experts module (
 3. **The second ring** carries the down projection the same way; the pairs are weighted by the router
    and summed back per token (``combine``).
 
-Each ring is a planned sub-block's ring (``_sub_block.py``): the forward keeps each step's graph
-(under activation checkpointing none, and each backward step computes its block's product again), and
-the backward rotates each ring's weights again with its gradient partials, summed on their way to the
+Each ring is a planned sub-block's ring (``_sub_block.py``), and the backward rotates each ring's weights again with its gradient partials, summed on their way to the
 owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
-projection's ring the input's. Rings of one weight each, rather than one ring of all, make every
-message smaller: the ring buffers hold two messages of the larger ring (in backward: weights and
-partials), about 2/W of the up projection's experts in forward and 4/W in backward (and the owner's
-own contribution, 1/W, which becomes its gradient shard), and no step recomputes a forward. A backward
-step writes its weight gradients into the partials (``GradientSink``), and a ring's last hop goes at
-once from the ring buffer (``defers_last_hop``): neither leaves a block-sized tensor beside the buffers. Every rank runs all W steps of both rings whatever its routing, so ranks that
-route differently make the same exchanges; a block that got none of a rank's tokens multiplies no rows.
+projection's ring the input's. A step's weight gradients need no weights (a product's weight gradient
+is its input times its output's gradient, a bias's the sum of its rows), so the ring computes them
+itself (``ExpertStage.weight_gradients``) and the partials travel as a Linear's: from the owner's
+neighbour to the owner in the ring's W-1 exchanges, with no last hop, each rank writing its
+contribution into a partial as it arrives, expert by expert (``mm`` with ``out=``, or ``addmm_``), so
+that no gradient of a block's size exists beside the ring buffers. The input's gradient is the ring's
+own too (``input_gradients``: ``dy @ w^T`` with the weights held), so no step's graph is kept and no
+forward runs again, under activation checkpointing either. Rings of one weight each, rather than one ring of all, make every message
+smaller: the ring buffers hold two messages of the larger ring (in backward: weights and partials),
+about 2/W of the up projection's experts in forward and 4/W in backward (and, as the ring ends, the
+owner's reduced shards copied out, 1/W, its gradient shard). Every
+rank runs all W steps of both rings whatever its routing, so ranks that route differently make the
+same exchanges; a block that got none of a rank's tokens multiplies no rows.
 
 What each kind says (``ExpertsBlock`` here for Hugging Face, ``GroupedExpertsBlock`` in
 ``_grouped_experts.py`` for torchtitan): its two rings' parameters, how a call's tokens are routed and
@@ -36,11 +40,10 @@ combined, and what a step and the activation compute, as the stock forward compu
 Hugging Face's experts adds each step's update to the weights it carries (``_expert_lora.py``).
 
 Pitfalls:
-- A kept graph's weights are leaves over the forward's ring buffer that the backward re-points
-  (``_sub_block._ShardGraphs``), so a step must hand them to the op that saves them as they are:
-  ``expert_product`` is an autograd function that saves its weight operand itself and casts it (to a
-  compute dtype such as torchtitan's bfloat16) inside, in its forward and again in its backward; a
-  cast or transposed view made outside would be saved instead, and not follow the re-pointing.
+- ``input_gradients`` and ``weight_gradients`` compute what autograd would through a step's products
+  (bit for bit: the same products, in the same dtypes), so a kind whose product
+  differs from ``x @ w`` (plus a bias per expert) over all its output's columns says how
+  (``ExpertRing.gradient_term``: torchtitan's ``w1``/``w3`` each make half of the columns, in bfloat16).
 - Hugging Face's experts implementations (the eager loop, ``batched_mm``, ``grouped_mm``) compute one
   function; the ring computes it as ``grouped_mm`` does (the module's ``_apply_gate`` or ``act_fn``, its
   biases and weight layout), so results match the implementation set up to the order of float sums.
@@ -49,7 +52,7 @@ Pitfalls:
 - torch's grouped GEMM takes float32, bfloat16 and float16; other dtypes (float64) run one ``mm`` per
   expert of the block, the same products.
 - Each call reads its per-expert token counts to the host once (a device-to-host copy on a GPU).
-- The kept graphs hold the experts' activations as the stock experts do (the sorted rows, the
+- The backward keeps the experts' activations as the stock experts do (the sorted rows, the
   intermediate, the activation): where many tokens meet small experts they outweigh the ring buffers'
   saving; activation checkpointing drops them.
 - On a GPU, torch's grouped GEMM wants 16-byte-aligned strides and addresses: a message lays each block
@@ -65,8 +68,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._compat import grouped_mm, saved_tensors_hooks_active
-from ._param import shard_layout
+from .._compat import grouped_mm
 from ._ring_function import local_shard
 from ._sub_block import _Call, _RingSubBlockFunction
 from ._wire import Segment, segment
@@ -105,7 +107,7 @@ class Routing:
 class Groups:
     """One block's experts as its grouped GEMMs take them, its rows counted from its first: ``offsets``
     (each expert's end, int32 on the device), ``tokens`` (each expert's row count, on the device),
-    ``bounds`` (each expert's rows, host integers) and, made when a bias asks, ``expert_of_rows`` (each
+    ``bounds`` and ``sizes`` (each expert's rows and their count, host integers) and, made when a bias asks, ``expert_of_rows`` (each
     row's expert within the block)."""
 
     def __init__(self, routing: Routing, shard: int):
@@ -115,6 +117,7 @@ class Groups:
         self.offsets = routing.counts[experts].cumsum(0, dtype=torch.int32)
         ends = routing.ends[experts.start : experts.stop + 1]
         self.bounds = [(start - first, end - first) for start, end in itertools.pairwise(ends)]
+        self.sizes = [end - start for start, end in self.bounds]
         self.tokens = routing.counts[experts]  # each expert's rows, on the device
         self._expert_of_rows = None
 
@@ -134,107 +137,49 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
     return torch.cat([a[start:end] @ b[expert] for expert, (start, end) in enumerate(groups.bounds)])
 
 
-def _grouped_weight(a: torch.Tensor, g: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """Each expert's ``a_e^T g_e`` (``[experts, in, out]``): a grouped GEMM's weight gradient."""
-    if grouped_mm is not None and a.dtype in _GROUPED_MM_DTYPES:
-        return grouped_mm(a.mT, g, offs=groups.offsets)
-    return torch.stack([a[start:end].mT @ g[start:end] for start, end in groups.bounds])
+def _write_weight_gradient(view: torch.Tensor, a: torch.Tensor, g: torch.Tensor, groups: Groups, add: bool) -> None:
+    """Each expert's ``a_e^T g_e`` written (or added) into its matrix of ``view`` (``[experts, in, out]``,
+    a partial's): one ``mm`` per expert with ``out=`` (or ``addmm_``), so that no gradient the size of the
+    block exists beside the partial; in a compute dtype other than the partial's (torchtitan's bfloat16
+    products, float32 partials), one expert's product at a time, added."""
+    # Each expert's operands split in one op each (not sliced one by one: ops are host time at every step).
+    for matrix, a_t, g_expert in zip(view.unbind(0), a.mT.split(groups.sizes, 1), g.split(groups.sizes)):
+        if matrix.dtype != a.dtype:
+            product = a_t @ g_expert
+            matrix.add_(product) if add else matrix.copy_(product)
+        elif add:
+            if g_expert.shape[0]:
+                matrix.addmm_(a_t, g_expert)
+        else:
+            torch.mm(a_t, g_expert, out=matrix)
 
 
-# The weight gradients a backward step's products write themselves (``GradientSink``), by the address of
-# the weight operand: rings never run concurrently on one rank, so one step's sink is the only one.
-_sinks: dict[int, "_SinkEntry"] = {}
-
-
-class _SinkEntry:
-    """One weight's place in a backward step's partials: its view (``[experts, in, out]``, as the
-    operand), whether the step adds to it, and where in the step's gradients it stands."""
-
-    def __init__(self, view: torch.Tensor, add: bool, position: int, sink: "GradientSink"):
-        self.view, self.add, self.position, self.sink = view, add, position, sink
-
-    def write(self, a: torch.Tensor, g: torch.Tensor, groups: Groups) -> None:
-        """Each expert's ``a_e^T g_e`` written (or added) into its matrix of the view: no gradient the
-        size of the block exists beside the partial."""
-        for matrix, (start, end) in zip(self.view.unbind(0), groups.bounds):
-            if self.add:
-                if end > start:
-                    matrix.addmm_(a[start:end].mT, g[start:end])
-            else:
-                torch.mm(a[start:end].mT, g[start:end], out=matrix)
-        self.sink.written.add(self.position)
-
-
-class GradientSink:
-    """For one backward step of an expert ring (``_sub_block._SubBlockBackward.step``): the products'
-    weight gradients go straight into the partials the step writes or adds them to (``into``), one
-    ``mm`` per expert with ``out=`` (or ``addmm_``) instead of a grouped GEMM's result beside them, which
-    at the backward's peak would be 1/W of the projection's experts more. A weight whose gradient
-    autograd must carry on (a LoRA-updated weight is not the operand itself) or whose compute dtype is
-    not the partial's is left to autograd. ``written``: the positions in ``into`` written."""
-
-    def __init__(self, operands: list[torch.Tensor], grad_slots: list[int], into: list[torch.Tensor], add: bool):
-        self.written: set[int] = set()
-        self.keys = []
-        for position, (slot, view) in enumerate(zip(grad_slots, into)):
-            operand = operands[slot]
-            if operand.dim() == 3:
-                key = operand.data_ptr()
-                _sinks[key] = _SinkEntry(view, add, position, self)
-                self.keys.append(key)
-
-    def close(self) -> None:
-        for key in self.keys:
-            del _sinks[key]
-
-
-class _ExpertProduct(torch.autograd.Function):
-    """``x @ w_t[e]`` for each row's expert e, computed in ``dtype`` (``x`` and ``w_t`` cast inside), as
-    torch's grouped GEMM of ``x.to(dtype)`` and ``w_t.to(dtype)`` and its autograd compute it; it saves ``w_t``
-    itself (see the module's pitfalls)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w_t: torch.Tensor, groups: Groups, dtype: torch.dtype) -> torch.Tensor:
-        ctx.groups, ctx.dtype = groups, dtype
-        ctx.save_for_backward(x, w_t)
-        return _grouped(x.to(dtype), w_t.to(dtype), groups)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w_t = ctx.saved_tensors
-        groups, dtype = ctx.groups, ctx.dtype
-        grad = grad.contiguous()  # a sum's gradient comes expanded, which the grouped GEMM refuses
-        grad_x = _grouped(grad, w_t.to(dtype).mT, groups).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            sink = _sinks.get(w_t.data_ptr())
-            if sink is not None and sink.view.dtype == dtype:
-                sink.write(x.to(dtype), grad, groups)  # autograd gets None: the step's partial has it
-            else:
-                grad_w = _grouped_weight(x.to(dtype), grad, groups).to(w_t.dtype)
-        return grad_x, grad_w, None, None
+def _write_bias_gradient(view: torch.Tensor, g: torch.Tensor, groups: Groups, add: bool) -> None:
+    """Each expert's sum of its rows of ``g`` written (or added) into its row of ``view`` (``[experts, out]``)."""
+    if g.dtype != view.dtype:
+        sums = torch.zeros(view.shape, dtype=g.dtype, device=g.device).index_add_(0, groups.expert_of_rows, g)
+        view.add_(sums) if add else view.copy_(sums)
+        return
+    if not add:
+        view.zero_()
+    view.index_add_(0, groups.expert_of_rows, g)
 
 
 def expert_product(x: torch.Tensor, w_t: torch.Tensor, groups: Groups, dtype: torch.dtype) -> torch.Tensor:
-    """A ring step's product of its rows ``x`` with its block's weights ``w_t`` (``[experts, in, out]``)."""
-    return _ExpertProduct.apply(x, w_t, groups, dtype)
+    """A ring step's product of its rows ``x`` with its block's weights ``w_t`` (``[experts, in, out]``),
+    both cast to ``dtype``, as torch's grouped GEMM computes it (autograd runs through it only where a
+    step is backpropagated: a LoRA-updated weight's, ``_expert_lora.py``)."""
+    return _grouped(x.to(dtype), w_t.to(dtype), groups)
 
 
 class ExpertStage:
     """One of an experts module's two rings (``ExpertRing.stages``): its parameters, and at each step
     its ``product`` of the rows routed to the block held. The interface the sub-block ring
     (``_sub_block.py``) drives: ``param_slots``, ``per_shard``, ``param_transposed``, ``transposed``,
-    ``segments``, ``run_step``; a call keeps each step's graph unless saved-tensor hooks (activation
-    checkpointing) are on or its weights carry a LoRA update (its weights are re-pointed: see
-    ``expert_product``; LoRA: ``_expert_lora.py``)."""
+    ``segments``, ``run_step``, and its backward itself (``input_gradients``, ``weight_gradients``;
+    with a LoRA update on its weights, autograd through each step computed again: ``_expert_lora.py``)."""
 
     per_shard = shard_parts = ()  # parameters used whole at every step: none but LoRA adapters (_expert_lora.py)
-    keeps_graphs = True
-    gradient_sink = GradientSink  # a backward step's weight gradients written into its partials
-    # The partials' last hop goes at once from the ring buffer, not deferred to the next ring: a copy of an
-    # up projection's partials, or room for a down projection's in the up ring's messages, would be the
-    # backward's peak (docs/design.md, "Expert rings").
-    defers_last_hop = False
     advice = ""  # a sub-block's refusal names plan entries; no ring_plan entry names an experts module
 
     def __init__(self, experts: "ExpertRing", names: tuple[str, ...], product, label: str):
@@ -245,25 +190,64 @@ class ExpertStage:
         # stored [experts, out, in] is viewed transposed.
         self.transposed = tuple(getattr(module, name).dim() == 3 and not experts.stored_transposed for name in names)
         self.param_transposed = (False,) * len(names)
+        # Per parameter: the columns of the step's output its product makes (None: all) and the dtype it
+        # computes in (None: the operand's), which is all its gradient needs (``weight_gradients``).
+        self.terms = [experts.gradient_term(name) for name in names]
         self.ring = None
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
 
     def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
-        """Each parameter's block of experts, in ``param_slots`` order: one layout (the experts') for all."""
+        """Each parameter's block of experts, in ``param_slots`` order: one layout (the experts' over the
+        ring's owners: ranks, or groups of them) for all."""
         key = (dtype, world)
         if key not in self._segments:
-            layout = shard_layout(getattr(self.module, self.param_slots[0][1]).shape[0], world)
+            layout = self.ring.ring.layout(getattr(self.module, self.param_slots[0][1]).shape[0])
             self._segments[key] = tuple(segment(layout, getattr(self.module, name).shape[1:], dtype) for _, name in self.param_slots)
         return self._segments[key]
 
     def __call__(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         """This ring's output for every routed row (``rows``, sorted by expert)."""
         params = [local_shard(getattr(module, name), module, name, self.ring) for module, name in self.param_slots]
-        call = _Call(self, [rows, routing], None, [0], None)
-        # Decided here: inside the autograd Function's forward, grad mode is off.
-        call.keeps_graphs = self.keeps_graphs and torch.is_grad_enabled() and not saved_tensors_hooks_active()
+        call = _Call(self, [rows, routing], None, [0], None)  # keeps no step's graph: see input_gradients
         per_shard = [module._parameters[name] for module, name in self.per_shard]  # as installed: gathered
         return _RingSubBlockFunction.apply(call, rows, *per_shard, *params)
+
+    def input_gradients(self, call, dy: torch.Tensor, shard: int, operands: list[torch.Tensor], into: torch.Tensor) -> None:
+        """Block ``shard``'s term of the input's gradient, added into its rows of ``into`` (the routed rows',
+        in their dtype): each weight's product's, ``dy @ w^T`` over the columns it makes, as the grouped
+        GEMM's backward computes it (a bias has none)."""
+        routing = call.leaves[1]
+        first, end = routing.rows[shard], routing.rows[shard + 1]
+        if end == first:
+            return
+        groups, g, rows = routing.groups(shard), dy[first:end], into[first:end]
+        for (columns, compute), operand in zip(self.terms, operands):
+            if operand.dim() == 3:
+                compute = compute or operand.dtype
+                term = (g if columns is None else g[:, columns]).to(compute).contiguous()
+                rows.add_(_grouped(term, operand.to(compute).mT, groups).to(into.dtype))
+
+    def weight_gradients(
+        self, call, rows: torch.Tensor, dy: torch.Tensor, shard: int, params: list[tuple[int, torch.dtype]], into: list[torch.Tensor], add: bool
+    ) -> None:
+        """Block ``shard``'s parameter gradients from its rows of ``rows`` (the call's input) and of ``dy``
+        (its output's gradient) alone: a product's weight gradient is its input times its output's
+        gradient, a bias's the sum of its rows, neither reads the weights. Written, or added (``add``),
+        into ``into`` (views shaped as the operands: ``[experts, in, out]``, biases ``[experts, out]``), one
+        per entry of ``params``: (the parameter's index, its operand's dtype)."""
+        routing = call.leaves[1]
+        first, end = routing.rows[shard], routing.rows[shard + 1]
+        groups = routing.groups(shard)
+        x, g = rows[first:end], dy[first:end]
+        for (index, dtype), view in zip(params, into):
+            columns, compute = self.terms[index]
+            term = g if columns is None else g[:, columns]
+            if view.dim() == 3:
+                compute = compute or dtype
+                # contiguous, as the grouped GEMM's backward takes it: the same products, bit for bit
+                _write_weight_gradient(view, x.to(compute), term.to(compute).contiguous(), groups, add)
+            else:
+                _write_bias_gradient(view, term.to(dtype), groups, add)
 
     def run_step(self, call, arguments, shard: int, operands: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The block ``shard``'s product (its parameters ``operands``) on its rows, in a partial output as
@@ -307,6 +291,11 @@ class ExpertRing:
         self.stages = (ExpertStage(self, first, self.first_product, "up"), ExpertStage(self, second, self.second_product, "down"))
         self.param_slots = [slot for stage in self.stages for slot in stage.param_slots]
 
+    def gradient_term(self, name: str) -> tuple[slice | None, torch.dtype | None]:
+        """How a step's product uses parameter ``name``: the columns of its output it makes (None: all) and
+        the dtype it computes in (None: the operand's); a subclass whose products differ says so."""
+        return None, None
+
     def bound_arguments(self, args: tuple, kwargs: dict) -> list:
         """A call's arguments in the order of the module's forward, defaults applied."""
         bound = self.signature.bind(self.module, *args, **kwargs)
@@ -316,7 +305,7 @@ class ExpertRing:
     def forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """The experts' output for a call: routed, both rings, combined."""
         rows, counts, restore = self.routed(*self.call_arguments(args, kwargs))
-        routing = Routing(counts, shard_layout(self.experts, self.stages[0].ring.ring.size))
+        routing = Routing(counts, self.stages[0].ring.ring.layout(self.experts))
         hidden = self.stages[0](rows, routing)
         return self.combine(self.stages[1](self.activation(hidden), routing), restore)
 

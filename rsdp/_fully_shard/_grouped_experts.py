@@ -68,6 +68,16 @@ class GroupedExpertsBlock(ExpertRing):
             return ("mlp1_weight_EGD", "mlp1_bias_EG"), ("mlp2_weight_EDF", "mlp2_bias_ED")
         return ("w1_EFD", "w3_EFD"), ("w2_EDF",)
 
+    def gradient_term(self, name: str) -> tuple[slice | None, torch.dtype | None]:
+        """Weights multiply in bfloat16 (a bias is added in bfloat16 from its own dtype, so its gradient
+        is summed in that); ``w1`` makes the first half of the up projection's columns, ``w3`` the second."""
+        if getattr(self.module, name).dim() == 2:
+            return None, None
+        if name in ("w1_EFD", "w3_EFD"):
+            width = self.module.w1_EFD.shape[1]
+            return (slice(0, width) if name == "w1_EFD" else slice(width, 2 * width)), torch.bfloat16
+        return None, torch.bfloat16
+
     def call_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """A call's ``(x_RD, num_tokens_per_expert_E)``, checked before the rings start, so that every
         rank refuses at the same point."""

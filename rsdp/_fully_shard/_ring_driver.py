@@ -53,7 +53,7 @@ from torch.profiler import record_function
 
 from .._compat import profiler_enabled
 from ._prefetch import ring_begins
-from ._ring import DeferredHop, Phase, Prefetched, Ring, wait_for
+from ._ring import DeferredHop, Phase, Prefetched, Ring
 from ._wire import Message
 
 
@@ -157,18 +157,6 @@ class RingRun:
         return ring.circulate(
             self.message, self.tag, start, during, on_arrival, gathered=gathered, fill=fill, region=region, carry_next=carry_next, rider=rider
         )
-
-    def send_last_hop(self, final: torch.Tensor, nbytes: int, arrived: Callable[[torch.Tensor], None]) -> None:
-        """The partials' last hop (``final[:nbytes]``, the message held last) sent now, with no copy:
-        received into the start of the other message buffer, whose message went at the last exchange
-        (what the ring buffers hold for the next ring lies behind the messages). One more exchange than
-        ``defer_last_hop``, but no copy of the partials beside the ring's buffers, and no room for them
-        in the next ring's; ``arrived`` is given the bytes that came from up."""
-        ring = self.ring
-        stored = final.untyped_storage().data_ptr()
-        received = next(b for b in ring.buffers.pair(nbytes, ring.device) if b.untyped_storage().data_ptr() != stored)
-        wait_for(ring.exchange(final[:nbytes], received, self.tag), ring.context.waited_works)
-        arrived(received)
 
     def defer_last_hop(self, payload: torch.Tensor, arrived: Callable[[torch.Tensor], None]) -> None:
         """The partials' last hop (``payload``, bytes), to ride an exchange of the next ring

@@ -42,7 +42,10 @@ gradients that are zero outside its shard's rows or columns.
   the next ring (the previous sub-block's, the Embedding's), or goes alone at the end of the backward.
   The owner adds its own contribution, computed from its local shard at step 0, when its partial
   arrives, and hands the gradient to the parameters itself (the function has returned by then). So a
-  backward costs W-1 exchanges of its own (W-2 prefetched), the ZeRO-3 bytes.
+  backward costs W-1 exchanges of its own (W-2 prefetched), the ZeRO-3 bytes. A ring of experts
+  computes its weight gradients without weights (``SubBlock.weight_gradients``), so its partials travel
+  as a Linear's instead, owner's neighbour to owner in the W-1 exchanges, with no last hop; and its
+  inputs' gradients itself (``SubBlock.input_gradients``), so it keeps no step's graph.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
   its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
   ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
@@ -94,7 +97,7 @@ from .._compat import (
     tree_unflatten,
 )
 from ._checkpoint import kept_or_run
-from ._ring_function import RingLayer, autocast_like, local_shard, sharded
+from ._ring_function import RingLayer, autocast_like, finished_gradients, local_shard, sharded
 from ._param import shard_layout
 from ._wire import Message, Segment, segment
 from ._ring import Phase
@@ -172,15 +175,18 @@ class SubBlock:
         self.param_transposed = (False,) * (len(self.param_slots) - 1) + (True,)
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
 
-    # The interface the ring below drives, which an experts block (``_experts.py``) also provides.
     keeps_graphs = True  # each forward step's graph is kept for the backward (``_ShardGraphs``)
-    # ``gradient_sink(operands, grad_slots, into, add)``: where a step's products may write their weight
-    # gradients themselves (an experts block's: ``_experts.GradientSink``), or None: autograd returns them.
-    gradient_sink = None
-    # Whether a synchronised backward's last hop rides the next ring (``_ring.DeferredHop``: a copy of the
-    # partials beside the ring buffers until then, and room for them in the next ring's messages) or
-    # goes at once from the ring buffer (one more exchange, no memory: an experts block's).
-    defers_last_hop = True
+
+    # The interface the ring below drives, which an experts block (``_experts.py``) also provides.
+    # ``weight_gradients(call, rows, dy, shard, params, into, add)``: a block whose parameter gradients
+    # need no weights computes them itself (an experts block's: ``_experts.ExpertStage``), so its partials
+    # travel as a Linear's (``_SubBlockBackward.synchronised``); None: autograd computes them through the
+    # step, which needs the shard's weights (a sub-block's flow back through its rowwise weight).
+    weight_gradients = None
+    # ``input_gradients(call, dy, shard, operands, into)``: a block that computes its inputs' gradients
+    # itself from the weights held (an experts block's), added into ``into``; None: autograd, through the
+    # step's kept graph or its recomputation.
+    input_gradients = None
 
     def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
@@ -653,8 +659,10 @@ class _SubBlockBackward:
 
     Synchronised (``synchronised``), the weight gradients' partials travel with the weights, each
     starting one rank below its owner and ending one hop short of it: that hop is deferred
-    (``_ring.DeferredHop``), and the owner adds its own contribution when the partial comes home.
-    Unsynchronised (``unsynchronised``: no gradient wanted, or ``set_requires_gradient_sync(False)``),
+    (``_ring.DeferredHop``), and the owner adds its own contribution when the partial comes home. A block
+    that computes its parameter gradients without weights (``SubBlock.weight_gradients``: experts) has its
+    partials travel as a Linear's instead (``_weights_free``): from the owner's neighbour to the owner in
+    the ring's own W-1 exchanges, with no last hop. Unsynchronised (``unsynchronised``: no gradient wanted, or ``set_requires_gradient_sync(False)``),
     only the weights travel, and each rank adds its contributions to every shard into local
     accumulators."""
 
@@ -683,6 +691,13 @@ class _SubBlockBackward:
         self.grads_transposed = tuple(block.transposed[slot] for slot in self.grad_index)
         self.row_layout = self.weight_segments[-1].layout
         self.keys = [(id(block), slot) for slot in self.grad_index]
+        # A block that computes its parameter gradients itself: which (parameter, operand dtype) each
+        # partial is, and the input its gradients read (cast once per backward, not per step).
+        self.computes_weight_gradients = block.weight_gradients is not None
+        if self.computes_weight_gradients:
+            self.weight_params = [(self.present[slot], self.weight_segments[slot].dtype) for slot in self.grad_index]
+            self.rows = self.call.cast(self.tensors, self.input_dtype)[0]
+        self.graph_grad_slots = [] if self.computes_weight_gradients else self.grad_index
         self.grad_inputs = [None] * n
         self.dy = grad_total.to(dtype)
         # As laid out in a message: the colwise weights (and biases), then the rowwise weight transposed.
@@ -692,50 +707,69 @@ class _SubBlockBackward:
         return [None if g is None else g.to(t.dtype) for g, t in zip(self.grad_inputs, self.tensors)]
 
     def step(self, shard: int, operands: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
-        """Backpropagate through the sub-block for ``shard`` (its kept graph, or a recomputation) with its
-        weight ``operands``: input gradients into this rank's, weight gradients written or added
-        (``add``) into ``into``, views shaped as the operands are (a colwise weight's transposed:
-        ``grads_transposed``), so that no gradient is transposed first."""
+        """Backpropagate through the sub-block for ``shard`` (its kept graph, a recomputation, or the
+        block's own: experts) with its weight ``operands``: input gradients into this rank's, weight
+        gradients written or added (``add``) into ``into``, views shaped as the operands are (a colwise
+        weight's transposed: ``grads_transposed``), so that no gradient is transposed first."""
         if self.row_layout.rows_of(shard) == 0:
             if into is not None and not add:
                 for view in into:
                     view.zero_()
             return
-        sink = None if into is None or self.block.gradient_sink is None else self.block.gradient_sink(operands, self.grad_index, into, add)
-        try:
-            got = None if self.graphs is None else self.graphs.backward(shard, operands, self.dy, self.needs_inputs, self.grad_index)
-            if got is None:
-                got = self._recomputed(shard, operands)
-        finally:
-            if sink is not None:
-                sink.close()
-        got = iter(got)
-        for index, need in enumerate(self.needs_inputs):
-            if need:
-                g = next(got)
-                if g is not None:
-                    self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
-        for position, (view, g) in enumerate(zip(into or [], got)):
+        got = self._backpropagated(shard, operands)
+        if self.computes_weight_gradients:
+            if into:
+                self._weight_gradients(shard, into, add)
+            return
+        for view, g in zip(into or [], got):
             if g is None:
-                if not add and (sink is None or position not in sink.written):
+                if not add:
                     view.zero_()
             elif add:
                 view.add_(g)
             else:
                 view.copy_(g)
 
+    def _backpropagated(self, shard: int, operands: list[torch.Tensor]):
+        """Backpropagate through the step of ``shard`` (its kept graph, or a recomputation) with its weight
+        ``operands``: the inputs' gradients added into this rank's; returns an iterator over the weight
+        gradients autograd computed (``graph_grad_slots``)."""
+        if not any(self.needs_inputs) and not self.graph_grad_slots:
+            return iter(())
+        if self.block.input_gradients is not None:  # the block's own (its inputs: the call's one tensor)
+            if self.grad_inputs[0] is None:
+                self.grad_inputs[0] = torch.zeros_like(self.tensors[0], dtype=self.input_dtype)
+            self.block.input_gradients(self.call, self.dy, shard, operands, self.grad_inputs[0])
+            return iter(())
+        got = None if self.graphs is None else self.graphs.backward(shard, operands, self.dy, self.needs_inputs, self.graph_grad_slots)
+        if got is None:
+            got = self._recomputed(shard, operands)
+        got = iter(got)
+        for index, need in enumerate(self.needs_inputs):
+            if need:
+                g = next(got)
+                if g is not None:
+                    self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
+        return got
+
+    def _weight_gradients(self, shard: int, into: list[torch.Tensor], add: bool) -> None:
+        """The block's own parameter gradients for ``shard`` (no weights needed), into ``into``."""
+        self.block.weight_gradients(self.call, self.rows, self.dy, shard, self.weight_params, into, add)
+
     def _recomputed(self, shard: int, operands: list[torch.Tensor]) -> tuple:
         """The gradients of ``step``, from the sub-block's forward for ``shard`` run again."""
-        leaves = _weight_leaves(operands, [self.needs_params[i] for i in self.present])
+        leaves = _weight_leaves(operands, [self.needs_params[i] and not self.computes_weight_gradients for i in self.present])
         inputs = [t.detach().requires_grad_(need) for t, need in zip(self.call.cast(self.tensors, self.input_dtype), self.needs_inputs)]
         autocast = torch.autocast(self.ring.device.type, dtype=self.autocast, enabled=self.autocast is not None)
         with torch.enable_grad(), autocast:
             partial = self.call.run(self.call.arguments(inputs), shard, leaves)
-            wanted = [x for x, need in zip(inputs, self.needs_inputs) if need] + [leaves[slot] for slot in self.grad_index]
+            wanted = [x for x, need in zip(inputs, self.needs_inputs) if need] + [leaves[slot] for slot in self.graph_grad_slots]
             return gradients_of(partial, wanted, self.dy.to(partial.dtype))
 
-    def _pack(self, into: Message, buffer: torch.Tensor) -> None:
-        into.pack(buffer, self.ring.rank, self.weights, len(into.segments) - len(self.weight_segments))
+    def _pack(self, into: Message, first: int, buffer: torch.Tensor) -> None:
+        """This rank's weights into ``buffer`` as ``into``'s segments ``first:`` (one rank's layout:
+        ``members``, on a ring of groups)."""
+        into.members.pack(buffer, self.ring.rank, self.weights, first)
 
     def _deliver(self, reduced: list[torch.Tensor]) -> None:
         """This rank's reduced gradient shards, to its parameters (``_grad.py``): not returned, since
@@ -751,6 +785,9 @@ class _SubBlockBackward:
         exchange sends the weights alone (nothing is added to a partial yet), so the ring before may
         have done it, and a deferred hop travelling behind it follows them directly."""
         self.grads = self.ring.buffers.message_of(tuple(self.grad_segments))
+        if self.computes_weight_gradients:
+            self._weights_free()
+            return
         self.message = message = self.ring.buffers.message_of(self.grads.segments + self.weight_segments)
         self.first_weight = len(self.grad_segments)
         self.weights_start = message.offsets[self.first_weight]
@@ -763,7 +800,7 @@ class _SubBlockBackward:
             self.mine = torch.zeros(self.grads.nbytes, dtype=torch.uint8, device=self.ring.device)
             self.unsynced = [self.gradients.take_unsynced(key) for key in self.keys]
             self.has_unsynced = any(total is not None for total in self.unsynced)
-            pack = functools.partial(self._pack, message)
+            pack = functools.partial(self._pack, message, self.first_weight)
             if alone:
                 buffer = run.buffers[0]
                 pack(buffer)
@@ -773,13 +810,54 @@ class _SubBlockBackward:
             final = run.turn(pack if run.prefetched is None else run.prefetched, self._own_contribution,
                              self._partials_arrived, region=self._region)
             # W-1 hops took every partial past every rank but its owner, one hop down. That hop rides
-            # the next ring's first exchange, or goes alone at the end of the backward; or, where the
-            # block says so, goes now from the ring buffer (``defers_last_hop``).
-            home = functools.partial(self._home, self.mine)
-            if self.block.defers_last_hop:
-                run.defer_last_hop(final[: self.grads.nbytes].clone(), home)
+            # the next ring's first exchange, or goes alone at the end of the backward.
+            run.defer_last_hop(final[: self.grads.nbytes].clone(), functools.partial(self._home, self.mine))
+
+    def _weights_free(self) -> None:
+        """The synchronised backward of a block whose parameter gradients need no weights (experts): the
+        partials travel as a Linear's (``_ring_function.ring_backward``), in ``[weights | partials]``
+        messages, the partial of ``ring.partial_shard_at(k)`` held at step k beside the weights of
+        ``ring.weight_shard_at(k)``, and reach their owners in the ring's own exchanges, the owner's own
+        contribution added last: no last hop, deferred or sent. A rank adds its contribution into a
+        partial as it arrives (no scratch beside the ring buffers: what the backward's peak would hold),
+        and its reduced shards are copied out as the ring ends. The first message carries partials, so
+        the ring before cannot send it ahead. On a ring of groups each step's contributions are written
+        into the block (``fill``) and the group sums them into the travelling partials (``Ring.circulate``)."""
+        ring, weights = self.ring, len(self.weight_segments)
+        message = ring.buffers.message_of(self.weight_segments + self.grads.segments)
+        with self.layer.driver.run(Phase.BACKWARD, message) as run:
+            self.unsynced = [self.gradients.take_unsynced(key) for key in self.keys]
+            self.has_unsynced = any(total is not None for total in self.unsynced)
+            pack = functools.partial(self._pack, message, 0)
+
+            def during(step: int, block: torch.Tensor) -> None:
+                shard = ring.weight_shard_at(step)
+                if self.row_layout.rows_of(shard):
+                    self._backpropagated(shard, message.views(block, shard, 0, self.block.transposed))
+
+            if ring.group_size > 1:
+                def fill(shard: int, block: torch.Tensor) -> None:
+                    self._contribute(message, shard, block, add=False)
+
+                final = run.turn(pack, during, gathered=weights, fill=fill)
             else:
-                run.send_last_hop(final, self.grads.nbytes, home)
+                def start(buffer: torch.Tensor) -> None:
+                    pack(buffer)
+                    self._contribute(message, ring.partial_shard_at(0), buffer, add=False)
+
+                def arrived(step: int, buffer: torch.Tensor) -> None:
+                    self._contribute(message, ring.partial_shard_at(step), buffer, add=True)
+
+                final = run.turn(start, during, arrived)
+            self._deliver(finished_gradients(self.layer, message.members, weights, final))
+
+    def _contribute(self, message: Message, shard: int, buffer: torch.Tensor, add: bool) -> None:
+        """This rank's contribution to the partials of ``shard`` in ``buffer`` (``message``'s segments
+        after its weights), written or added."""
+        weights = len(self.weight_segments)
+        self._weight_gradients(shard, message.views(buffer, shard, weights, self.grads_transposed), add)
+        if self.has_unsynced:
+            self._add_unsynced(shard, message.views(buffer, shard, weights))
 
     def _add_unsynced(self, shard: int, views: list[torch.Tensor]) -> None:
         """Add what backwards without sync kept for ``shard`` (``views``: its partials as laid out)."""
@@ -838,4 +916,4 @@ class _SubBlockBackward:
             self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
 
         with self.layer.driver.run(Phase.BACKWARD, weights_only) as run:
-            run.turn(functools.partial(self._pack, weights_only), during)
+            run.turn(functools.partial(self._pack, weights_only, 0), during)

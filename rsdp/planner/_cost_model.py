@@ -68,8 +68,8 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
   Linears' GEMM time (at ``gemm_flops_per_s``) divided by ``partial_gemm_efficiency`` (a 1/W-row GEMM's
   rate relative to a whole one: RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
-  overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange;
-  an expert ring's backward adds its partials' last hop, an exchange of its own.
+  overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange
+  (an expert ring's too: its partials reach their owners in those exchanges, as a Linear's);
   A ring of groups of g (``ring_group_size``): W/g steps of g/W of the work (the efficiency at W/g),
   W/g - 1 exchanges of one shard between groups, and at every step the all-gather of the group's block
   of g weight shards (backward: and the reduce-scatter of its g partials) within the group, which
@@ -846,20 +846,16 @@ class _Parallelism:
         # The up projection's expert ring, the larger: a block is ceil(experts / W) whole experts
         # (torch.chunk rows), its weights in param_dtype and its gradient partials in reduce_dtype
         # (``_fully_shard/_sub_block.py``). Forward: two blocks. Backward: two messages of [partials |
-        # weights] and the owner's own contribution (carried, as a Linear ring's), which becomes the
-        # rank's gradient shard (counted with the part's gradients); the partials' last hop goes from
-        # the ring buffers. A step writes its weight gradients into the partial where it computes in
-        # their dtype (``_experts.GradientSink``); else they are held beside it (param_dtype).
+        # weights], and as the ring ends the owner's reduced shards copied out of them, which become the
+        # rank's gradient shard (counted with the part's gradients). A step writes its weight gradients
+        # into the partial expert by expert (``_experts.ExpertStage.weight_gradients``), where it
+        # computes in their dtype with no copy, else through one expert's product (param_dtype).
         block = math.ceil(counts.experts / world) / counts.experts if counts.experts else 0.0
         expert_weights = counts.up_bytes * block * self.compute_ratio
         expert_partials = counts.trainable_up_bytes * block * self.reduce_ratio
         written_into_partials = self.compute_ratio == self.reduce_ratio
-        # Each expert ring with trainable weights ends its backward with its partials' last hop, an
-        # exchange of its own (``_ring_driver.RingRun.send_last_hop``): how many, and their bytes.
-        trainable_down_bytes = counts.trainable_experts_bytes - counts.trainable_up_bytes
-        self.expert_last_hops = (counts.trainable_up_bytes > 0) + (trainable_down_bytes > 0) if rsdp else 0
-        self.expert_last_hop_bytes = counts.trainable_experts_bytes * block * self.reduce_ratio
-        self.expert_step = int(counts.trainable_up_bytes * block * self.compute_ratio) if rsdp and not written_into_partials else 0
+        one_expert = counts.trainable_up_bytes / counts.experts if counts.experts else 0.0
+        self.expert_step = int(one_expert * self.compute_ratio) if rsdp and not written_into_partials else 0
         self.ring_forward = int(max(2 * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
         ring = max(
             shard(counts.largest_linear_bytes) * 2 * self.compute_ratio + shard(counts.largest_trainable_linear_bytes) * 3 * self.reduce_ratio,
@@ -927,10 +923,7 @@ class _Parallelism:
                 gathering = cost.link("all_gather", in_group).seconds((group - 1) * self.compute / layers / world, group - 1)
                 if backward:
                     gathering += cost.link("reduce_scatter", in_group).seconds((group - 1) * self.reduced / layers / world, group - 1)
-            last_hops = 0.0
-            if backward and self.expert_last_hops:
-                last_hops = cost.link("send_recv", across).seconds(self.expert_last_hop_bytes, self.expert_last_hops)
-            return rings * (overlap(step, gathering) + (steps - 1) * overlap(step, exchange + gathering)) + last_hops
+            return rings * (overlap(step, gathering) + (steps - 1) * overlap(step, exchange + gathering))
         if self.strategy is Strategy.FSDP:
             compute += self.params * cost.fsdp_overhead_s_per_byte[backward]
             transfer = cost.link("all_gather", across).seconds(share * self.compute, world - 1)
@@ -975,7 +968,7 @@ class _Parallelism:
             # no ring of its own (vectors only) holds them only below an rsdp root's forward.
             # Ring outputs inside a selective checkpointing region are kept from the forward to the
             # recomputation, which takes them instead of running the ring again.
-            # An expert ring's step may hold its weight gradients. The experts run last in a block's
+            # An expert ring's step may hold one expert's weight gradient. The experts run last in a block's
             # forward, so first in its backward: before any gradient of the part.
             kept = counts.checkpointed_ring_output_bytes
             expert_step = self.expert_step
