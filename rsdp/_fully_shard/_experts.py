@@ -248,11 +248,12 @@ class ExpertStage:
         self.ring = None
         self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
 
-    def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
-        """Each parameter's block of experts, in ``param_slots`` order: one layout (the experts') for all."""
-        key = (dtype, world)
+    def segments(self, dtype: torch.dtype, ring) -> tuple[Segment, ...]:
+        """Each parameter's block of experts on ``ring`` (a ring of ranks: experts refuse groups), in
+        ``param_slots`` order: one layout (the experts', as ``Routing`` splits them) for all."""
+        key = (dtype, ring.size)
         if key not in self._segments:
-            layout = shard_layout(getattr(self.module, self.param_slots[0][1]).shape[0], world)
+            layout = shard_layout(getattr(self.module, self.param_slots[0][1]).shape[0], ring.size)
             self._segments[key] = tuple(segment(layout, getattr(self.module, name).shape[1:], dtype) for _, name in self.param_slots)
         return self._segments[key]
 
