@@ -340,3 +340,38 @@ def test_planned_lm_trajectory_in_rings_of_groups(ranks, world, group, sync_last
     """Hugging Face's Llama plan on a 2-block LM, the blocks and the root in rings of groups: three
     AdamW steps (clipped) against fp64, once with micro-batches whose first skips synchronisation."""
     ranks.run(world, planned_lm_case, 40 + world + group, group, sync_last_only)
+
+
+@pytest.mark.parametrize("model_type,checkpointing,lora", [("llama", True, True), ("qwen3", False, False)])
+def test_hugging_face_plans_in_rings_of_groups(ranks, model_type, checkpointing, lora):
+    """A Hugging Face causal LM's own plan, its decoder layers and root in rings of groups of 2 on 4
+    ranks: Llama with LoRA on every planned Linear under gradient checkpointing (the adapters' parts per
+    block of shards), Qwen3 with its per-head q/k norms; one step's loss and every gradient against fp64,
+    both sub-blocks of each layer planned."""
+    from test_hf_plans import plan_step_case  # skips where transformers is missing
+
+    if lora:
+        pytest.importorskip("peft")
+    for dropped, sub_blocks in ranks.run(4, plan_step_case, model_type, checkpointing, lora, 2):
+        assert dropped == [] and sub_blocks == 4, (dropped, sub_blocks)
+
+
+@pytest.mark.parametrize("case", ["cached_forward_case", "generate_case", "training_case"])
+def test_planned_attention_with_a_kv_cache_in_rings_of_groups(ranks, case):
+    """Qwen2 (grouped KV heads, a sliding-window layer, a tied head) with its plan in rings of groups of 2
+    on 4 ranks: each group's block of heads reads and writes its heads of the cache (a prefill and
+    decode steps, ``generate()``, training with ``use_cache=True``), as the unsharded model does."""
+    import test_hf_generate  # skips where transformers is missing
+
+    assert all(ranks.run(4, getattr(test_hf_generate, case), "qwen2", 2))
+
+
+def test_planned_backward_rings_of_groups_take_their_first_exchange_from_the_ring_before(ranks):
+    """8 ranks in 4 groups of 2: a planned sub-block's backward weights ride the last exchange of the
+    ring before, between the same groups, and its deferred hop the next ring's third exchange, as on a
+    ring of 4 ranks (``test_prefetch.py``): 6 rings of 3 exchanges, 3 of them prefetched at the third
+    step; the gradients exact at every step."""
+    from test_prefetch import planned_backward_case
+
+    for counts in ranks.run(8, planned_backward_case, 3, 2):
+        assert counts[0] == (0, 18) and counts[2] == (3, 15), counts
