@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from models import (
     MLP,
+    LlamaBlock,
     TITAN_PLAN,
     TinyLM,
     assert_param_grads_match,
@@ -326,6 +327,37 @@ def planned_block_case(seed, group, checkpointing):
 @pytest.mark.parametrize("world,group,checkpointing", [(4, 2, "none"), (6, 2, "non-reentrant"), (6, 3, "reentrant"), (4, 4, "none")])
 def test_planned_block_in_rings_of_groups_matches_reference(ranks, world, group, checkpointing):
     ranks.run(world, planned_block_case, 30 + world + group, group, checkpointing)
+
+
+def planned_block_collectives_case(group):
+    """One forward's and one backward's communication of a planned Llama block, once the schedule is
+    known (the first pass records the order of rings, the second the ring buffers' sizes)."""
+    torch.manual_seed(0)
+    block = LlamaBlock(16, 8, 4, 2, 24)
+    rsdp_shard(block, ring_plan=TITAN_PLAN, ring_group_size=group)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    for _ in range(2):
+        block(x).sum().backward()
+    with CommCounter() as forward:
+        out = block(x)
+    with CommCounter() as backward:
+        out.sum().backward()
+    return dict(forward.calls), dict(backward.calls)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_planned_block_exchanges_per_ring_of_groups(ranks, world):
+    """A planned Llama block in groups of 2, G = W/2 groups: per ring and pass G - 1 exchanges between
+    groups and G all-gathers within them, and in backward G reduce-scatters; the MLP's first forward
+    message rides the attention's last exchange, the MLP's deferred hop the attention's first backward
+    exchange, and the attention's, with no ring after it, goes alone. Besides them, the norms' all-gather
+    and reduce-scatter (a planned ring carries no collective)."""
+    owners = world // 2
+    for forward, backward in ranks.run(world, planned_block_collectives_case, 2):
+        assert forward == {"c10d::send": 2 * (owners - 1) - 1, "c10d::_allgather_base_": 2 * owners + 1}, forward
+        assert backward == {
+            "c10d::send": 2 * (owners - 1) + 1, "c10d::_allgather_base_": 2 * owners, "c10d::_reduce_scatter_base_": 2 * owners + 1
+        }, backward
 
 
 def planned_lm_case(seed, group, sync_last_only, replicas=1):

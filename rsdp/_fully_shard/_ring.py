@@ -20,7 +20,9 @@ to the same place in the previous group. Two things are added to a step, both no
 ranks (a group of one): before ``during``, the group all-gathers the shards its ranks hold into a
 *block* (the g shards of one group, contiguous rows) for the step to use; after the arrival, it
 reduce-scatters the contributions to the block's partials (``fill``), each rank's piece added to the
-partial that arrived and travelling on to its owner (``_WithinGroup``). Everything else is the ring
+partial that arrived and travelling on to its owner (``_WithinGroup``). Where a contribution needs its
+block's weights (a planned sub-block's, ``own``), the block is gathered as its message arrives, and
+the contributions written then (``on_arrival``) are summed before the message goes on. Everything else is the ring
 of ranks': the same buffers, exchanges, riders and passengers, W/g - 1 exchanges instead of W - 1.
 
 A ring's steps pass every rank's message by every other rank, which is what an all-gather does, and

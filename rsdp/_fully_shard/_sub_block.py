@@ -43,6 +43,13 @@ gradients that are zero outside its shard's rows or columns.
   The owner adds its own contribution, computed from its local shard at step 0, when its partial
   arrives, and hands the gradient to the parameters itself (the function has returned by then). So a
   backward costs W-1 exchanges of its own (W-2 prefetched), the ZeRO-3 bytes.
+- **On a ring of groups** (``ring_group_size`` g > 1, ``_ring.py``) a step's shard is a group's block (g
+  ranks' heads and hidden units, ``Ring.layout``; LoRA parts and KV cache heads alike), and the partials
+  follow the weights: the group all-gathers each block as it arrives, each rank backpropagates through
+  it, and one reduce-scatter sums the group's contributions with the piece that came into the piece
+  that travels on (``Ring.circulate``'s ``own``); step 0's contributions to the rank's own group's
+  block are summed into its own, and the deferred hop goes to the rank at its place in the previous
+  group.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
   its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
   ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
