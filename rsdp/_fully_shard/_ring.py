@@ -22,8 +22,9 @@ ranks (a group of one): before ``during``, the group all-gathers the shards its 
 reduce-scatters the contributions to the block's partials (``fill``), each rank's piece added to the
 partial that arrived and travelling on to its owner (``_WithinGroup``). Where a contribution needs its
 block's weights (a planned sub-block's, ``own``), the block is gathered as its message arrives, and
-the contributions written then (``on_arrival``) are summed before the message goes on. Everything else is the ring
-of ranks': the same buffers, exchanges, riders and passengers, W/g - 1 exchanges instead of W - 1.
+the contributions written then (``on_arrival``) are summed before the message goes on. Everything
+else is the ring of ranks': the same buffers, exchanges, riders and passengers, W/g - 1 exchanges
+instead of W - 1.
 
 A ring's steps pass every rank's message by every other rank, which is what an all-gather does, and
 carry one running sum per rank to its owner, which is what a reduce-scatter does. So a collective of
@@ -205,9 +206,9 @@ class Ring:
         ``weight_shard_at(k)``, begun at step 1 (step 0 sends no partials: ``region``). As a message
         arrives its block is gathered and ``on_arrival(k, block)`` writes this rank's contribution to
         its partials, which the group sums (with the piece that arrived, from step 2 on) before it
-        travels on; ``during(0, block)`` writes the contribution
-        to this rank's own group's block, which the group sums into ``own`` (this rank's piece, laid
-        out as ``message.members``' partials). The piece held last then lacks only its owner's ``own``.
+        travels on; ``during(0, block)`` writes the contribution to this rank's own group's block,
+        which the group sums into ``own`` (this rank's piece, laid out as ``message.members``'
+        partials). The piece held last then lacks only its owner's ``own``.
 
         ``rider`` travels behind the message in every step (see ``Rider``): only on all steps of a
         whole message not yet sent (one to be sent as it is gets copied into a ring buffer first).
@@ -265,7 +266,8 @@ class _WithinGroup:
     reduce-scatter's (``Rider.reduces``) the dtype it is summed in, None for an all-gather's. It goes
     in the collective of its kind, staged with the weights or the partials (a reduce-scatter's only with
     partials of its dtype: ``RingRun.turn`` offers it no other ring), and ``rider_parts`` is the g
-    ranks' parts of it, ``[g, its bytes]`` in place order."""
+    ranks' parts of it, ``[g, its bytes]`` in place order. Only messages whose weights lead carry a
+    rider (a planned sub-block's ``[partials | weights]`` rings carry none)."""
 
     def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple | None):
         self.group = ring.within
@@ -447,7 +449,7 @@ class _RingPass:
                     fill(ring.partial_shard_at(0), self.block)
                 self.side.reduce(False, self.reduce_rider, 0)
 
-    def _within_group(self, message: Message, nbytes: int, gathered: int | None, fill) -> None:
+    def _within_group(self, message: Message, nbytes: int, gathered: range | None, fill) -> None:
         """A ring of groups: the block's regions, the scratch, and the collectives of the two buffers."""
         ring, rider = self.ring, self.rider
         self.regions = regions = message.block_regions(range(len(message.segments)) if gathered is None else gathered)

@@ -785,10 +785,10 @@ class _SubBlockBackward:
                 self._own_contribution(0, buffer)
                 self._deliver(self._finished(self.mine))
                 return
-            grouped = self.ring.group_size > 1
+            # On a ring of groups the weights are gathered within the group and the partials follow them,
+            # the group's contributions to its own block summed into ``mine`` (a ring of ranks ignores both).
             final = run.turn(pack if run.prefetched is None else run.prefetched, self._own_contribution, self._partials_arrived,
-                             region=self._region, gathered=range(self.first_weight, len(message.segments)) if grouped else None,
-                             own=self.mine if grouped else None)
+                             region=self._region, gathered=range(self.first_weight, len(message.segments)), own=self.mine)
             if self.ring.owners == 1:  # one group: its reduce-scatter summed every contribution
                 self._deliver(self._finished(self.mine))
                 return
