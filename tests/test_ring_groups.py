@@ -345,14 +345,14 @@ def planned_block_collectives_case(group):
     return dict(forward.calls), dict(backward.calls)
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_planned_block_exchanges_per_ring_of_groups(ranks, world):
-    """A planned Llama block in groups of 2, G = W/2 groups: per ring and pass G - 1 exchanges between
-    groups and G all-gathers within them, and in backward G reduce-scatters; the MLP's first forward
+def test_planned_block_exchanges_per_ring_of_groups(ranks):
+    """A planned Llama block in G = 2 groups of 2 (4 groups on 8 ranks: the planned backward's prefetch
+    test below): per ring and pass G - 1 exchanges between groups and G all-gathers within them, and
+    in backward G reduce-scatters; the MLP's first forward
     message rides the attention's last exchange, the MLP's deferred hop the attention's first backward
     exchange, and the attention's, with no ring after it, goes alone. Besides them, the norms' all-gather
     and reduce-scatter (a planned ring carries no collective)."""
-    owners = world // 2
+    world, owners = 4, 2
     for forward, backward in ranks.run(world, planned_block_collectives_case, 2):
         assert forward == {"c10d::send": 2 * (owners - 1) - 1, "c10d::_allgather_base_": 2 * owners + 1}, forward
         assert backward == {
