@@ -20,9 +20,8 @@ ops than the split, however little it adds: the split's excess over the model is
 at this size, and rsdp+plan's excess over the split is the ring's own bookkeeping (packing, exchanges,
 buffers, a backward per shard), to compare with FSDP2's excess over the model.
 
-A ring of groups (``--ring-group-size G``, repeatable) adds a row "rsdp g=G": rsdp_shard with
-``ring_group_size=G``, W/G steps per ring. Ring plans do not compose with groups yet, so there is no
-"rsdp+plan g=G" row. The counts split a step's communication between groups (the ring's exchanges,
+A ring of groups (``--ring-group-size G``, repeatable) adds rows "rsdp g=G" and "rsdp+plan g=G":
+rsdp_shard with ``ring_group_size=G`` (without and with the ring plan), W/G steps per ring. The counts split a step's communication between groups (the ring's exchanges,
 point-to-point) and within them (the collectives that assemble and reduce a group's block), in
 messages and bytes per block (``rsdp.memory.CommCounter``).
 
@@ -157,7 +156,7 @@ class CallCounter:
 
 
 def build(strategy: str, args) -> nn.Module:
-    """The model of ``strategy``: one of ``STRATEGIES``, ``REFERENCES``, or "rsdp g=G"."""
+    """The model of ``strategy``: one of ``STRATEGIES``, ``REFERENCES``, "rsdp g=G" or "rsdp+plan g=G"."""
     torch.manual_seed(0)
     split = args.world if strategy == "unsharded, split" else 1
     model = nn.Sequential(*(LlamaBlock(args.dim, args.heads, args.hidden, split) for _ in range(args.blocks)))
@@ -170,7 +169,7 @@ def build(strategy: str, args) -> nn.Module:
         if strategy == "fsdp":
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
         else:
-            rsdp_shard(block, mesh=mesh, ring_plan=LLAMA_PLAN if strategy == "rsdp+plan" else None, ring_group_size=group)
+            rsdp_shard(block, mesh=mesh, ring_plan=LLAMA_PLAN if strategy.startswith("rsdp+plan") else None, ring_group_size=group)
     return fully_shard(model, mesh=mesh) if strategy == "fsdp" else rsdp_shard(model, mesh=mesh, ring_group_size=group)
 
 
@@ -191,7 +190,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--repeats", type=int, default=5, help="rounds; strategies alternate within each")
     parser.add_argument("--ring-group-size", type=int, action="append", default=[], metavar="G",
-                        help="add a row for rsdp on a ring of groups of G ranks (G divides --world); repeatable")
+                        help="add rows for rsdp, with and without the ring plan, on a ring of groups of G ranks (G divides --world); repeatable")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     for group in args.ring_group_size:
@@ -208,7 +207,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
     x = torch.randn(1, args.tokens, args.dim, requires_grad=True)
-    grouped = tuple(f"rsdp g={group}" for group in args.ring_group_size)
+    grouped = tuple(f"{strategy} g={group}" for group in args.ring_group_size for strategy in ("rsdp", "rsdp+plan"))
     models = {strategy: build(strategy, args) for strategy in STRATEGIES + grouped + REFERENCES}
     counts = {}
     for strategy, model in models.items():

@@ -305,16 +305,17 @@ class ScaledMLP(MLP):
         return 2 * super().forward(x)  # not the rowwise Linear's own output
 
 
-def planned_llama(model_class=None, mesh=None, vocab=13):
+def planned_llama(model_class=None, mesh=None, vocab=13, ring_group_size=1):
     """A 2-block fp64 ``LlamaLM`` (or subclass) with heads and hidden units over the shard group,
-    sharded with the Hugging Face ring plan (on ``mesh``, else all ranks), and its single-process twin."""
+    sharded with the Hugging Face ring plan (on ``mesh``, else all ranks; rings of groups of
+    ``ring_group_size``), and its single-process twin."""
     shards = rank_and_world()[1] if mesh is None else mesh.size(mesh.ndim - 1)
     model = (model_class or LlamaLM)(vocab=vocab, dim=6, heads=2 * shards, kv_heads=shards, head_dim=2, hidden=3 * shards, layers=2)
     model = model.double()
     reference = twin(model)
     for layer in model.layers:
-        rsdp_shard(layer, mesh=mesh, ring_plan=HF_PLAN)
-    rsdp_shard(model, mesh=mesh)
+        rsdp_shard(layer, mesh=mesh, ring_plan=HF_PLAN, ring_group_size=ring_group_size)
+    rsdp_shard(model, mesh=mesh, ring_group_size=ring_group_size)
     return model, reference
 
 

@@ -45,8 +45,9 @@ def _config(model_name: str, world: int):
     )
 
 
-def planned_model(model_name: str):
-    """An fp64 model sharded with its own ``base_model_tp_plan``, and its unsharded twin."""
+def planned_model(model_name: str, ring_group_size: int = 1):
+    """An fp64 model sharded with its own ``base_model_tp_plan`` (rings in groups of ``ring_group_size``),
+    and its unsharded twin."""
     world = rank_and_world()[1]
     torch.manual_seed(0)
     config = _config(model_name, world)
@@ -54,8 +55,8 @@ def planned_model(model_name: str):
     model = model_class(config).double()
     reference = copy.deepcopy(model)
     for layer in model.model.layers:
-        rsdp_shard(layer, ring_plan=config.base_model_tp_plan)
-    rsdp_shard(model)
+        rsdp_shard(layer, ring_plan=config.base_model_tp_plan, ring_group_size=ring_group_size)
+    rsdp_shard(model, ring_group_size=ring_group_size)
     return model, reference
 
 
@@ -70,10 +71,10 @@ def assert_caches_match(cache, reference_cache, what: str):
         assert_close(layer.values, expected.values, what=f"{what}: values of layer {index}", **TOLERANCE)
 
 
-def cached_forward_case(model_name: str):
+def cached_forward_case(model_name: str, ring_group_size: int = 1):
     """A prefill, then decode steps one token at a time, each step's logits and the cache's contents."""
     rank, world = rank_and_world()
-    model, reference = planned_model(model_name)
+    model, reference = planned_model(model_name, ring_group_size)
     model.eval(), reference.eval()
     tokens = local_rows(torch.randint(1, VOCAB, (2 * world, PROMPT + 3)), rank, world)
     cache, reference_cache = (transformers.DynamicCache(config=model.config) for _ in range(2))
@@ -87,11 +88,11 @@ def cached_forward_case(model_name: str):
     return True
 
 
-def generate_case(model_name: str):
+def generate_case(model_name: str, ring_group_size: int = 1):
     """Greedy (under ``torch.inference_mode()``, as serving code runs it), sampled (fixed seed), static-cache and
     beam-search ``generate()`` match the unsharded model's, token for token; so does a run where this rank's sequences stop at an EOS another rank's never reach."""
     rank, world = rank_and_world()
-    model, reference = planned_model(model_name)
+    model, reference = planned_model(model_name, ring_group_size)
     model.eval(), reference.eval()
     prompts = _prompts(world, seed=1)
     mine = local_rows(prompts, rank, world)
@@ -129,12 +130,12 @@ def generate_case(model_name: str):
     return True
 
 
-def training_case(model_name: str):
+def training_case(model_name: str, ring_group_size: int = 1):
     """AdamW steps with the model's default config (``use_cache=True``: each forward fills a cache),
     then one on a continuation of a prefix cached under ``no_grad`` whose backward recomputes the
     attention (saved-tensor hooks keep no graphs), so it asks the cache after its update."""
     rank, world = rank_and_world()
-    model, reference = planned_model(model_name)
+    model, reference = planned_model(model_name, ring_group_size)
     model.train(), reference.train()
     assert model.config.use_cache
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -144,12 +144,13 @@ def _step(model, tokens):
     return loss.detach()
 
 
-def plan_step_case(model_type: str, checkpointing: bool = False, lora: bool = False):
+def plan_step_case(model_type: str, checkpointing: bool = False, lora: bool = False, ring_group_size: int = 1):
     """One step of the tiny ``model_type`` under its own plan against fp64: a refusal (when sharding or at
     the first forward) drops the entries it names, and the step starts again on a fresh copy. Returns the
     entries dropped and how many sub-blocks rotate as one ring. ``checkpointing``: with gradient
     checkpointing on both models (each sub-block recomputed in backward); ``lora``: with LoRA on every
-    Linear (``tiny_lora_model``), only the adapters trained. A model type without a tiny model returns
+    Linear (``tiny_lora_model``), only the adapters trained; ``ring_group_size``: every ring in groups of
+    that many ranks. A model type without a tiny model returns
     why (``tiny_model``'s reason): the ranks decide, so that the test's own process builds no model."""
     if isinstance(tiny_model(model_type), str):
         return tiny_model(model_type)
@@ -164,8 +165,8 @@ def plan_step_case(model_type: str, checkpointing: bool = False, lora: bool = Fa
             for layer in _decoder_layers(model):
                 for name in fsdp_experts:
                     fully_shard(layer.get_submodule(name))
-                rsdp_shard(layer, ring_plan=plan)
-            rsdp_shard(model)
+                rsdp_shard(layer, ring_plan=plan, ring_group_size=ring_group_size)
+            rsdp_shard(model, ring_group_size=ring_group_size)
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             loss = _step(model, local_rows(tokens, rank, world))

@@ -142,11 +142,12 @@ def test_training_with_prefetched_rings_matches_reference(ranks):
     assert all(used > 0 for used in ranks.run(4, trajectory_case))
 
 
-def planned_backward_case(steps):
-    """A planned 2-block Llama (the Hugging Face plan) trained ``steps`` steps against the fp64
-    reference; per step the backward's prefetched exchanges taken and its sends."""
+def planned_backward_case(steps, ring_group_size=1):
+    """A planned 2-block Llama (the Hugging Face plan; rings in groups of ``ring_group_size``) trained
+    ``steps`` steps against the fp64 reference; per step the backward's prefetched exchanges taken and
+    its sends (between groups)."""
     torch.manual_seed(5)
-    model, reference = planned_llama(vocab=211)  # the head's ring much the largest, as in a language model
+    model, reference = planned_llama(vocab=211, ring_group_size=ring_group_size)  # the head's ring much the largest, as in a language model
     counts = []
 
     def count_backward(loss):

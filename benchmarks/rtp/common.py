@@ -127,7 +127,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     run.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     run.add_argument("--ring_group_size", type=int, default=1,
-                     help="rtp (rsdp): a ring of groups of this many ranks (rsdp_shard's ring_group_size), with no ring plan when > 1")
+                     help="rtp (rsdp): a ring of groups of this many ranks (rsdp_shard's ring_group_size)")
     run.add_argument("--json", metavar="PATH", help="write the results here")
     return parser
 

@@ -6,8 +6,7 @@ attention and its FFN rotate as one ring each, when the heads and the FFN width 
 otherwise each Linear (q/k/v together) rotates on its own ring. The MoE model (``--experts``) gets
 Hugging Face's plan (its attention one ring, when the heads divide); its experts rotate in blocks of
 whole experts whatever the plan. With ``--ring_group_size`` g > 1 the ranks form a ring of groups of g
-(``rsdp_shard``'s ``ring_group_size``), which ring plans do not compose with yet: each Linear then
-rotates on its own ring (experts in blocks of a group's experts).
+(``rsdp_shard``'s ``ring_group_size``), plans and experts included (experts in blocks of a group's experts).
 
     python benchmarks/rtp/rtp_benchmark.py --use_synthetic_data [--nproc 4 --device cpu ...]
 """
@@ -24,11 +23,10 @@ def parallelize(model: nn.Module, worker: common.Worker) -> nn.Module:
     args = worker.args
     moe = args.experts > 0
     group = args.ring_group_size
-    plannable = group == 1 and args.nhead % worker.world_size == 0 and (moe or args.nhid % worker.world_size == 0)
+    plannable = args.nhead % worker.world_size == 0 and (moe or args.nhid % worker.world_size == 0)
     if worker.rank == 0:
         planned = "attention as one ring, experts in blocks" if moe else "attention and FFN as one ring each"
-        unplanned = f"none (a ring of groups of {group})" if group > 1 else "none (heads or nhid do not divide)"
-        print(f"[rtp] ring plan: {planned if plannable else unplanned}")
+        print(f"[rtp] ring plan: {planned if plannable else 'none (heads or nhid do not divide)'}")
     plan = (model.ring_plan if moe else DECODER_LAYER_PLAN) if plannable else None
     policy = common.mixed_precision(worker)
     for layer in model.layers:

@@ -77,8 +77,7 @@ def rsdp_shard(
             computing with a group's block (its g shards, all-gathered within the group; gradients
             reduce-scattered within it). 1 (the default) is a ring of ranks; W is one all-gather,
             FSDP's pattern. Parameters stay ``Shard(0)`` over all W ranks (docs/design.md, "A ring of
-            groups"); on a 2-D mesh the groups form within each replica's shard dimension. Not yet
-            with ``ring_plan``.
+            groups"); on a 2-D mesh the groups form within each replica's shard dimension.
 
     Returns:
         ``module``, now an :class:`RSDPModule` (or the checkpoint wrapper around one).
@@ -92,13 +91,13 @@ def rsdp_shard(
         )
         return wrapper
     _check_not_managed(module)
-    _check_ring_group_size(ring_group_size, mesh, bool(ring_plan))
+    _check_ring_group_size(ring_group_size, mesh)
     managed, nested = _managed_and_nested_modules(module)
     names = {id(submodule): name or type(module).__qualname__ for name, submodule in module.named_modules()}
     check_wrappers_reach_their_experts(managed, nested, names)
     _refuse_routed_experts_without_rings(managed, names)
     state = RSDPState(module, mesh, mp_policy or MixedPrecisionPolicy(), ring_group_size)
-    sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh)
+    sub_blocks = _planned_sub_blocks(module, managed, ring_plan or {}, mesh, ring_group_size)
     column_split = {id(block.row.weight) for block in sub_blocks}
     # A planned sub-block's LoRA adapters are used whole at every ring step: gathered, matrices too.
     adapter_linears = {id(linear) for block in sub_blocks for linear in block.adapter_linears}
@@ -176,9 +175,9 @@ def _refuse_routed_experts_without_rings(managed: list[nn.Module], names: dict[i
             )
 
 
-def _planned_sub_blocks(module: nn.Module, managed: list[nn.Module], ring_plan: dict, mesh: DeviceMesh) -> list:
+def _planned_sub_blocks(module: nn.Module, managed: list[nn.Module], ring_plan: dict, mesh: DeviceMesh, group: int) -> list:
     """The ring plan's sub-blocks of ``module``, each inside what this call manages."""
-    sub_blocks = plan_sub_blocks(module, ring_plan, mesh.size(mesh.ndim - 1))
+    sub_blocks = plan_sub_blocks(module, ring_plan, mesh.size(mesh.ndim - 1), group)
     managed_ids = {id(m) for m in managed}
     for block in sub_blocks:
         if any(id(m) not in managed_ids for m in (block.module, block.row, *block.columns)):
@@ -435,7 +434,7 @@ def _validated_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
-def _check_ring_group_size(size, mesh: DeviceMesh, has_ring_plan: bool) -> None:
+def _check_ring_group_size(size, mesh: DeviceMesh) -> None:
     """A ring of groups needs g to divide W; the same arguments on every rank raise alike there."""
     world = mesh.size(mesh.ndim - 1)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
@@ -443,10 +442,6 @@ def _check_ring_group_size(size, mesh: DeviceMesh, has_ring_plan: bool) -> None:
             f"rsdp_shard: ring_group_size={size!r} must be a positive integer dividing the shard dimension's "
             f"size {world} (the ranks form {world}/g groups), e.g. ring_group_size=1."
         )
-    if size == 1:
-        return
-    if has_ring_plan:
-        raise ValueError(f"rsdp_shard: ring_group_size={size} does not compose with ring_plan yet: use ring_group_size=1.")
 
 
 def _check_not_managed(module: nn.Module) -> None:

@@ -194,14 +194,14 @@ class ExpertStage:
         # computes in (None: the operand's), which is all its gradient needs (``weight_gradients``).
         self.terms = [experts.gradient_term(name) for name in names]
         self.ring = None
-        self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
+        self._segments: dict[tuple[torch.dtype, int, int], tuple[Segment, ...]] = {}
 
-    def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
-        """Each parameter's block of experts, in ``param_slots`` order: one layout (the experts' over the
-        ring's owners: ranks, or groups of them) for all."""
-        key = (dtype, world)
+    def segments(self, dtype: torch.dtype, ring) -> tuple[Segment, ...]:
+        """Each parameter's block of experts on ``ring``, in ``param_slots`` order: one layout (the
+        experts' over the ring's owners: ranks, or groups of them) for all."""
+        key = (dtype, ring.owners, ring.group_size)
         if key not in self._segments:
-            layout = self.ring.ring.layout(getattr(self.module, self.param_slots[0][1]).shape[0])
+            layout = ring.layout(getattr(self.module, self.param_slots[0][1]).shape[0])
             self._segments[key] = tuple(segment(layout, getattr(self.module, name).shape[1:], dtype) for _, name in self.param_slots)
         return self._segments[key]
 

@@ -20,8 +20,11 @@ to the same place in the previous group. Two things are added to a step, both no
 ranks (a group of one): before ``during``, the group all-gathers the shards its ranks hold into a
 *block* (the g shards of one group, contiguous rows) for the step to use; after the arrival, it
 reduce-scatters the contributions to the block's partials (``fill``), each rank's piece added to the
-partial that arrived and travelling on to its owner (``_WithinGroup``). Everything else is the ring
-of ranks': the same buffers, exchanges, riders and passengers, W/g - 1 exchanges instead of W - 1.
+partial that arrived and travelling on to its owner (``_WithinGroup``). Where a contribution needs its
+block's weights (a planned sub-block's, ``own``), the block is gathered as its message arrives, and
+the contributions written then (``on_arrival``) are summed before the message goes on. Everything
+else is the ring of ranks': the same buffers, exchanges, riders and passengers, W/g - 1 exchanges
+instead of W - 1.
 
 A ring's steps pass every rank's message by every other rank, which is what an all-gather does, and
 carry one running sum per rank to its owner, which is what a reduce-scatter does. So a collective of
@@ -174,8 +177,9 @@ class Ring:
         during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
         *,
-        gathered: int | None = None,
+        gathered: range | None = None,
         fill: Callable[[int, torch.Tensor], None] | None = None,
+        own: torch.Tensor | None = None,
         region: Callable[[int], slice] | None = None,
         carry_next: "Callable[[Ring], NextFirst | None] | None" = None,
         rider: "Rider | None" = None,
@@ -187,16 +191,24 @@ class Ring:
         writes it into the buffer it is given, or the first exchange done already (prefetched). At step
         k, ``during(k, block)`` runs while the message held is sent on and the next one received:
         ``block`` holds owner ``weight_shard_at(k)``'s shards, which on a ring of ranks is the message
-        held, and on a ring of groups the block its group all-gathers (segments ``:gathered``, all by
-        default) from the shards its ranks hold. ``on_arrival(k + 1, message)`` then sees the next
+        held, and on a ring of groups the block its group all-gathers (the segments ``gathered``, all
+        by default) from the shards its ranks hold. ``on_arrival(k + 1, message)`` then sees the next
         message before it is forwarded. ``region(k)`` is the part of the message that travels at step k
         (all of it by default: a message whose weights are no longer needed sends its partials only).
 
-        On a ring of groups the segments from ``gathered`` on are partials: ``fill(t, block)`` writes
-        this rank's contribution to block t into them (before the steps, and in each step that an
-        arrival follows); the group sums the contributions by a reduce-scatter, each rank's piece added
-        to the partial of its place that travels on toward its owner, so the partial of
-        ``partial_shard_at(k)`` is held at step k and the owner's own at the end.
+        On a ring of groups the other segments are partials: ``fill(t, block)`` writes this rank's
+        contribution to block t into them (before the steps, and in each step that an arrival
+        follows); the group sums the contributions by a reduce-scatter, each rank's piece added to the
+        partial of its place that travels on toward its owner, so the partial of
+        ``partial_shard_at(k)`` is held at step k and the owner's own at the end. With ``own`` instead
+        (a planned sub-block's: a contribution to block t needs t's weights) the partials follow the
+        weights, ``[partials | weights]``: the partial held at step k >= 1 is that of
+        ``weight_shard_at(k)``, begun at step 1 (step 0 sends no partials: ``region``). As a message
+        arrives its block is gathered and ``on_arrival(k, block)`` writes this rank's contribution to
+        its partials, which the group sums (with the piece that arrived, from step 2 on) before it
+        travels on; ``during(0, block)`` writes the contribution to this rank's own group's block,
+        which the group sums into ``own`` (this rank's piece, laid out as ``message.members``'
+        partials). The piece held last then lacks only its owner's ``own``.
 
         ``rider`` travels behind the message in every step (see ``Rider``): only on all steps of a
         whole message not yet sent (one to be sent as it is gets copied into a ring buffer first).
@@ -209,7 +221,7 @@ class Ring:
         first message); a deferred hop it cannot take goes alone before its first exchange.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
-        ring_pass = _RingPass(self, message, tag, start, region, carry_next, rider, gathered, fill)
+        ring_pass = _RingPass(self, message, tag, start, region, carry_next, rider, gathered, fill, own)
         grouped = ring_pass.within is not None
         for step in range(self.owners):
             ring_pass.send(step)
@@ -254,7 +266,8 @@ class _WithinGroup:
     reduce-scatter's (``Rider.reduces``) the dtype it is summed in, None for an all-gather's. It goes
     in the collective of its kind, staged with the weights or the partials (a reduce-scatter's only with
     partials of its dtype: ``RingRun.turn`` offers it no other ring), and ``rider_parts`` is the g
-    ranks' parts of it, ``[g, its bytes]`` in place order."""
+    ranks' parts of it, ``[g, its bytes]`` in place order. Only messages whose weights lead carry a
+    rider (a planned sub-block's ``[partials | weights]`` rings carry none)."""
 
     def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple | None):
         self.group = ring.within
@@ -272,33 +285,40 @@ class _WithinGroup:
             self.rider_parts = by_rank[:, rider_at:end]
         elif len(regions.weights) == 1:
             ((block_region, member_region),) = regions.weights
-            self.gathers.append((block[block_region], held[member_region]))
+            self.gathers.append((block[block_region], held[regions.weights_start :][member_region]))
         elif regions.weights:
-            gathered = staging[: size * regions.gathered_end]
-            self.gathers.append((gathered, held[: regions.gathered_end]))
-            by_rank = gathered.view(size, regions.gathered_end)
+            width = regions.weights_end - regions.weights_start
+            gathered = staging[: size * width]
+            self.gathers.append((gathered, held[regions.weights_start : regions.weights_end]))
+            by_rank = gathered.view(size, width)
             self.unstage = _block_and_staged(block, by_rank, regions.weights)
-        # (this rank's partials, the group's contributions, this rank's place in them) of each
-        # reduce-scatter, and the (staged, block) copies before.
-        self.reductions, self.stage = [], []
+        # Each reduce-scatter's (bytes from ``first``, dtype, the group's contributions), and the
+        # (staged, block) copies before.
+        self.stage, self.place = [], place
         staged_as = reduced_as or (regions.partial_dtype if len(regions.partials) > 1 else None)
         if staged_as is not None:  # one reduce-scatter of every partial (and the rider), staged
             # From the partials on, or, with none (they would start at the message's end, aligned for
             # its segments only), from the rider; the gap between them and the rider is summed and
             # never read.
             first = regions.partials_start if regions.partials else rider[0]
-            end = regions.members_nbytes if reduced_as is None else rider[1]
-            partials = held[first:end]
-            by_rank = staging[: size * partials.numel()].view(size, partials.numel())
+            end = regions.partials_end if reduced_as is None else rider[1]
+            by_rank = staging[: size * (end - first)].view(size, end - first)
             self.stage = [(staged, block_part) for block_part, staged in _block_and_staged(block, by_rank, [(b, m) for b, m, _ in regions.partials])]
             if reduced_as is not None:
                 self.rider_parts = by_rank[:, rider[0] - first : end - first]
-            pieces = [(partials.view(staged_as), by_rank.view(-1).view(staged_as))]
+            self.pieces = [(slice(0, end - first), staged_as, by_rank.view(-1).view(staged_as))]
         else:
-            partials = held[regions.partials_start :]
-            pieces = [(partials[m].view(dtype), block[b].view(dtype)) for b, m, dtype in regions.partials]
-        for into, summed in pieces:
-            self.reductions.append((into, summed, summed[place * into.numel() : (place + 1) * into.numel()]))
+            first = regions.partials_start
+            self.pieces = [(m, dtype, block[b].view(dtype)) for b, m, dtype in regions.partials]
+        # (this rank's partials, the group's contributions, this rank's place in them) of each reduce-scatter.
+        self.reductions = self._reductions(held[first:])
+
+    def _reductions(self, partials: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        reductions = []
+        for member_region, dtype, summed in self.pieces:
+            into = partials[member_region].view(dtype)
+            reductions.append((into, summed, summed[self.place * into.numel() : (self.place + 1) * into.numel()]))
+        return reductions
 
     def gather(self) -> None:
         for output, input in self.gathers:
@@ -306,15 +326,17 @@ class _WithinGroup:
         for block, staged in self.unstage:
             block.copy_(staged)
 
-    def reduce(self, add_held: bool, rider: "Rider | None", step: int) -> None:
+    def reduce(self, add_held: bool, rider: "Rider | None", step: int, into: torch.Tensor | None = None) -> None:
         """The partials that arrived (``add_held``) are added to this rank's piece of the contributions
         first, so that the reduce-scatter writes the sum over them; a reduce-scatter's ``rider`` writes
-        its contributions to the partial of ``step`` (``Rider.block``) into its parts first."""
+        its contributions to the partial of ``step`` (``Rider.block``) into its parts first. ``into``:
+        bytes laid out as the members' partials (from the first) to write this rank's piece to instead
+        of the held message's partials (``Ring.circulate``'s ``own``)."""
         for staged, block in self.stage:
             staged.copy_(block)
         if rider is not None:
             rider.block(step, self.rider_parts)
-        for into, summed, mine in self.reductions:
+        for into, summed, mine in self.reductions if into is None else self._reductions(into):
             if add_held:
                 mine.add_(into)
             sum_scatter_in_group(self.group, into, summed)
@@ -373,10 +395,11 @@ class _RingPass:
     the other buffer, except at the last step and at a prefetched ring's first (done ahead); on a ring
     of groups ``use_block`` then gathers the block and runs the step on it; after the step's
     computation, ``receive`` waits, makes the arrived message ``current``, reduce-scatters a ring of
-    groups' contributions into it, and shows it to ``on_arrival``, the rider and the passengers that
-    alight."""
+    groups' contributions into it (where the partials follow the weights, ``own``: after gathering its
+    block and letting ``on_arrival`` contribute), and shows it to ``on_arrival``, the rider and the
+    passengers that alight."""
 
-    def __init__(self, ring: Ring, message: Message, tag: int, start, region, carry_next, rider: "Rider | None", gathered, fill):
+    def __init__(self, ring: Ring, message: Message, tag: int, start, region, carry_next, rider: "Rider | None", gathered, fill, own):
         self.ring, self.tag, self.region, self.rider = ring, tag, region, rider
         self.hops = ring.owners - 1
         # True for step 0 only: its exchange was done ahead, and its arrival is taken after the step's
@@ -407,7 +430,7 @@ class _RingPass:
         self.works: list = []
         self.held = None  # which of ``buffers`` holds ``current``, if one does
         self.arriving_rider = None if grouped else rider  # a ring of groups' rider comes with its collectives
-        self.within, self.reduce_rider = None, None
+        self.within, self.reduce_rider, self.own = None, None, own
         if grouped:
             self._within_group(message, nbytes, gathered, fill)
         if self.prefetched:
@@ -421,15 +444,15 @@ class _RingPass:
             rider.start(self.current[self.rider_at :])
         if self.within is not None:
             self.side = self._side()
-            if self.reduces:
+            if self.reduces and own is None:
                 if fill is not None:
                     fill(ring.partial_shard_at(0), self.block)
                 self.side.reduce(False, self.reduce_rider, 0)
 
-    def _within_group(self, message: Message, nbytes: int, gathered: int | None, fill) -> None:
+    def _within_group(self, message: Message, nbytes: int, gathered: range | None, fill) -> None:
         """A ring of groups: the block's regions, the scratch, and the collectives of the two buffers."""
         ring, rider = self.ring, self.rider
-        self.regions = regions = message.block_regions(len(message.segments) if gathered is None else gathered)
+        self.regions = regions = message.block_regions(range(len(message.segments)) if gathered is None else gathered)
         self.fill = fill
         self.reduce_rider = rider if rider is not None and rider.reduces else None
         scratch_nbytes = regions.scratch_nbytes
@@ -443,6 +466,7 @@ class _RingPass:
         self.block = self.scratch[: message.nbytes]
         self.within = [ring._within(regions, buffer, self.scratch, self.rider_key) for buffer in self.buffers]
         self.reduces = bool(self.within[0].reductions)
+        self.gathered_at = None  # the step whose block was gathered as its message arrived (``own``)
 
     def _side(self) -> _WithinGroup:
         """The collectives within the group for the message held (``side``, set as a message is held):
@@ -457,13 +481,16 @@ class _RingPass:
         rider's parts with them), the step's computation on it, and the contribution to the partial
         that arrives next."""
         within = self.side
-        within.gather()
+        if step != self.gathered_at:
+            within.gather()
         if within.rider_parts is not None and self.reduce_rider is None:
             self.rider.block(step, within.rider_parts)
         if during is not None:
             during(step, self.block)
         if self.fill is not None and step < self.hops:
             self.fill(self.ring.partial_shard_at(step + 1), self.block)
+        if step == 0 and self.own is not None:
+            within.reduce(False, None, 0, self.own)
 
     def send(self, step: int) -> None:
         """Start the exchange of ``step``: the message held (its ``region``, and what boards it) down,
@@ -496,7 +523,13 @@ class _RingPass:
         if self.within is not None:
             held, within = self.held, self.within
             self.side = side = within[held] if self.current is self.buffers[held] else self._side()
-            if self.reduces:
+            if self.own is not None:  # the partials follow the weights: contributed to the block that came
+                side.gather()
+                self.gathered_at = step + 1
+                on_arrival(step + 1, self.block)
+                side.reduce(step > 0, None, step + 1)  # none came with the first: step 0 sent the weights alone
+                on_arrival = None
+            elif self.reduces:
                 side.reduce(True, self.reduce_rider, step + 1)
         if on_arrival is not None:
             on_arrival(step + 1, self.current)

@@ -17,8 +17,9 @@ it, so that what every ring does is written once:
    rides every exchange where the ring carries one (``Rider``: the vectors' all-gather on a forward
    ring, their gradients' reduce-scatter on a backward one). A ring of groups turns the same way
    (``gathered`` and ``fill`` say which segments its group all-gathers and how a rank contributes to
-   the partials it reduce-scatters); a reduce-scatter rides it only with partials of its own dtype,
-   with which its group sums it.
+   the partials it reduce-scatters, or ``own`` that the partials follow the weights, as a planned
+   sub-block's do); a reduce-scatter rides it only with partials of its own dtype, with which its
+   group sums it.
 5. **Ends**: a planned sub-block defers its partials' last hop to the next ring (``defer_last_hop``),
    and a backward pass trims the ring buffers once its result is copied out (``RingBuffers.trim``).
 
@@ -131,8 +132,9 @@ class RingRun:
         during: Callable[[int, torch.Tensor], None] | None,
         on_arrival: Callable[[int, torch.Tensor], None] | None = None,
         region: Callable[[int], slice] | None = None,
-        gathered: int | None = None,
+        gathered: range | None = None,
         fill: Callable[[int, torch.Tensor], None] | None = None,
+        own: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The ring's exchanges of its message (``Ring.circulate``, whose arguments these are), with
         the next ring's first message as a passenger and a pending collective as a rider where they
@@ -151,11 +153,11 @@ class RingRun:
                 if ring.group_size == 1:
                     rider = context.pending_reductions.ring_rider(ring)
                 else:
-                    dtype = self.message.block_regions(len(self.message.segments) if gathered is None else gathered).rider_dtype
+                    dtype = self.message.block_regions(range(len(self.message.segments)) if gathered is None else gathered).rider_dtype
                     if dtype is not False:
                         rider = context.pending_reductions.ring_rider(ring, dtype)
         return ring.circulate(
-            self.message, self.tag, start, during, on_arrival, gathered=gathered, fill=fill, region=region, carry_next=carry_next, rider=rider
+            self.message, self.tag, start, during, on_arrival, gathered=gathered, fill=fill, own=own, region=region, carry_next=carry_next, rider=rider
         )
 
     def defer_last_hop(self, payload: torch.Tensor, arrived: Callable[[torch.Tensor], None]) -> None:

@@ -234,7 +234,7 @@ def ring_backward(
     travelling = weights_only if unsynced else message
     if ring.group_size > 1:  # the ring's messages are a rank's shards, the blocks a scratch (``Ring.circulate``)
         pair = travelling.members.nbytes
-        scratch = max(travelling.block_regions(weight_segments).scratch_nbytes, grads.nbytes if unsynced else 0)
+        scratch = max(travelling.block_regions(range(weight_segments)).scratch_nbytes, grads.nbytes if unsynced else 0)
     else:
         pair, scratch = message.nbytes, grads.nbytes if contribution.computes_ahead else None
     with layer.driver.run(Phase.BACKWARD, travelling, pair=pair, scratch=scratch) as run:
@@ -247,7 +247,7 @@ def ring_backward(
         if unsynced or not grad_keys:
             if weight_segments:
                 start, during = weights.rotation(ring, weights_only)
-                run.turn(start, during, gathered=weight_segments)
+                run.turn(start, during, gathered=range(weight_segments))
             return None
         earlier = [gradients.take_unsynced(key) for key in grad_keys]
         return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution)
@@ -289,7 +289,7 @@ def _reduce_on_ring(
             contribution.start(shard, message.views(block, shard, weight_segments), earlier)
 
         start, during = weights.rotation(ring, weights_only) if weight_segments else (_nothing_to_pack, None)
-        final = run.turn(start, during, gathered=weight_segments, fill=fill)
+        final = run.turn(start, during, gathered=range(weight_segments), fill=fill)
         return finished_gradients(layer, message.members, weight_segments, final)
 
     def start(buffer: torch.Tensor) -> None:

@@ -46,6 +46,13 @@ gradients that are zero outside its shard's rows or columns.
   computes its weight gradients without weights (``SubBlock.weight_gradients``), so its partials travel
   as a Linear's instead, owner's neighbour to owner in the W-1 exchanges, with no last hop; and its
   inputs' gradients itself (``SubBlock.input_gradients``), so it keeps no step's graph.
+- **On a ring of groups** (``ring_group_size`` g > 1, ``_ring.py``) a step's shard is a group's block (g
+  ranks' heads and hidden units, ``Ring.layout``; LoRA parts and KV cache heads alike), and the partials
+  follow the weights: the group all-gathers each block as it arrives, each rank backpropagates through
+  it, and one reduce-scatter sums the group's contributions with the piece that came into the piece
+  that travels on (``Ring.circulate``'s ``own``); step 0's contributions to the rank's own group's
+  block are summed into its own, and the deferred hop goes to the rank at its place in the previous
+  group.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
   its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
   ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
@@ -98,9 +105,9 @@ from .._compat import (
 )
 from ._checkpoint import kept_or_run
 from ._ring_function import RingLayer, autocast_like, finished_gradients, local_shard, sharded
-from ._param import shard_layout
+from ._param import owners_layout
 from ._wire import Message, Segment, segment
-from ._ring import Phase
+from ._ring import Phase, Ring
 from ._sub_block_cache import SubBlockCache, shard_cache_arguments
 
 # Hugging Face's plan strings (``transformers.distributed.tensor_parallel``), as a ring plan reads them.
@@ -173,7 +180,7 @@ class SubBlock:
         self.transposed = tuple(t for has_bias in self.column_has_bias for t in ((True, False) if has_bias else (True,))) + (False,)
         # Per parameter slot: whether a message carries it transposed (the rowwise weight, as its columns).
         self.param_transposed = (False,) * (len(self.param_slots) - 1) + (True,)
-        self._segments: dict[tuple[torch.dtype, int], tuple[Segment, ...]] = {}
+        self._segments: dict[tuple[torch.dtype, int, int], tuple[Segment, ...]] = {}
 
     keeps_graphs = True  # each forward step's graph is kept for the backward (``_ShardGraphs``)
 
@@ -221,25 +228,26 @@ class SubBlock:
         """The summed partial outputs plus the rowwise bias, gathered, added once."""
         return total if self.row.bias is None else total + autocast_like(self.row.bias, total)
 
-    def segments(self, dtype: torch.dtype, world: int) -> tuple[Segment, ...]:
-        """The sub-block's weight segments in a message: each colwise weight (and bias), then the
-        rowwise weight, transposed (its columns as rows: ``[in shard, out]``)."""
-        key = (dtype, world)
+    def segments(self, dtype: torch.dtype, ring: Ring) -> tuple[Segment, ...]:
+        """The sub-block's weight segments in a message of ``ring`` (laid out over its owners: ranks, or
+        groups, whose block is their ranks' shards): each colwise weight (and bias), then the rowwise
+        weight, transposed (its columns as rows: ``[in shard, out]``)."""
+        key = (dtype, ring.owners, ring.group_size)
         if key not in self._segments:
             segments = []
             for column, has_bias in zip(self.columns, self.column_has_bias):
-                layout = shard_layout(column.out_features, world)
+                layout = ring.layout(column.out_features)
                 segments.append(segment(layout, torch.Size([column.in_features]), dtype))
                 if has_bias:
                     segments.append(segment(layout, torch.Size(), dtype))
-            segments.append(segment(shard_layout(self.row.in_features, world), torch.Size([self.row.out_features]), dtype))
+            segments.append(segment(ring.layout(self.row.in_features), torch.Size([self.row.out_features]), dtype))
             self._segments[key] = tuple(segments)
         return self._segments[key]
 
 
-def plan_sub_blocks(root: nn.Module, ring_plan: dict, world: int) -> list[SubBlock]:
-    """The sub-blocks ``ring_plan`` describes inside ``root``; raises, naming the plan entries to drop,
-    if one cannot rotate as a whole."""
+def plan_sub_blocks(root: nn.Module, ring_plan: dict, world: int, group: int = 1) -> list[SubBlock]:
+    """The sub-blocks ``ring_plan`` describes inside ``root`` for a ring of ``world`` ranks in groups of
+    ``group``; raises, naming the plan entries to drop, if one cannot rotate as a whole."""
     styles = {}  # submodule name -> (kind, module, the plan key that named it)
     for name, module in root.named_modules():
         for key, style in ring_plan.items():
@@ -251,10 +259,10 @@ def plan_sub_blocks(root: nn.Module, ring_plan: dict, world: int) -> list[SubBlo
     for name, (kind, _, _) in styles.items():
         if kind == "rowwise":
             rows_by_parent.setdefault(name.rpartition(".")[0], []).append(name)
-    return [_sub_block(root, parent_name, rows, styles, world) for parent_name, rows in rows_by_parent.items()]
+    return [_sub_block(root, parent_name, rows, styles, world, group) for parent_name, rows in rows_by_parent.items()]
 
 
-def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict, world: int) -> SubBlock:
+def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict, world: int, group: int) -> SubBlock:
     """The sub-block ``parent_name`` with its rowwise Linears ``rows``, checked whole."""
     parent = root.get_submodule(parent_name)
     prefix = f"{parent_name}." if parent_name else ""
@@ -271,8 +279,9 @@ def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict,
     if not columns:
         raise ValueError(f"{where} has a rowwise Linear {rows[0]!r} but no colwise sibling to pair it with.{advice}")
     adapters = []  # (module, parameter name, its part per shard) of every LoRA adapter on a planned Linear
-    row_output, row = row, _lora_base(row, "rowwise", rows[0], world, adapters, where, advice)
-    columns = [_lora_base(column, "colwise", name, world, adapters, where, advice) for column, name in zip(columns, column_names)]
+    layout = functools.partial(owners_layout, world // group, group)  # the ring's (``Ring.layout``): a step's rows
+    row_output, row = row, _lora_base(row, "rowwise", rows[0], layout, adapters, where, advice)
+    columns = [_lora_base(column, "colwise", name, layout, adapters, where, advice) for column, name in zip(columns, column_names)]
     linears = [row, *columns]
     if any(type(linear) is not nn.Linear for linear in linears):
         found = [f"{type(m).__module__}.{type(m).__qualname__}" for m in linears]
@@ -316,13 +325,15 @@ def _sub_block(root: nn.Module, parent_name: str, rows: list[str], styles: dict,
     return SubBlock(parent, parent_name, columns, row, per_shard + adapters, adapter_linears, advice, row_output)
 
 
-def _lora_base(module: nn.Module, kind: str, name: str, world: int, adapters: list, where: str, advice: str) -> nn.Module:
+def _lora_base(module: nn.Module, kind: str, name: str, layout, adapters: list, where: str, advice: str) -> nn.Module:
     """A planned module as the Linear that rotates: itself, or, for peft's LoRA Linear, its base layer,
     whose adapters are then added to ``adapters`` as per-shard parameters: used whole at every step but
     for the part the shard held needs. A colwise shard (rows ``r0:r1`` of the output) takes rows ``r0:r1``
     of ``lora_B`` (and of its bias), ``lora_A`` whole; a rowwise one (input columns ``c0:c1``) takes
     columns ``c0:c1`` of ``lora_A``, ``lora_B`` whole, so its ``B A x`` is a partial output summed over the
-    steps like the base's. Anything a shard cannot compute alone is refused, naming the fix."""
+    steps like the base's. ``layout(rows)`` splits rows over the ring's owners (ranks, or groups on a ring
+    of groups, whose step computes with a block of shards). Anything a shard cannot compute alone is
+    refused, naming the fix."""
     base = getattr(module, "base_layer", None)
     if not (isinstance(base, nn.Linear) and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)):
         return module
@@ -344,9 +355,9 @@ def _lora_base(module: nn.Module, kind: str, name: str, world: int, adapters: li
         found = sorted({type(linear).__qualname__ for linear in adapter_linears})
         raise ValueError(f"{where}: {name!r} has LoRA adapters that are not plain nn.Linear ({found}).{advice}")
     if kind == "colwise":
-        sliced, part = list(module.lora_B.values()), functools.partial(_rows_of, shard_layout(base.out_features, world))
+        sliced, part = list(module.lora_B.values()), functools.partial(_rows_of, layout(base.out_features))
     else:
-        sliced, part = list(module.lora_A.values()), functools.partial(_columns_of, shard_layout(base.in_features, world))
+        sliced, part = list(module.lora_A.values()), functools.partial(_columns_of, layout(base.in_features))
     adapters.extend(
         (linear, param_name, part if linear in sliced else None)
         for linear in adapter_linears
@@ -381,7 +392,7 @@ class RingSubBlock:
             differentiable = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (*leaves, *params) if isinstance(t, torch.Tensor)
             )
-            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.ring.size, differentiable, block.advice)
+            leaves, cache = shard_cache_arguments(block.name, leaves, block.ring.ring.owners, differentiable, block.advice)
         tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         call = _Call(block, leaves, spec, tensor_at, cache)
         # Decided here: inside the autograd Function's forward, grad mode is off.
@@ -597,7 +608,7 @@ class _SubBlockForward:
         # sub-block's matmuls use, which autocast, where it is on, may lower further.
         self.input_dtype = precision.compute_dtype(present[0].dtype)
         self.dtype = precision.matmul_dtype(present[0].dtype)
-        self.message = self.ring.buffers.message_of(call.block.segments(self.dtype, ring.size))
+        self.message = self.ring.buffers.message_of(call.block.segments(self.dtype, ring))
         self.cast = call.cast(tensors, self.input_dtype)
         self.row_layout = self.message.segments[-1].layout  # the cached message's: its bounds are computed once
         self.graphs = None
@@ -679,7 +690,7 @@ class _SubBlockBackward:
         self.needs_inputs = ctx.needs_input_grad[1 : 1 + n]
         self.needs_params = [need and p is not None for need, p in zip(ctx.needs_input_grad[1 + n :], self.params)]
         self.present = [i for i, p in enumerate(self.params) if p is not None]
-        self.weight_segments = block.segments(dtype, self.ring.size)
+        self.weight_segments = block.segments(dtype, self.ring)
         self.reduce_dtype = self.layer.precision.reduce_dtype(self.params[self.present[0]].dtype)
         self.grad_index = [slot for slot, i in enumerate(self.present) if self.needs_params[i]]
         self.grad_segments = [
@@ -790,14 +801,17 @@ class _SubBlockBackward:
             return
         self.message = message = self.ring.buffers.message_of(self.grads.segments + self.weight_segments)
         self.first_weight = len(self.grad_segments)
-        self.weights_start = message.offsets[self.first_weight]
+        # What travels is this rank's own shards and partial pieces (``members``; the message itself on a
+        # ring of ranks), and the rank's gradients are its own shards of them.
+        self.own_grads = self.grads.members
+        self.weights_start = message.members.offsets[self.first_weight]
         alone = self.ring.size == 1  # no exchange: the message is packed and used where it is
         pair = message.nbytes if alone else None
         with self.layer.driver.run(Phase.BACKWARD, message, self.weights, self.first_weight, pair=pair) as run:
             # The owner's own contribution, then its reduced gradients: memory of its own, not a ring
             # buffer, so that it needs no copy to outlive this ring (the deferred hop) nor to become the
-            # gradients.
-            self.mine = torch.zeros(self.grads.nbytes, dtype=torch.uint8, device=self.ring.device)
+            # gradients. On a ring of groups the group's contributions to its own block, summed by the ring.
+            self.mine = torch.zeros(self.own_grads.nbytes, dtype=torch.uint8, device=self.ring.device)
             self.unsynced = [self.gradients.take_unsynced(key) for key in self.keys]
             self.has_unsynced = any(total is not None for total in self.unsynced)
             pack = functools.partial(self._pack, message, self.first_weight)
@@ -807,11 +821,17 @@ class _SubBlockBackward:
                 self._own_contribution(0, buffer)
                 self._deliver(self._finished(self.mine))
                 return
-            final = run.turn(pack if run.prefetched is None else run.prefetched, self._own_contribution,
-                             self._partials_arrived, region=self._region)
-            # W-1 hops took every partial past every rank but its owner, one hop down. That hop rides
-            # the next ring's first exchange, or goes alone at the end of the backward.
-            run.defer_last_hop(final[: self.grads.nbytes].clone(), functools.partial(self._home, self.mine))
+            # On a ring of groups the weights are gathered within the group and the partials follow them,
+            # the group's contributions to its own block summed into ``mine`` (a ring of ranks ignores both).
+            final = run.turn(pack if run.prefetched is None else run.prefetched, self._own_contribution, self._partials_arrived,
+                             region=self._region, gathered=range(self.first_weight, len(message.segments)), own=self.mine)
+            if self.ring.owners == 1:  # one group: its reduce-scatter summed every contribution
+                self._deliver(self._finished(self.mine))
+                return
+            # W-1 hops (W/g - 1 between groups) took every partial past every owner but its own, one
+            # hop down. That hop rides the next ring's first exchange, or goes alone at the end of the
+            # backward.
+            run.defer_last_hop(final[: self.own_grads.nbytes].clone(), functools.partial(self._home, self.mine))
 
     def _weights_free(self) -> None:
         """The synchronised backward of a block whose parameter gradients need no weights (experts): the
@@ -839,7 +859,7 @@ class _SubBlockBackward:
                 def fill(shard: int, block: torch.Tensor) -> None:
                     self._contribute(message, shard, block, add=False)
 
-                final = run.turn(pack, during, gathered=weights, fill=fill)
+                final = run.turn(pack, during, gathered=range(weights), fill=fill)
             else:
                 def start(buffer: torch.Tensor) -> None:
                     pack(buffer)
@@ -866,20 +886,26 @@ class _SubBlockBackward:
                 view.add_(self.gradients.unsynced_shard(total, shard, view.shape))
 
     def _own_contribution(self, hop: int, buffer: torch.Tensor) -> None:
-        """The owner's own contribution, from its local shard: while the first message (its weights)
-        travels, to be added when its partial comes home."""
+        """The owner's own contribution, from its local shard (on a ring of groups, its group's block,
+        whose partials the ring sums into ``mine``): while the first message (its weights) travels, to
+        be added when its partial comes home."""
         if hop == 0:
-            rank, message = self.ring.rank, self.message
-            own = self.grads.views(self.mine, rank, transposed=self.grads_transposed)
-            self.step(rank, message.views(buffer, rank, self.first_weight, self.block.transposed), own, add=False)
+            owner, message = self.ring.owner, self.message
+            # The grads' segments lead the message, laid out as in it.
+            into = self.mine if self.ring.group_size == 1 else buffer
+            own = self.grads.views(into, owner, transposed=self.grads_transposed)
+            self.step(owner, message.views(buffer, owner, self.first_weight, self.block.transposed), own, add=False)
             if self.has_unsynced:
-                self._add_unsynced(rank, self.grads.views(self.mine, rank))
+                self._add_unsynced(owner, self.grads.views(into, owner))
 
     def _partials_arrived(self, hop: int, buffer: torch.Tensor) -> None:
+        """The message of ``hop`` came (on a ring of groups, its block, gathered): this rank's
+        contribution to its partials, added to them (written, for the ring to sum them with the piece
+        that came, on a ring of groups; hop 1 starts them on a ring of ranks)."""
         shard, message = self.ring.weight_shard_at(hop), self.message
         into = message.views(buffer, shard, transposed=self.grads_transposed)[: self.first_weight]
         operands = message.views(buffer, shard, self.first_weight, self.block.transposed)
-        self.step(shard, operands, into, add=hop > 1)  # hop 1 starts it
+        self.step(shard, operands, into, add=hop > 1 and self.ring.group_size == 1)
         if self.has_unsynced:
             self._add_unsynced(shard, message.views(buffer, shard)[: self.first_weight])
 
@@ -890,7 +916,7 @@ class _SubBlockBackward:
         """The partials came home (the deferred hop): added to the owner's own contribution, delivered."""
         # One add for every segment: all are in reduce_dtype, so none has a gap before it (padding rows
         # are added too, and never read). Into ``own``, not the ring buffer: it becomes the gradients.
-        own.view(self.reduce_dtype).add_(partials[: self.grads.nbytes].view(self.reduce_dtype))
+        own.view(self.reduce_dtype).add_(partials[: self.own_grads.nbytes].view(self.reduce_dtype))
         self._deliver(self._finished(own))
 
     def _finished(self, own: torch.Tensor) -> list[torch.Tensor]:
@@ -899,7 +925,7 @@ class _SubBlockBackward:
         divisor = self.gradients.divisor
         if divisor != 1:
             own.view(self.reduce_dtype).div_(divisor)
-        return self.grads.views(own, self.ring.rank)
+        return self.own_grads.views(own, self.ring.rank)
 
     def unsynchronised(self) -> None:
         """No partials travel: the weights rotate for the input gradient, and with sync off each rank's

@@ -11,9 +11,10 @@ those heads — and keeps the shard's new keys and values. Once every shard has 
 the real cache with them, heads concatenated in shard order, through the cache's own ``update``.
 
 Which heads a shard holds is derived from the ring's layout: a plan's colwise Linears all divide by the
-W shards (``plan_sub_blocks``), and a layout splits rows torch.chunk-style, so shard s holds rows
-[s·n/W, (s+1)·n/W) of each, which are heads [s·h, (s+1)·h) of each head-shaped tensor with h heads per
-shard (k and v have fewer heads than q under grouped-query attention, in the same proportion).
+W ranks (``plan_sub_blocks``), and a layout splits rows torch.chunk-style over the ring's owners (W
+ranks, or on a ring of groups W/g groups, whose shard is a block of g ranks' rows), so shard s of S
+holds rows [s·n/S, (s+1)·n/S) of each, which are heads [s·h, (s+1)·h) of each head-shaped tensor with h
+heads per shard (k and v have fewer heads than q under grouped-query attention, in the same proportion).
 
 Pitfalls:
 - Only layers whose ``update`` treats every head alike may be cut to heads: Hugging Face's dynamic and
@@ -73,12 +74,13 @@ def _supported_cache_types():
 
 
 def shard_cache_arguments(
-    block_name: str, leaves: list, world: int, differentiable: bool, advice: str
+    block_name: str, leaves: list, shards: int, differentiable: bool, advice: str
 ) -> tuple[list, "SubBlockCache | None"]:
     """A sub-block call's argument leaves with its cache (if any) replaced by a ``ShardCacheView``, and
     the cache's ``SubBlockCache``; raises for any other leaf that is not a tensor or a plain value.
     ``differentiable``: whether the call's output may be backpropagated (grad mode on and some input or
-    parameter requiring grad). ``advice``: which ring_plan entries to drop, ending a refusal."""
+    parameter requiring grad). ``shards``: how many runs split the heads (the ring's owners).
+    ``advice``: which ring_plan entries to drop, ending a refusal."""
     cache_types, layer_types = _supported_cache_types()
     cache = None
     leaves = list(leaves)
@@ -108,7 +110,7 @@ def shard_cache_arguments(
                 "does for dynamic and static full or sliding-window layers, not offloaded, one cache per call. Use "
                 f"such a cache, use_cache=False, or leave the sub-block out of ring_plan.{advice}"
             )
-        cache = SubBlockCache(block_name, leaf, world, differentiable)
+        cache = SubBlockCache(block_name, leaf, shards, differentiable)
         leaves[index] = cache.view
     return leaves, cache
 
@@ -133,8 +135,8 @@ class ShardCacheView:
 class SubBlockCache:
     """One sub-block call's use of a cache: the per-shard ``update``s, then one ``commit``."""
 
-    def __init__(self, block_name: str, cache, world: int, differentiable: bool):
-        self.block_name, self.cache, self.world = block_name, cache, world
+    def __init__(self, block_name: str, cache, shards: int, differentiable: bool):
+        self.block_name, self.cache, self.shards = block_name, cache, shards
         self.view = ShardCacheView(self)
         self.shard: int | None = None  # whose run is on: set by the ring step before it runs
         self.layer_idx: int | None = None
@@ -161,10 +163,10 @@ class SubBlockCache:
             self._new[self.shard] = (keys, values, args, kwargs)
         heads = keys.shape[1]
         for states in (self._past.keys, self._past.values):
-            if isinstance(states, torch.Tensor) and states.dim() == 4 and states.shape[1] != heads * self.world:
+            if isinstance(states, torch.Tensor) and states.dim() == 4 and states.shape[1] != heads * self.shards:
                 raise RuntimeError(
                     f"rsdp ring_plan: sub-block {self.block_name!r}: the cache holds {states.shape[1]} heads, but each "
-                    f"of the {self.world} shards computes {heads}; was the cache filled by another model?"
+                    f"of the {self.shards} shards computes {heads}; was the cache filled by another model?"
                 )
         view = _copy_of(self._past, slice(self.shard * heads, (self.shard + 1) * heads))
         return view.update(keys, values, *args, **kwargs)
@@ -191,12 +193,12 @@ class SubBlockCache:
         """Update the real cache once, with every shard's new keys and values, heads in shard order."""
         if self.layer_idx is None or self._committed:
             return
-        if sorted(self._new) != list(range(self.world)):
+        if sorted(self._new) != list(range(self.shards)):
             raise RuntimeError(
                 f"rsdp ring_plan: sub-block {self.block_name!r} updated its cache in the runs of shards "
-                f"{sorted(self._new)} of {self.world}; every run must update it once."
+                f"{sorted(self._new)} of {self.shards}; every run must update it once."
             )
-        runs = [self._new[shard] for shard in range(self.world)]
+        runs = [self._new[shard] for shard in range(self.shards)]
         keys, values = (torch.cat([run[i] for run in runs], dim=1) for i in (0, 1))
         args, kwargs = runs[-1][2], runs[-1][3]
         self._new.clear()

@@ -73,28 +73,34 @@ class BlockRegions:
     """Where a block message's segments lie in it and in its members' message (``Message.members``),
     for the collectives within a group (``_ring._WithinGroup``).
 
-    A segment's g member shards, each padded to its chunk, are its block's padded rows in rank order,
-    so one segment's all-gather writes its block and its reduce-scatter reads it with no copy. Several
-    segments go in one collective over the members' bytes ``[:gathered_end]`` (or, for partials of
-    one dtype, ``[partials_start:]``), laid out rank-major in a staging area behind the block: one copy
-    per run of equal-width segments between staging and block (``_ring._block_and_staged``;
-    ``weights``: block and member byte slices; ``partials``: block, member slices from
-    ``partials_start``, dtype). The staging area starts at ``staging_at`` in the scratch buffer, whose
-    size with the block before it is ``scratch_nbytes``."""
+    The segments ``gathered`` (a range: the weights) are all-gathered, the others (partials, one run
+    before or after the weights: ``[weights | partials]``, or a planned sub-block's ``[partials |
+    weights]``) reduce-scattered. A segment's g member shards, each padded to its chunk, are its
+    block's padded rows in rank order, so one segment's all-gather writes its block and its
+    reduce-scatter reads it with no copy. Several segments go in one collective over the members'
+    bytes ``[weights_start:weights_end]`` (or, for partials of one dtype, ``[partials_start:partials_end]``),
+    laid out rank-major in a staging area behind the block: one copy per run of equal-width segments
+    between staging and block (``_ring._block_and_staged``; ``weights``: block and member byte slices,
+    the member's from ``weights_start``; ``partials``: block, member slices from ``partials_start``,
+    dtype). The staging area starts at ``staging_at`` in the scratch buffer, whose size with the block
+    before it is ``scratch_nbytes``."""
 
-    def __init__(self, message: "Message", gathered: int):
+    def __init__(self, message: "Message", gathered: range):
         members, group = message.members, message.segments[0].layout.group if message.segments else 1
         self.weights, self.partials = [], []
+        partial_at = [index for index in range(len(message.segments)) if index not in gathered]
+        self.weights_start = members.offsets[gathered.start] if gathered else 0
+        self.partials_start = members.offsets[partial_at[0]] if partial_at else members.nbytes
         for index, (block, member) in enumerate(zip(message.segments, members.segments)):
             block_region = slice(message.offsets[index], message.offsets[index] + block.padded_nbytes)
-            if index < gathered:
-                self.weights.append((block_region, slice(members.offsets[index], members.offsets[index] + member.padded_nbytes)))
+            if index in gathered:
+                start = members.offsets[index] - self.weights_start
+                self.weights.append((block_region, slice(start, start + member.padded_nbytes)))
             else:
-                start = members.offsets[index] - members.offsets[gathered]
+                start = members.offsets[index] - self.partials_start
                 self.partials.append((block_region, slice(start, start + member.padded_nbytes), block.dtype))
-        self.gathered_end = self.weights[-1][1].stop if self.weights else 0
-        self.partials_start = members.offsets[gathered] if gathered < len(members.segments) else members.nbytes
-        self.members_nbytes = members.nbytes
+        self.weights_end = self.weights_start + self.weights[-1][1].stop if self.weights else 0
+        self.partials_end = self.partials_start + self.partials[-1][1].stop if self.partials else members.nbytes
         dtypes = {dtype for _, _, dtype in self.partials}
         self.partial_dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
         # The dtype a reduce-scatter rider must have to be summed with the partials (``_ring._WithinGroup``):
@@ -102,8 +108,8 @@ class BlockRegions:
         self.rider_dtype = False if len(dtypes) > 1 else self.partial_dtype
         self.staging_at = -(-message.nbytes // 16) * 16
         staged = max(
-            self.gathered_end if len(self.weights) > 1 else 0,
-            members.nbytes - self.partials_start if len(self.partials) > 1 and self.partial_dtype is not None else 0,
+            self.weights_end - self.weights_start if len(self.weights) > 1 else 0,
+            self.partials_end - self.partials_start if len(self.partials) > 1 and self.partial_dtype is not None else 0,
         )
         self.scratch_nbytes = self.staging_at + group * staged
         self.collectives: dict = {}  # the ring's collectives over these regions, per buffer (``_ring._WithinGroup``)
@@ -165,7 +171,7 @@ class Message:
         self._ring_views: dict[tuple, Views | torch.Tensor] = {}
         self._generation = buffers.generation
         self._flat_dtypes: dict[int, torch.dtype | None] = {}  # first -> the one dtype of segments first:
-        self._block_regions: dict[int, BlockRegions] = {}  # gathered -> ``block_regions(gathered)``
+        self._block_regions: dict[range, BlockRegions] = {}  # gathered -> ``block_regions(gathered)``
 
     @functools.cached_property
     def members(self) -> "Message":
@@ -175,9 +181,9 @@ class Message:
             return self
         return self._buffers.message_of(tuple(segment(s.layout.members, s.trailing, s.dtype) for s in self.segments))
 
-    def block_regions(self, gathered: int) -> "BlockRegions":
+    def block_regions(self, gathered: range) -> "BlockRegions":
         """Where this block message's segments lie in it and in ``members``' (see ``BlockRegions``):
-        segments ``:gathered`` all-gathered within a group, the others partials, reduce-scattered."""
+        segments ``gathered`` all-gathered within a group, the others partials, reduce-scattered."""
         regions = self._block_regions.get(gathered)
         if regions is None:
             regions = self._block_regions[gathered] = BlockRegions(self, gathered)
