@@ -185,7 +185,8 @@ def test_a_published_moe_configs_experts_are_counted_from_its_config(name, tmp_p
     config's experts (gate, up and down projections, gpt-oss's biases), in the training dtype (fp32),
     whatever the file's torch_dtype; its up projection's ring (gate and up, gpt-oss's bias) is the larger.
     The config is cut to its first two decoder layers (every one of these is a MoE block, and a block's
-    count does not depend on the blocks after it): the meta-device step of all 24 to 48 took ~10 s."""
+    count does not depend on the blocks after it): Hugging Face's blocks differ (the count's four-block
+    shortcut does not apply), and a meta-device step of all 24 to 48 takes ~10 s."""
     import json
 
     from rsdp.planner import _models, _training
