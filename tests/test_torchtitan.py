@@ -39,6 +39,7 @@ LAUNCH_TIMEOUT_S = 600
 _launches = itertools.count()
 AUTO_BUDGETS_MIB = (61, 75)  # a mixed plan and one that is all replicate but for the embedding (see the test)
 BF16_RTOL = 5e-4  # bf16 compute; the measured gap is under 1e-4
+BF16_SEQ_LEN = 16  # bf16 matmuls are several times slower than fp32 ones on CPU; what is compared does not need 64
 STEP_LOG = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
 MEMORY_LOG = re.compile(r"rsdp: step (\d+) memory per rank: .* = ([0-9.]+) MiB")
 
@@ -58,13 +59,13 @@ def logged_losses(output: str) -> dict[int, tuple[float, float]]:
     return logged
 
 
-def launch_training(workdir, name: str, *flags: str, nproc: int = 2, steps: int = STEPS, module: str = "rsdp.torchtitan",
-                    config: str = "llama3_debugmodel_rsdp") -> str:
+def launch_training(workdir, name: str, *flags: str, nproc: int = 2, steps: int = STEPS, seq_len: int = 64,
+                    module: str = "rsdp.torchtitan", config: str = "llama3_debugmodel_rsdp") -> str:
     """Run the CPU launcher in ``workdir`` with dump folder ``name``; what it printed."""
     argv = [
         f"--nproc={nproc}", "--module", module, "--config", config,
         "--hf_assets_path", "assets/tokenizer", "--dataloader.dataset_path", "assets/dataset",
-        "--dump_folder", name, f"--training.steps={steps}", "--training.seq_len=64",
+        "--dump_folder", name, f"--training.steps={steps}", f"--training.seq_len={seq_len}",
         "--training.local_batch_size=2", "--metrics.disable_color_printing", *flags,
     ]
     exitcode, output = run_launcher(workdir, argv)
@@ -187,8 +188,8 @@ def test_rsdp_trains_like_torchtitan_fsdp_and_resumes_under_replicate(workdir, t
 def test_bf16_rsdp_matches_fsdp_with_the_same_policy(workdir):
     """torchtitan's default mixed precision (bf16 parameters, fp32 reduction) under rsdp and FSDP2."""
     bf16 = [*from_seed(workdir), "--training.mixed_precision_param=bfloat16"]
-    fsdp = train(workdir, "bf16-fsdp", *bf16, "--parallelism.dp_strategy=fsdp")
-    rsdp = train(workdir, "bf16-rsdp", *bf16, "--parallelism.dp_strategy=rsdp")
+    fsdp = train(workdir, "bf16-fsdp", *bf16, "--parallelism.dp_strategy=fsdp", seq_len=BF16_SEQ_LEN)
+    rsdp = train(workdir, "bf16-rsdp", *bf16, "--parallelism.dp_strategy=rsdp", seq_len=BF16_SEQ_LEN)
     assert sorted(rsdp) == sorted(fsdp) == list(range(1, STEPS + 1))
     for step in fsdp:
         assert rsdp[step] == pytest.approx(fsdp[step], rel=BF16_RTOL), f"step {step}: {rsdp} vs {fsdp}"
