@@ -161,9 +161,9 @@ class _GroupForward:
     def __init__(self, layer: RingLayer, x: torch.Tensor, members: tuple[LinearMember, ...], params: tuple):
         self.layer, self.x_shape, self.params = layer, x.shape, params
         ring = self.ring = layer.ring
-        self.out_features = out_features = tuple(member.out_features for member in members)
+        self.out_features = out_features = tuple([member.out_features for member in members])
         self.weights = params[0::2]
-        self.has_bias = has_bias = tuple(bias is not None for bias in params[1::2])
+        self.has_bias = has_bias = tuple([bias is not None for bias in params[1::2]])
         self.dtype = dtype = layer.precision.matmul_dtype(self.weights[0].dtype)
         key = ("forward", members, has_bias, x.shape[-1], dtype)
         known = layer.by_shape.get(key)
@@ -193,7 +193,7 @@ class _GroupForward:
 
     def during(self, step: int, buffer: torch.Tensor) -> None:
         """The products of the shard held at ``step`` (in ``buffer``), into their output columns."""
-        shard, stacked, x2d = self.ring.weight_shard_at(step), self.stacked, self.x2d
+        shard, stacked, x2d = self.ring.weight_shards[step], self.stacked, self.x2d
         if stacked is not None:
             views = self.message.views(buffer, shard)
             # Padding rows give columns that are never read.
@@ -348,7 +348,7 @@ class RingInputSplitFunction(torch.autograd.Function):
             x_shards = x2d.split(layout.sizes, 1)
 
             def during(step: int, buffer: torch.Tensor) -> None:
-                shard = ring.weight_shard_at(step)
+                shard = ring.weight_shards[step]
                 if layout.sizes[shard]:
                     out.addmm_(x_shards[shard], message.views(buffer, shard)[0])
 
@@ -402,7 +402,7 @@ def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Te
     params = []
     for module in modules:
         params += [local_shard(module.weight, module, "weight", layer), local_shard(module.bias, module, "bias", layer)]
-    members = tuple(LinearMember(module.out_features, id(module)) for module in modules)
+    members = tuple([LinearMember(module.out_features, id(module)) for module in modules])
     return RingLinearFunction.apply(input, layer, members, *params)
 
 
