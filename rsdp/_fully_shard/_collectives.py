@@ -120,7 +120,7 @@ class GatheredParams:
     def segment_views(self, flat: torch.Tensor, shard: int) -> list[torch.Tensor]:
         """Shard ``shard`` of every parameter inside one rank's flat segment (``flat`` may go on after it):
         one split, and a view more only where a shard is shorter than its place or not a vector."""
-        pieces = flat.split([*self._widths, flat.numel() - self.segment_numel])
+        pieces = flat.split_with_sizes([*self._widths, flat.numel() - self.segment_numel])
         views = []
         for piece, layout, inner, trailing in zip(pieces, self.layouts, self._inner, self.trailing):
             rows = layout.rows_of(shard)
@@ -208,7 +208,7 @@ class GatheredParams:
         # [W, segment | one "used" flag per parameter]: rank r receives the sum of everyone's flags.
         contributions = torch.zeros(world, self.segment_numel + count, dtype=dtype, device=ring.device)
         used = [index for index, grad in enumerate(grads) if grad is not None]
-        places = contributions.split([*self._widths, count], dim=1)
+        places = contributions.split_with_sizes([*self._widths, count], dim=1)
         for index in used:
             for rows, shards in self.every_shard(places[index], index, grads[index].contiguous()):
                 shards.copy_(rows)

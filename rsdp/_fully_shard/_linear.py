@@ -181,7 +181,7 @@ class _GroupForward:
         outs2d = [out.view(-1, rows) for out, rows in zip(outs, self.out_features)]
         # Every shard's output block, split once (one op) rather than sliced at each step.
         if stacked is None:
-            self.columns = outs2d[0].split(self.layouts[0].sizes, 1)
+            self.columns = outs2d[0].split_with_sizes(self.layouts[0].sizes, 1)
         else:
             products = x2d.new_empty(x2d.shape[0], ring.owners, stacked.width)
             self.columns = products.unbind(1)
@@ -287,9 +287,9 @@ class _GroupBackward:
             dy_stacked = known.group.spread(dys)
             self.dy_shards, self.dy_shards_t = dy_stacked.unbind(1), dy_stacked.permute(1, 2, 0).unbind(0)
         if known.splits_dy:
-            self.dys_split = [dy.split(layout.sizes, 1) for dy, layout in zip(dys, known.layouts)]
+            self.dys_split = [dy.split_with_sizes(layout.sizes, 1) for dy, layout in zip(dys, known.layouts)]
         if known.splits_dy_t:
-            self.dys_split_t = [dy.t().split(layout.sizes, 0) for dy, layout in zip(dys, known.layouts)]
+            self.dys_split_t = [dy.t().split_with_sizes(layout.sizes, 0) for dy, layout in zip(dys, known.layouts)]
         self.grad_x = torch.zeros_like(x2d) if ctx.needs_input_grad[0] else None
 
     def pack_weights(self, views: list[torch.Tensor]) -> None:
@@ -345,7 +345,7 @@ class RingInputSplitFunction(torch.autograd.Function):
 
         def rotate() -> tuple[torch.Tensor]:
             out = x2d.new_zeros(x2d.shape[0], out_features)
-            x_shards = x2d.split(layout.sizes, 1)
+            x_shards = x2d.split_with_sizes(layout.sizes, 1)
 
             def during(step: int, buffer: torch.Tensor) -> None:
                 shard = ring.weight_shards[step]
@@ -379,8 +379,8 @@ class RingInputSplitFunction(torch.autograd.Function):
         def pack_weights(views: list[torch.Tensor]) -> None:
             views[0].copy_(weight)
 
-        grad_x_shards = grad_x.split(layout.sizes, 1) if need_x else None
-        x_shards_t = x2d.t().split(layout.sizes, 0) if need_weight else None
+        grad_x_shards = grad_x.split_with_sizes(layout.sizes, 1) if need_x else None
+        x_shards_t = x2d.t().split_with_sizes(layout.sizes, 0) if need_weight else None
 
         def use_weights(shard: int, views: Views) -> None:
             if layout.sizes[shard]:
