@@ -6,6 +6,7 @@ backward one reduce-scatter; the norms' all-gather and their gradients' reduce-s
 rings (docs/design.md, "A ring of groups")."""
 
 import functools
+import sys
 
 import pytest
 import torch
@@ -396,3 +397,39 @@ def test_planned_backward_rings_of_groups_take_their_first_exchange_from_the_rin
 
     for counts in ranks.run(8, planned_backward_case, 3, 2):
         assert counts[0] == (0, 18) and counts[2] == (3, 15), counts
+
+
+def group_step_calls_case():
+    """The Python functions one steady-state training step of a SwiGLU MLP on a ring of groups of 2
+    calls (each generator step counted as a call, as the interpreter runs it)."""
+    torch.manual_seed(0)
+    model = MLP(8, 12)
+    rsdp_shard(model, ring_group_size=2)
+    x = torch.randn(3, 8, requires_grad=True)
+    for _ in range(3):  # the ring buffers, their views and the pass's records settle
+        model(x).sum().backward()
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        model(x).sum().backward()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_group_ring_step_costs_few_python_calls(ranks):
+    """What one more step of every ring costs the host (6 ranks in groups of 2 against 4; gate/up's
+    ring and down's, forward and backward: four rings a step), in Python calls per ring step: the
+    exchange, the all-gather within the group, the GEMMs' views and, in backward, the reduce-scatter and
+    the contribution. On a GPU at small batch this host work, not the kernels, sets the step time
+    (``benchmarks/host_overhead.py`` counts it per Llama block). 17.75 before the ring layers indexed
+    their shards per step (``Ring.weight_shards``), a ring's wait kept its works as an attribute and a
+    step ran its group's all-gathers and its exchange itself (the whole step at 4 ranks: 869 calls
+    then, 776 now); a regression shows here."""
+    calls4, calls6 = (ranks.run(world, group_step_calls_case)[0] for world in (4, 6))
+    assert (calls6 - calls4) / 4 <= 13.25, (calls4, calls6)

@@ -27,7 +27,7 @@ Pitfalls:
 
 import torch
 
-from .._compat import in_backward, in_selective_checkpoint, outside_inference_mode
+from .._compat import current_graph_task_id, in_backward, in_selective_checkpoint, outside_inference_mode
 from ._wire import Message, Segment
 
 
@@ -53,6 +53,7 @@ class RingBuffers:
         self._spans: list[tuple[int, int, int]] = []  # (index, first and last + 1 address) of each live buffer
         # Bumped whenever buffers are replaced, so views of old ones are not reused.
         self.generation = 0
+        self._ends_with = -1  # the graph task of the backward whose end frees the buffers (``_schedule_now``)
         # The one ``Message`` per segment layout, so that its views of these buffers are reused.
         self._messages: dict[tuple[Segment, ...], Message] = {}
         # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
@@ -83,7 +84,7 @@ class RingBuffers:
         for index in (0, 1):
             schedule.ask(index, nbytes)
         buffers = self._sets.get(device, [None, None])[:2]
-        return all(b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers)
+        return all([b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers])
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
@@ -93,11 +94,14 @@ class RingBuffers:
 
     def _schedule_now(self):
         """The schedule of the pass running, which records the requests (asked once per request, not
-        per buffer: each check is host time at every ring); a backward's end frees the buffers."""
-        backward = in_backward()
-        if backward:
+        per buffer: each check is host time at every ring); a backward's end frees the buffers, asked
+        of the context once per backward (``_ends_with``: the backward asked for last; a nested one,
+        a reentrant checkpoint's, ends first and frees them, and the one around it asks again)."""
+        task = current_graph_task_id()
+        if task != -1 and task != self._ends_with:
             self._context.end_with_backward(self)
-        return self._context.schedules[backward]
+            self._ends_with = task
+        return self._context.schedules[task != -1]
 
     def _buffer(self, index: int, nbytes: int, device: torch.device, schedule) -> torch.Tensor:
         size = schedule.ask(index, nbytes)
@@ -141,7 +145,7 @@ class RingBuffers:
         if upcoming is None:
             return
         freed = False
-        for index, buffer in list(self._live()):
+        for index, buffer in self._live():
             kept = self._kept_end(index, buffer) if self._kept else 0
             need = upcoming[index] if kept <= upcoming[index] else kept
             storage = buffer.untyped_storage()
@@ -178,15 +182,18 @@ class RingBuffers:
                     return index, pointer - start
         return place
 
-    def _live(self):
-        """(index, buffer) of every buffer that holds memory now."""
-        for buffers in self._sets.values():
-            for index, buffer in enumerate(buffers):
-                if buffer is not None and buffer.untyped_storage().nbytes():
-                    yield index, buffer
+    def _live(self) -> list[tuple[int, torch.Tensor]]:
+        """(index, buffer) of every buffer that holds memory now (a list: every backward ring asks,
+        through ``trim``, and each step of a generator would be a Python call)."""
+        return [
+            (index, buffer)
+            for buffers in self._sets.values()
+            for index, buffer in enumerate(buffers)
+            if buffer is not None and buffer.untyped_storage().nbytes()
+        ]
 
     def _reindex(self) -> None:
-        live = list(self._live())
+        live = self._live()
         self.starts = {buffer.data_ptr(): (index, 0) for index, buffer in live}
         self._spans = [(index, buffer.data_ptr(), buffer.data_ptr() + buffer.untyped_storage().nbytes()) for index, buffer in live]
 
@@ -208,7 +215,7 @@ class RingBuffers:
         """Free the buffers' memory. The tensors stay, with no storage, and so do the views of them that
         messages cached: the next pass gives the same storages memory again (``resize_``, as FSDP2 frees
         and refills its unsharded parameters), and its views need not be made again."""
-        for _, buffer in list(self._live()):
+        for _, buffer in self._live():
             buffer.untyped_storage().resize_(0)
         self._reindex()
 

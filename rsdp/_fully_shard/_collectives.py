@@ -120,7 +120,7 @@ class GatheredParams:
     def segment_views(self, flat: torch.Tensor, shard: int) -> list[torch.Tensor]:
         """Shard ``shard`` of every parameter inside one rank's flat segment (``flat`` may go on after it):
         one split, and a view more only where a shard is shorter than its place or not a vector."""
-        pieces = flat.split([*self._widths, flat.numel() - self.segment_numel])
+        pieces = flat.split_with_sizes([*self._widths, flat.numel() - self.segment_numel])
         views = []
         for piece, layout, inner, trailing in zip(pieces, self.layouts, self._inner, self.trailing):
             rows = layout.rows_of(shard)
@@ -208,7 +208,7 @@ class GatheredParams:
         # [W, segment | one "used" flag per parameter]: rank r receives the sum of everyone's flags.
         contributions = torch.zeros(world, self.segment_numel + count, dtype=dtype, device=ring.device)
         used = [index for index, grad in enumerate(grads) if grad is not None]
-        places = contributions.split([*self._widths, count], dim=1)
+        places = contributions.split_with_sizes([*self._widths, count], dim=1)
         for index in used:
             for rows, shards in self.every_shard(places[index], index, grads[index].contiguous()):
                 shards.copy_(rows)
@@ -371,11 +371,11 @@ class _RingAllGather:
         self._segment(region).copy_(self.segments[self.ring.rank])
 
     def arrived(self, step: int, region: torch.Tensor) -> None:
-        self.segments[self.ring.weight_shard_at(step)].copy_(self._segment(region))
+        self.segments[self.ring.weight_shards[step]].copy_(self._segment(region))
 
     def block(self, step: int, parts: torch.Tensor) -> None:
         """On a ring of groups: the parts of the g ranks whose shards the step's all-gather brought."""
-        first = self.ring.weight_shard_at(step) * self.ring.group_size
+        first = self.ring.weight_shards[step] * self.ring.group_size
         self.segments[first : first + self.ring.group_size].copy_(parts.view(self.dtype))
 
     def finish(self, region: torch.Tensor) -> None:
@@ -483,14 +483,14 @@ class _RingReduceScatter:
         return region[: self.nbytes].view(self.contributions.dtype)
 
     def start(self, region: torch.Tensor) -> None:
-        self._segment(region).copy_(self.contributions[self.ring.partial_shard_at(0)])
+        self._segment(region).copy_(self.contributions[self.ring.partial_shards[0]])
 
     def arrived(self, step: int, region: torch.Tensor) -> None:
-        self._segment(region).add_(self.contributions[self.ring.partial_shard_at(step)])
+        self._segment(region).add_(self.contributions[self.ring.partial_shards[step]])
 
     def block(self, step: int, parts: torch.Tensor) -> None:
         """On a ring of groups: this rank's contributions for the g ranks of the partial of ``step``."""
-        first = self.ring.partial_shard_at(step) * self.ring.group_size
+        first = self.ring.partial_shards[step] * self.ring.group_size
         parts.view(self.dtype).copy_(self.contributions[first : first + self.ring.group_size])
 
     def finish(self, region: torch.Tensor) -> None:

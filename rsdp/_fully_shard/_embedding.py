@@ -48,7 +48,7 @@ class RingEmbeddingFunction(torch.autograd.Function):
             seen = torch.zeros(ring.group_size, dtype=torch.uint8, device=weight.device)  # the flags of the shards held
 
             def during(step: int, buffer: torch.Tensor) -> None:
-                shard = ring.weight_shard_at(step)
+                shard = ring.weight_shards[step]
                 rows, flags = message.views(buffer, shard)
                 seen.bitwise_or_(flags)
                 if layout.sizes[shard]:

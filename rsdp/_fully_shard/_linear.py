@@ -161,9 +161,9 @@ class _GroupForward:
     def __init__(self, layer: RingLayer, x: torch.Tensor, members: tuple[LinearMember, ...], params: tuple):
         self.layer, self.x_shape, self.params = layer, x.shape, params
         ring = self.ring = layer.ring
-        self.out_features = out_features = tuple(member.out_features for member in members)
+        self.out_features = out_features = tuple([member.out_features for member in members])
         self.weights = params[0::2]
-        self.has_bias = has_bias = tuple(bias is not None for bias in params[1::2])
+        self.has_bias = has_bias = tuple([bias is not None for bias in params[1::2]])
         self.dtype = dtype = layer.precision.matmul_dtype(self.weights[0].dtype)
         key = ("forward", members, has_bias, x.shape[-1], dtype)
         known = layer.by_shape.get(key)
@@ -181,7 +181,7 @@ class _GroupForward:
         outs2d = [out.view(-1, rows) for out, rows in zip(outs, self.out_features)]
         # Every shard's output block, split once (one op) rather than sliced at each step.
         if stacked is None:
-            self.columns = outs2d[0].split(self.layouts[0].sizes, 1)
+            self.columns = outs2d[0].split_with_sizes(self.layouts[0].sizes, 1)
         else:
             products = x2d.new_empty(x2d.shape[0], ring.owners, stacked.width)
             self.columns = products.unbind(1)
@@ -193,7 +193,7 @@ class _GroupForward:
 
     def during(self, step: int, buffer: torch.Tensor) -> None:
         """The products of the shard held at ``step`` (in ``buffer``), into their output columns."""
-        shard, stacked, x2d = self.ring.weight_shard_at(step), self.stacked, self.x2d
+        shard, stacked, x2d = self.ring.weight_shards[step], self.stacked, self.x2d
         if stacked is not None:
             views = self.message.views(buffer, shard)
             # Padding rows give columns that are never read.
@@ -287,9 +287,9 @@ class _GroupBackward:
             dy_stacked = known.group.spread(dys)
             self.dy_shards, self.dy_shards_t = dy_stacked.unbind(1), dy_stacked.permute(1, 2, 0).unbind(0)
         if known.splits_dy:
-            self.dys_split = [dy.split(layout.sizes, 1) for dy, layout in zip(dys, known.layouts)]
+            self.dys_split = [dy.split_with_sizes(layout.sizes, 1) for dy, layout in zip(dys, known.layouts)]
         if known.splits_dy_t:
-            self.dys_split_t = [dy.t().split(layout.sizes, 0) for dy, layout in zip(dys, known.layouts)]
+            self.dys_split_t = [dy.t().split_with_sizes(layout.sizes, 0) for dy, layout in zip(dys, known.layouts)]
         self.grad_x = torch.zeros_like(x2d) if ctx.needs_input_grad[0] else None
 
     def pack_weights(self, views: list[torch.Tensor]) -> None:
@@ -345,10 +345,10 @@ class RingInputSplitFunction(torch.autograd.Function):
 
         def rotate() -> tuple[torch.Tensor]:
             out = x2d.new_zeros(x2d.shape[0], out_features)
-            x_shards = x2d.split(layout.sizes, 1)
+            x_shards = x2d.split_with_sizes(layout.sizes, 1)
 
             def during(step: int, buffer: torch.Tensor) -> None:
-                shard = ring.weight_shard_at(step)
+                shard = ring.weight_shards[step]
                 if layout.sizes[shard]:
                     out.addmm_(x_shards[shard], message.views(buffer, shard)[0])
 
@@ -379,8 +379,8 @@ class RingInputSplitFunction(torch.autograd.Function):
         def pack_weights(views: list[torch.Tensor]) -> None:
             views[0].copy_(weight)
 
-        grad_x_shards = grad_x.split(layout.sizes, 1) if need_x else None
-        x_shards_t = x2d.t().split(layout.sizes, 0) if need_weight else None
+        grad_x_shards = grad_x.split_with_sizes(layout.sizes, 1) if need_x else None
+        x_shards_t = x2d.t().split_with_sizes(layout.sizes, 0) if need_weight else None
 
         def use_weights(shard: int, views: Views) -> None:
             if layout.sizes[shard]:
@@ -401,8 +401,9 @@ def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Te
     """The outputs of ``modules`` (ring Linears of one rsdp module) on one input, in one ring."""
     params = []
     for module in modules:
-        params += [local_shard(module.weight, module, "weight", layer), local_shard(module.bias, module, "bias", layer)]
-    members = tuple(LinearMember(module.out_features, id(module)) for module in modules)
+        bias = module.bias  # None for most (checked here: two calls less per Linear and pass)
+        params += [local_shard(module.weight, module, "weight", layer), bias if bias is None else local_shard(bias, module, "bias", layer)]
+    members = tuple([LinearMember(module.out_features, id(module)) for module in modules])
     return RingLinearFunction.apply(input, layer, members, *params)
 
 

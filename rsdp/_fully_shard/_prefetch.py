@@ -82,7 +82,7 @@ class _FirstMessage:
 def _where(tensors: list[torch.Tensor]) -> tuple:
     # Views made afresh each call (a transposed weight) are the same data if they start, look and
     # step alike.
-    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+    return tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors])  # a list: a generator's every step is a call
 
 
 class _NextFirstMessage:

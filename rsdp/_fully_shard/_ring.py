@@ -147,7 +147,11 @@ class Ring:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.group_size = group_size
-        self.owners, self.owner = self.size // group_size, self.rank // group_size
+        self.owners, self.owner = owners, owner = self.size // group_size, self.rank // group_size
+        # ``weight_shard_at`` and ``partial_shard_at`` of every step, for ring layers to index at each
+        # step (a lookup, not a call).
+        self.weight_shards = tuple((owner + step) % owners for step in range(owners))
+        self.partial_shards = tuple((owner + 1 + step) % owners for step in range(owners))
         # Group ranks; on a ring of groups the rank at this rank's place in the next group.
         self._down, self._up = (self.rank - group_size) % self.size, (self.rank + group_size) % self.size
         self.within = within_group(group, group_size) if group_size > 1 else None
@@ -249,16 +253,31 @@ class Ring:
         key = (self.buffers.generation, place, id(scratch), rider)
         within = regions.collectives.get(key)
         if within is None:
-            if len(regions.collectives) >= 8:  # two buffers and two prefetched places, with a rider or not: the others are older
+            if len(regions.collectives) >= 12:  # two buffers, their pair and two prefetched places, with a rider or not: the others are older
                 regions.collectives.clear()
             within = regions.collectives[key] = _WithinGroup(self, regions, held, scratch, rider)
+        return within
+
+    def _within_pair(self, regions: BlockRegions, pair: tuple[torch.Tensor, torch.Tensor], scratch: torch.Tensor, rider: tuple | None) -> "list[_WithinGroup]":
+        """``_within`` of both message buffers ``pair``, looked up once per ring: every ring of groups
+        asks at its start. Fresh buffers (not at the start of a pool buffer) get their own."""
+        starts = self.buffers.starts
+        places = (starts.get(pair[0].data_ptr()), starts.get(pair[1].data_ptr()))
+        if None in places:
+            return [self._within(regions, buffer, scratch, rider) for buffer in pair]
+        key = (self.buffers.generation, places, id(scratch), rider)
+        within = regions.collectives.get(key)
+        if within is None:
+            within = [self._within(regions, buffer, scratch, rider) for buffer in pair]
+            regions.collectives[key] = within
         return within
 
 
 class _WithinGroup:
     """What a ring of groups does within its group with one message ``held`` (this rank's shards) and
-    the scratch (the block, and the staging area behind it): ``gather`` all-gathers the group's shards
-    of the gathered segments into the block; ``reduce`` sums the group's contributions to the partials
+    the scratch (the block, and the staging area behind it): ``gathers`` all-gather the group's shards
+    of the gathered segments into the block, or into the staging area that ``unstage`` copies to the
+    block (``_RingPass.use_block`` runs them, at every step); ``reduce`` sums the group's contributions to the partials
     in the block into ``held``'s, each rank's piece at its place. Several segments go in one
     collective, staged rank-major (``_wire.BlockRegions``); partials of several dtypes go one by one.
 
@@ -446,7 +465,7 @@ class _RingPass:
             self.side = self._side()
             if self.reduces and own is None:
                 if fill is not None:
-                    fill(ring.partial_shard_at(0), self.block)
+                    fill(ring.partial_shards[0], self.block)
                 self.side.reduce(False, self.reduce_rider, 0)
 
     def _within_group(self, message: Message, nbytes: int, gathered: range | None, fill) -> None:
@@ -464,7 +483,7 @@ class _RingPass:
             scratch_nbytes = max(scratch_nbytes, regions.staging_at + ring.group_size * staged)
         self.scratch = ring.buffers.scratch(scratch_nbytes, ring.device)
         self.block = self.scratch[: message.nbytes]
-        self.within = [ring._within(regions, buffer, self.scratch, self.rider_key) for buffer in self.buffers]
+        self.within = ring._within_pair(regions, self.buffers, self.scratch, self.rider_key)
         self.reduces = bool(self.within[0].reductions)
         self.gathered_at = None  # the step whose block was gathered as its message arrived (``own``)
 
@@ -488,7 +507,7 @@ class _RingPass:
         if during is not None:
             during(step, self.block)
         if self.fill is not None and step < self.hops:
-            self.fill(self.ring.partial_shard_at(step + 1), self.block)
+            self.fill(self.ring.partial_shards[step + 1], self.block)
         if step == 0 and self.own is not None:
             within.reduce(False, None, 0, self.own)
 
@@ -506,11 +525,14 @@ class _RingPass:
             sent, received = self.wide[self.held], self.wide[arriving]
             self.aboard = self.boarding.board(step, sent, received)
             first, end = 0 if part is None else part.start, self.boarding.end(step)
-            self.works = self.ring.exchange(sent[first:end], received[first:end], self.tag)
+            sent, received = sent[first:end], received[first:end]
         elif part is None:
-            self.works = self.ring.exchange(self.current, incoming, self.tag)
+            sent, received = self.current, incoming
         else:
-            self.works = self.ring.exchange(self.current[part], incoming[part], self.tag)
+            sent, received = self.current[part], incoming[part]
+        # ``Ring.exchange``'s call, made here: one Python call less at every step of every ring.
+        ring = self.ring
+        self.works = send_and_receive(ring.group, sent, ring._down, received, ring._up, self.tag)
 
     def receive(self, step: int, on_arrival: Callable[[int, torch.Tensor], None] | None) -> None:
         """Wait for the exchange of ``step`` (if there was one); the message that arrived is held next."""
@@ -752,20 +774,17 @@ class WaitedWorks:
     """
 
     def __init__(self):
-        self._works: list = []
-
-    def keep(self, works: list) -> None:
-        self._works = works
+        self.works: list = []  # set by ``wait_for`` and ``drain`` (an attribute: every exchange sets it)
 
     def clear(self) -> None:
-        self._works = []
+        self.works = []
 
 
 def wait_for(works: list, kept: WaitedWorks) -> None:
     """Wait for an exchange's works (see ``WaitedWorks`` for why ``kept`` references them a while)."""
     for work in works:
         work.wait()
-    kept.keep(works)
+    kept.works = works
 
 
 def drain(works: list, kept: WaitedWorks) -> None:
@@ -778,4 +797,4 @@ def drain(works: list, kept: WaitedWorks) -> None:
             work.wait()
         except RuntimeError:
             pass
-    kept.keep(works)
+    kept.works = works

@@ -142,7 +142,7 @@ class DenseContribution:
             return arrived
 
         def arrived(step: int, buffer: torch.Tensor) -> None:
-            shard = ring.partial_shard_at(step)
+            shard = ring.partial_shards[step]
             for partial, mine in zip(message.views(buffer, shard, first), grads.views(scratch, shard)):
                 partial.add_(mine)
 
@@ -177,7 +177,7 @@ class SparseContribution:
         add = self.add
 
         def arrived(step: int, buffer: torch.Tensor) -> None:
-            shard = ring.partial_shard_at(step)
+            shard = ring.partial_shards[step]
             partials = message.views(buffer, shard, first)
             add(shard, partials)
             if earlier is not None:
@@ -204,7 +204,7 @@ class RingWeights:
             self.pack(members.views(buffer, ring.rank))
 
         def during(step: int, buffer: torch.Tensor) -> None:
-            shard = ring.weight_shard_at(step)
+            shard = ring.weight_shards[step]
             self.use(shard, message.views(buffer, shard))
 
         return start, during
@@ -295,15 +295,15 @@ def _reduce_on_ring(
     def start(buffer: torch.Tensor) -> None:
         if weight_segments:
             weights.pack(weights_only.views(buffer, ring.rank))
-        shard = ring.partial_shard_at(0)
+        shard = ring.partial_shards[0]
         contribution.start(shard, message.views(buffer, shard, weight_segments), earlier)
 
     def during(step: int, buffer: torch.Tensor) -> None:
         if weight_segments:
-            shard = ring.weight_shard_at(step)
+            shard = ring.weight_shards[step]
             weights.use(shard, weights_only.views(buffer, shard))
         if ahead and step + 1 < ring.owners:
-            contribution.ahead(ring.partial_shard_at(step + 1), earlier)
+            contribution.ahead(ring.partial_shards[step + 1], earlier)
 
     final = run.turn(start, during, contribution.arrival(ring, message, weight_segments, earlier))
     return finished_gradients(layer, message, weight_segments, final)
