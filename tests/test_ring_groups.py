@@ -429,7 +429,8 @@ def test_a_group_ring_step_costs_few_python_calls(ranks):
     the contribution. On a GPU at small batch this host work, not the kernels, sets the step time
     (``benchmarks/host_overhead.py`` counts it per Llama block). 17.75 before the ring layers indexed
     their shards per step (``Ring.weight_shards``), a ring's wait kept its works as an attribute and a
-    step ran its group's all-gathers and its exchange itself (the whole step at 4 ranks: 869 calls
-    then, 776 now); a regression shows here."""
+    step ran its exchange itself (the whole step at 4 ranks: 869 calls then, 784 now; one call per step
+    more than 13.25 since a planned sub-block's block may be gathered on arrival, ``_WithinGroup.gather``
+    called, not inlined); a regression shows here."""
     calls4, calls6 = (ranks.run(world, group_step_calls_case)[0] for world in (4, 6))
-    assert (calls6 - calls4) / 4 <= 13.25, (calls4, calls6)
+    assert (calls6 - calls4) / 4 <= 14.25, (calls4, calls6)
