@@ -24,8 +24,9 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   input (carried) and frees them, and reduces into the gradient;
 - rsdp: the ring's two messages of a weight shard of the part's largest ring in forward; in backward
   two messages of a weight shard and a gradient partial and the scratch of the next contribution for
-  a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: each
-  a block of g shards, 2g/W of a layer in forward); carried for the rest of the
+  a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: two
+  member messages and the group's block, 2 + g shards of the weights, and in backward of the partials
+  too); carried for the rest of the
   pass (a part with no ring, norms only, holds none; an rsdp root's forward frees them before the
   loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
@@ -69,6 +70,9 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
   rate relative to a whole one: RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
   overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange;
+  in forward every ring but an Embedding's is prefetched (its first message rode the last exchange of
+  the ring before: ``_Parallelism.ring_traffic`` counts the exchanges as ``CommCounter`` does), so it
+  makes one exchange fewer, of the same bytes in all;
   an expert ring's backward adds its partials' last hop, an exchange of its own.
   A ring of groups of g (``ring_group_size``): W/g steps of g/W of the work (the efficiency at W/g),
   W/g - 1 exchanges of one shard between groups, and at every step the all-gather of the group's block
@@ -858,11 +862,16 @@ class _Parallelism:
         # two messages of a weight shard and a gradient partial and the scratch of the next contribution
         # for a Linear ring (partials and scratch of its trainable weights alone), two of a partial for an
         # Embedding's (its gradient needs no weights, and its sparse contribution is added into the
-        # arrived partial). A ring of groups holds each as its group's block of g shards (2g/W of a
-        # layer in forward).
+        # arrived partial). A ring of groups of g holds two member messages (this rank's shards, as a
+        # ring of ranks' messages) and the block of g shards its group assembles from them: 2 + g
+        # shards of the weights in forward (about 2(g+1)/W of a layer with a Linear group's staging,
+        # which is left out), and in backward of the weights and of the partials alike (the block's
+        # contributions, reduce-scattered into the piece that travels on; no scratch).
         def shard(nbytes: int) -> int:
-            return self.ring_group_size * math.ceil(nbytes / world)
+            return math.ceil(nbytes / world)
 
+        held = 2 if self.ring_group_size == 1 else 2 + self.ring_group_size
+        partials_held = 3 if self.ring_group_size == 1 else held
         rsdp = strategy is Strategy.RSDP
         # The up projection's expert ring, the larger: a block is ceil(experts / W) whole experts
         # (torch.chunk rows), its weights in param_dtype and its gradient partials in reduce_dtype
@@ -881,10 +890,11 @@ class _Parallelism:
         self.expert_last_hops = (counts.trainable_up_bytes > 0) + (trainable_down_bytes > 0) if rsdp else 0
         self.expert_last_hop_bytes = counts.trainable_experts_bytes * block * self.reduce_ratio
         self.expert_step = int(counts.trainable_up_bytes * block * self.compute_ratio) if rsdp and not written_into_partials else 0
-        self.ring_forward = int(max(2 * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
+        self.ring_forward = int(max(held * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
         ring = max(
-            shard(counts.largest_linear_bytes) * 2 * self.compute_ratio + shard(counts.largest_trainable_linear_bytes) * 3 * self.reduce_ratio,
-            shard(counts.largest_trainable_layer_bytes) * 2 * self.reduce_ratio,
+            shard(counts.largest_linear_bytes) * held * self.compute_ratio
+            + shard(counts.largest_trainable_linear_bytes) * partials_held * self.reduce_ratio,
+            shard(counts.largest_trainable_layer_bytes) * held * self.reduce_ratio,
             2 * expert_weights + 3 * expert_partials,
         )
         self.ring = int(ring) if rsdp else 0
