@@ -419,11 +419,12 @@ def probe(strategy: str, index: int, worker: common.Worker) -> Probe:
 
 
 def _plan_for(shape: Shape, tokens: torch.Tensor, worker: common.Worker) -> "rsdp.Plan":
-    """The planner's choice for the rung, planned on the meta device with the cost model."""
+    """The planner's choice for the rung, planned on the meta device with the cost model, for the AdamW
+    the probe runs (torch's default implementation: the for-loop one on CPU ranks, foreach on GPUs)."""
     strategies = tuple(rsdp.Strategy(name) for name in worker.args.auto_strategies)
     cost_model = rsdp.CostModel(
         world_size=worker.world_size, flops_per_s=AUTO_FLOPS_PER_S, bandwidth_bytes_per_s=AUTO_BANDWIDTH, latency_s=AUTO_LATENCY_S
-    )
+    ).with_optimizer("adamw-for-loop" if worker.device.type == "cpu" else "adamw-foreach")
     return rsdp.plan(
         build_on_meta(shape, lora_rank=None), memory_budget=worker.args.budget, sample_input=tokens,
         loss_fn=next_token_loss, strategies=strategies, cost_model=cost_model,

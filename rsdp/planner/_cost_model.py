@@ -24,8 +24,9 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   input (carried) and frees them, and reduces into the gradient;
 - rsdp: the ring's two messages of a weight shard of the part's largest ring in forward; in backward
   two messages of a weight shard and a gradient partial and the scratch of the next contribution for
-  a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: each
-  a block of g shards, 2g/W of a layer in forward); carried for the rest of the
+  a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: two
+  member messages and the group's block, 2 + g shards of the weights, and in backward of the partials
+  too); carried for the rest of the
   pass (a part with no ring, norms only, holds none; an rsdp root's forward frees them before the
   loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
@@ -70,6 +71,9 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
   overlaps one step, so the ring takes one step plus W-1 times the longer of a step and an exchange
   (an expert ring's too: its partials reach their owners in those exchanges, as a Linear's);
+  in forward every ring but an Embedding's is prefetched (its first message rode the last exchange of
+  the ring before: ``_Parallelism.ring_traffic`` counts the exchanges as ``CommCounter`` does), so it
+  makes one exchange fewer, of the same bytes in all.
   A ring of groups of g (``ring_group_size``): W/g steps of g/W of the work (the efficiency at W/g),
   W/g - 1 exchanges of one shard between groups, and at every step the all-gather of the group's block
   of g weight shards (backward: and the reduce-scatter of its g partials) within the group, which
@@ -369,6 +373,11 @@ class PartCounts:
     # saves nothing else: rsdp keeps them from the forward for the recomputation (``_fully_shard/_checkpoint.py``).
     # (Another selective policy saves matmul outputs itself, which the count holds already.)
     checkpointed_ring_output_bytes: int = 0
+    # Its Embeddings' rings in a forward (calls) and their weights (stored dtype): an Embedding's forward
+    # ring is never prefetched (its first message carries the out-of-range flag, known once called) and
+    # its backward moves gradient partials alone (``ring_traffic``).
+    embedding_rings: int = 0
+    embedding_bytes: int = 0
     # Its largest experts module (a MoE layer's ``[experts, ...]`` parameters, ``experts_of``): its
     # parameter bytes in the stored dtype, of them those that train, those of its larger ring (the up
     # projection's: ``_fully_shard/_experts.py`` rotates them in blocks of whole experts, one ring per
@@ -756,6 +765,8 @@ class _StepCounter:
     def note_embedding(self, module: nn.Embedding, args) -> None:
         if self.forward:
             section = self.section
+            section.embedding_rings += 1
+            section.embedding_bytes += _weight_bytes(module)
             section.largest_layer_bytes = max(section.largest_layer_bytes, _weight_bytes(module))
             if module.weight.requires_grad:
                 section.largest_trainable_layer_bytes = max(section.largest_trainable_layer_bytes, _weight_bytes(module))
@@ -795,6 +806,20 @@ def _weight_bytes(module: nn.Module) -> int:
     """A Linear's or Embedding's weight in its stored dtype (the meta copy may be cast)."""
     _, itemsize = getattr(module, "_rsdp_original_params", {}).get("weight", (None, module.weight.element_size()))
     return module.weight.numel() * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class RingTraffic:
+    """One part's rsdp rings in one pass, on one rank, as ``rsdp.memory.CommCounter`` counts them: its
+    exchanges between groups (between ranks where g = 1: ``between_groups``) and the bytes it sends in
+    them, and its collectives within its group (the blocks' all-gathers, in backward the partials'
+    reduce-scatters: ``within_groups``) and the bytes it sends in those. Prefetch across rings makes
+    ``exchanges`` fractional where every other ring is prefetched (a part of an odd number of rings)."""
+
+    exchanges: float = 0.0
+    exchange_bytes: float = 0.0
+    collectives: int = 0
+    collective_bytes: float = 0.0
 
 
 class _Parallelism:
@@ -837,11 +862,16 @@ class _Parallelism:
         # two messages of a weight shard and a gradient partial and the scratch of the next contribution
         # for a Linear ring (partials and scratch of its trainable weights alone), two of a partial for an
         # Embedding's (its gradient needs no weights, and its sparse contribution is added into the
-        # arrived partial). A ring of groups holds each as its group's block of g shards (2g/W of a
-        # layer in forward).
+        # arrived partial). A ring of groups of g holds two member messages (this rank's shards, as a
+        # ring of ranks' messages) and the block of g shards its group assembles from them: 2 + g
+        # shards of the weights in forward (about 2(g+1)/W of a layer with a Linear group's staging,
+        # which is left out), and in backward of the weights and of the partials alike (the block's
+        # contributions, reduce-scattered into the piece that travels on; no scratch).
         def shard(nbytes: int) -> int:
-            return self.ring_group_size * math.ceil(nbytes / world)
+            return math.ceil(nbytes / world)
 
+        held = 2 if self.ring_group_size == 1 else 2 + self.ring_group_size
+        partials_held = 3 if self.ring_group_size == 1 else held
         rsdp = strategy is Strategy.RSDP
         # The up projection's expert ring, the larger: a block is ceil(experts / W) whole experts
         # (torch.chunk rows), its weights in param_dtype and its gradient partials in reduce_dtype
@@ -856,15 +886,54 @@ class _Parallelism:
         written_into_partials = self.compute_ratio == self.reduce_ratio
         one_expert = counts.trainable_up_bytes / counts.experts if counts.experts else 0.0
         self.expert_step = int(one_expert * self.compute_ratio) if rsdp and not written_into_partials else 0
-        self.ring_forward = int(max(2 * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
+        self.ring_forward = int(max(held * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
         ring = max(
-            shard(counts.largest_linear_bytes) * 2 * self.compute_ratio + shard(counts.largest_trainable_linear_bytes) * 3 * self.reduce_ratio,
-            shard(counts.largest_trainable_layer_bytes) * 2 * self.reduce_ratio,
+            shard(counts.largest_linear_bytes) * held * self.compute_ratio
+            + shard(counts.largest_trainable_linear_bytes) * partials_held * self.reduce_ratio,
+            shard(counts.largest_trainable_layer_bytes) * held * self.reduce_ratio,
             2 * expert_weights + 3 * expert_partials,
         )
         self.ring = int(ring) if rsdp else 0
         self.vectors = int(counts.vector_bytes * self.compute_ratio)  # gathered whole under rsdp
         self.vector_gradients = int((counts.vector_bytes - counts.frozen_vector_bytes) * self.compute_ratio)
+
+    def ring_traffic(self, backward: bool) -> RingTraffic:
+        """What this part's rings send on one rank in a forward (or ``backward``) pass under rsdp, as
+        ``rsdp.memory.CommCounter`` counts it (nothing under another strategy). A ring of groups of g
+        makes W/g steps; between them W/g - 1 exchanges, of one shard of its weights in forward and in
+        backward of a gradient partial beside it (an Embedding's backward: the partial alone). Forward,
+        every ring but an Embedding's is prefetched: its first message rides the last exchange of the
+        ring before (``_fully_shard/_prefetch.py``), so it makes one exchange fewer; a ring left with
+        none (W/g = 2) carries nothing, so there every other ring is prefetched. The pass's first ring
+        is not prefetched: this counts it as if it were, unless it is an Embedding's (a language
+        model's first ring), so a pass that starts with another ring makes one exchange more. Within
+        the group (g > 1), per step: the all-gather of the block's g - 1 other shards, in backward
+        (but not an Embedding's, which needs no weights) and, where the weights train, the
+        reduce-scatter of its partials."""
+        if self.strategy is not Strategy.RSDP or self.cost.world_size == 1 or self.counts.param_bytes == 0:
+            return RingTraffic()
+        counts, world, group = self.counts, self.cost.world_size, self.ring_group_size
+        calls = max(counts.calls, 1)
+        rings = max(counts.layers, 1) * calls
+        steps, embedding_rings = world // group, counts.embedding_rings * calls
+        own = steps - 1  # exchanges per ring: each step's block but the first arrives from the group before
+        # The bytes each exchange's worth of shards moves, summed over the part's rings.
+        if backward:
+            weights = (self.compute - counts.embedding_bytes * self.compute_ratio) * calls / world
+            moved = weights + self.reduced * calls / world
+        else:
+            weights = moved = self.compute * calls / world
+        exchanges = float(rings * own)
+        if not backward:
+            prefetched = rings - embedding_rings
+            exchanges -= prefetched if own >= 2 else prefetched / 2 if own == 1 else 0
+        collectives, collective_bytes = 0, 0.0
+        if group > 1:
+            gathers = (rings - (embedding_rings if backward else 0)) * steps
+            scatters = rings * steps if backward and self.reduced else 0
+            collectives = gathers + scatters
+            collective_bytes = steps * (group - 1) * (weights + (self.reduced * calls / world if backward else 0))
+        return RingTraffic(exchanges, own * moved, collectives, collective_bytes)
 
     @property
     def optimizer_seconds(self) -> float:
@@ -909,11 +978,14 @@ class _Parallelism:
             gemms = (compute + penalty) / rings / steps
             host = cost.ring_step_host_s
             step = overlap(gemms, host)
-            # Between groups (between ranks where g = 1): one shard, backward's weight shard and gradient
-            # partial as one message, across machines when the world spans them (a step lasts as long as
-            # its slowest exchange).
-            message = (self.compute + (self.reduced if backward else 0)) / layers / world
-            exchange = cost.link("send_recv", across).seconds(message)
+            # Between groups (between ranks where g = 1): the ring's exchanges (``ring_traffic``), each of
+            # one message of its bytes on average (a carrying ring's last one holds the next ring's first
+            # message too), across machines when the world spans them (a step lasts as long as its
+            # slowest exchange); each overlaps one step, and a step with none (a prefetched ring's first,
+            # every ring's last) overlaps only its group's collectives.
+            traffic = self.ring_traffic(backward)
+            exchanges = traffic.exchanges / rings
+            exchange = cost.link("send_recv", across).seconds(traffic.exchange_bytes / traffic.exchanges) if traffic.exchanges else 0.0
             # Within the group (g > 1), at every step: the all-gather of its block of g weight shards, and
             # in backward the reduce-scatter of the block's g partials (across machines where a group is
             # several), each overlapping a step's compute (the first step's too: g = W is FSDP's pattern,
@@ -923,7 +995,7 @@ class _Parallelism:
                 gathering = cost.link("all_gather", in_group).seconds((group - 1) * self.compute / layers / world, group - 1)
                 if backward:
                     gathering += cost.link("reduce_scatter", in_group).seconds((group - 1) * self.reduced / layers / world, group - 1)
-            return rings * (overlap(step, gathering) + (steps - 1) * overlap(step, exchange + gathering))
+            return rings * ((steps - exchanges) * overlap(step, gathering) + exchanges * overlap(step, exchange + gathering))
         if self.strategy is Strategy.FSDP:
             compute += self.params * cost.fsdp_overhead_s_per_byte[backward]
             transfer = cost.link("all_gather", across).seconds(share * self.compute, world - 1)

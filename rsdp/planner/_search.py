@@ -28,6 +28,10 @@ cost model's; measured phases contain them already and carry nothing), where the
 - ``ringed_forward``, ``ringed_backward``: the highest levels among the phases that hold the ring's
   buffers (forwards of rsdp units or below an rsdp root; backwards from the first such on), and
   ``ring_forward``, ``ring``: the largest buffers of a forward and of a backward, which they may hold;
+  ``ringed_backward_with_ring``: the highest of those backward levels with the ring buffers the
+  backward still holds there, the largest of its own ring and of the units after it in backward (a
+  backward ring trims the buffers to what the rest of the backward needs, ``RingBuffers.trim``: the
+  head's, the first and largest, are gone when the gradients have piled up at the backward's end);
 - ``optimizer_step``: what the optimizer step allocates for their parameters (a foreach optimizer), and
   ``optimizer_step_floor``: the most it allocates for one of them (a for-loop one: the largest).
 
@@ -91,6 +95,7 @@ class Partial(NamedTuple):
     since_gathering: torch.Tensor
     since_gathering_ringed: torch.Tensor
     ringed_backward: torch.Tensor
+    ringed_backward_with_ring: torch.Tensor
     ring: torch.Tensor
     ring_forward: torch.Tensor
     static: torch.Tensor
@@ -133,6 +138,8 @@ class Partial(NamedTuple):
             phase_peak if reduces else _max(self.since_gathering, phase_peak),
             ringed_peak if reduces else _max(self.since_gathering_ringed, ringed_peak),
             ringed_backward,
+            # The walked units' backwards run before this one's, whose ring the buffers keep until it.
+            _max(self.ringed_backward_with_ring, ringed_backward + carried.ring),
             _max(self.ring, carried.ring),
             _max(self.ring_forward, carried.ring_forward),
             self.static + cost.static_bytes,
@@ -155,7 +162,7 @@ def _concatenated(partials: list[Partial]) -> Partial:
 
 def _empty() -> Partial:
     none, zero = torch.tensor([_NONE], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
-    return Partial(none, none, zero, none, zero, none, zero, zero, none, none, none, zero, zero, zero, zero, zero, zero)
+    return Partial(none, none, zero, none, zero, none, zero, zero, none, none, none, none, zero, zero, zero, zero, zero, zero)
 
 
 EMPTY = _empty()  # the plan of no unit
@@ -172,7 +179,9 @@ def predicted_peak(partial: Partial, root: RootCost) -> torch.Tensor:
     # ``carried.ring``) with the backward's, which its backward begins.
     root_ring = ring_forward if carried.ringed else 0
     middle_ring = _max(ring, root_ring) if carried.ring else root_ring
-    backward_ring = ring if carried.ringed else torch.where(_reached(partial.ringed_backward), ring, 0.0)
+    # After the units' backwards the ring buffers hold what the rest needs (``RingBuffers.trim``): the
+    # root's own ring (its embedding's, the backward's last), none where the root has none.
+    backward_ring = carried.ring
     start = root.before.delta
     after_forward = start + partial.activations
     before_backward = after_forward + root.middle.delta
@@ -180,7 +189,9 @@ def predicted_peak(partial: Partial, root: RootCost) -> torch.Tensor:
     return root.static_bytes + partial.static + _max(
         start + _max(partial.forward_peak, partial.until_gathering + carried.gather, partial.ringed_forward + ring_forward),
         after_forward + root.middle.peak + _max(partial.gather, carried.gather) + middle_ring,
-        before_backward + _max(partial.backward_peak, partial.ringed_backward + ring),
+        # The root's ring (its head's and its embedding's, the first and the last of the backward) held
+        # by every unit's backward, as if the embedding's were the larger.
+        before_backward + _max(partial.backward_peak, partial.ringed_backward_with_ring, partial.ringed_backward + carried.ring),
         end_of_backward + root.after.peak + partial.retained + backward_ring,
         end_of_backward + root.after.delta + _max(partial.optimizer_step + root.optimizer_step_bytes, partial.optimizer_step_floor, root.optimizer_step_floor_bytes),
         root.before.peak + root_ring,
