@@ -43,17 +43,20 @@ def test_a_partial_gemm_efficiency_above_1_is_no_speed_up():
 
 
 def test_rsdp_pays_one_latency_per_exchange_w_minus_1_per_ring():
-    """Communication-bound (no FLOPs' worth of time): 2 rings x (W-1) exchanges x latency, and a step's
-    host time W times per ring; where the host computes, host time adds to the GEMMs."""
+    """Communication-bound (no FLOPs' worth of time): a forward's 2 rings x (W-2) exchanges x latency
+    (each ring's first message rode the ring before's last exchange: prefetched), a backward's W-1, and
+    a step's host time W times per ring; where the host computes, host time adds to the GEMMs."""
     latency, host = 1e-3, 1e-4
     send_recv = Link(latency, 1e18)
     slow = dict(flops_per_s=1e30, send_recv=send_recv)
-    assert seconds(Strategy.RSDP, **slow) == pytest.approx(2 * (WORLD - 1) * latency)
-    # Overlapped host time hides under the exchanges; serial host time (CPU ranks) is paid every step.
-    assert seconds(Strategy.RSDP, ring_step_host_s=host, **slow) == pytest.approx(host * 2 + 2 * (WORLD - 1) * latency)
+    assert seconds(Strategy.RSDP, **slow) == pytest.approx(2 * (WORLD - 2) * latency)
+    assert seconds(Strategy.RSDP, backward=True, **slow) == pytest.approx(2 * (WORLD - 1) * latency)
+    # Overlapped host time hides under the exchanges (the steps without one pay it); serial host time
+    # (CPU ranks) is paid every step.
+    assert seconds(Strategy.RSDP, ring_step_host_s=host, **slow) == pytest.approx(2 * 2 * host + 2 * (WORLD - 2) * latency)
     gemms = PART.forward_flops / 1e12 / (2 * WORLD)  # one ring step's share
     serial = seconds(Strategy.RSDP, ring_step_host_s=host, host_overlaps_compute=False, send_recv=send_recv)
-    assert serial == pytest.approx(2 * WORLD * (gemms + host) + 2 * (WORLD - 1) * latency)
+    assert serial == pytest.approx(2 * WORLD * (gemms + host) + 2 * (WORLD - 2) * latency)
 
 
 def test_a_chunked_losss_head_rotates_once_per_chunk_and_is_gathered_once():
@@ -68,7 +71,10 @@ def test_a_chunked_losss_head_rotates_once_per_chunk_and_is_gathered_once():
     for backward in (False, True):
         once, per_chunk = (_Parallelism(p, Strategy.RSDP, cost).seconds(1.0, backward) for p in (PART, chunked))
         factor = 2 if backward else 1  # a weight shard and a gradient partial
-        assert once == pytest.approx(2 * (WORLD - 1) * (latency + factor * message / bandwidth))
+        # A forward ring's first message rode the ring before's last exchange: one latency fewer, the
+        # same bytes.
+        latencies = WORLD - 1 if backward else WORLD - 2
+        assert once == pytest.approx(2 * (latencies * latency + (WORLD - 1) * factor * message / bandwidth))
         assert per_chunk == pytest.approx(8 * once)
         gathered = (_Parallelism(p, Strategy.FSDP, cost).seconds(1.0, backward) for p in (PART, chunked))
         assert len(set(gathered)) == 1
