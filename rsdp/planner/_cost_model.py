@@ -7,7 +7,7 @@ activations, their gradients, the logits, the loss's temporaries, each phase's c
 CPU run of the same step allocates them (storages counted as ``MemoryTracker`` counts them; parameter
 gradients are dropped as they are made, since where they live is the strategy's business). One run
 counts all of it (the phases come from a log of the step's allocations, replayed without the ones that
-became parameter gradients), and a stack of alike blocks runs cut to four of them (``_repeated_blocks``).
+became parameter gradients), and a stack of blocks runs cut to a few of each kind (``_repeated_blocks``).
 
 Estimating. A :class:`CostModel` adds what each strategy allocates for the parameters, as FSDP2,
 torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on one rank, W the world):
@@ -584,8 +584,8 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
     ``param_dtype`` (a mixed-precision policy's: the floating parameters are cast to it, so the
     activations are in it as FSDP2's and rsdp's compute makes them; parameter bytes are still counted
     in the model's own dtype). Activation checkpointing applied to ``model`` is counted as it runs:
-    what its regions save, and their recomputation in backward. A stack of alike blocks is counted
-    by four of them (``_repeated_blocks``), to the byte what counting all of them gives."""
+    what its regions save, and their recomputation in backward. A stack of blocks is counted by a
+    few of each kind (``_repeated_blocks``), to the byte what counting all of them gives."""
     batch = batch.to("meta")
     repeated = repeated_blocks(model, units)
     if repeated is not None:
@@ -596,7 +596,7 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
             counted = count_step(meta, kept, batch, loss_fn)
         except Exception:  # a forward that needs every block (indexes its stack): counted whole below
             counted = None
-        if counted is not None and _alike(counted, *repeated.compared):
+        if counted is not None and all(_alike(counted, *pair) for pair in repeated.compared):
             return _with_every_block(counted, units, repeated.representative)
     return count_step(meta_copy(model, param_dtype), units, batch, loss_fn)
 
