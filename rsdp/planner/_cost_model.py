@@ -593,7 +593,7 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
         with repeated.cut():  # copied cut: a 70B model's 80 blocks take seconds to copy
             meta = meta_copy(model, param_dtype)
         try:
-            counted = count_step(meta, kept, batch, loss_fn)
+            counted = count_step(meta, kept, batch, loss_fn, repeated.whole_step_events)
         except Exception:  # a forward that needs every block (indexes its stack): counted whole below
             counted = None
         if counted is not None and all(_alike(counted, *pair) for pair in repeated.compared):
@@ -639,10 +639,11 @@ def _with_every_block(counts: Counts, units: list[str], representative) -> Count
     )
 
 
-def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> Counts:
+def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, whole_step=None) -> Counts:
     """:func:`count`'s one training step of ``meta`` (on the meta device): each part's forward FLOPs and
     parameters, and the step's phases without the parameters' gradients, which are the strategies' to
-    count (whole, sharded, or one shard at a time)."""
+    count (whole, sharded, or one shard at a time). ``whole_step`` (a cut stack's
+    ``RepeatedBlocks.whole_step_events``) turns the step's allocator events into the whole stack's."""
     counter = _StepCounter(meta, units, batch, loss_fn)
     handles = counter.hooks()
     try:
@@ -652,18 +653,27 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
         for handle in handles:
             handle.remove()
     timeline.relevel(counter.storages.levels(counter.gradients))
-    reserved = tuple(_allocator_factor(counter.storages.log, counter.gradients, expandable) for expandable in (False, True))
+    events = _allocator_events(counter.storages.log, counter.gradients, timeline.order)
+    if whole_step is not None:
+        events = whole_step(events)
+    reserved = tuple(_allocator_factor(events, expandable) for expandable in (False, True))
     return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved)
 
 
-def _allocator_factor(log: list[tuple], skipped: set[int], expandable_segments: bool) -> float:
-    """The caching allocator's reserved peak over the allocated peak for the step's allocations (without
-    the parameters' gradients, numbered in ``skipped``), as ``_allocator`` replays them."""
-    events = [
-        ("malloc", event[2], event[3]) if event[0] == _ALLOCATED else ("free", event[1])
-        for event in log if event[0] != _MARKED and not (event[0] == _ALLOCATED and event[1] in skipped)
+def _allocator_events(log: list[tuple], skipped: set[int], marks: list[str]) -> list[tuple]:
+    """The step's allocations (without the parameters' gradients, numbered in ``skipped``) and frees as
+    ``_allocator`` replays them, with its marks (``("mark", label)``)."""
+    labels = iter(marks)
+    return [
+        ("mark", next(labels)) if event[0] == _MARKED else ("malloc", event[2], event[3]) if event[0] == _ALLOCATED
+        else ("free", event[1])
+        for event in log if not (event[0] == _ALLOCATED and event[1] in skipped)
     ]
-    allocated, reserved = reserved_peak(events, expandable_segments)
+
+
+def _allocator_factor(events: list[tuple], expandable_segments: bool) -> float:
+    """The caching allocator's reserved peak over the allocated peak for ``events``."""
+    allocated, reserved = reserved_peak([event for event in events if event[0] != "mark"], expandable_segments)
     return reserved / allocated if allocated else 1.0
 
 

@@ -137,6 +137,80 @@ class RepeatedBlocks:
         left out, else itself."""
         return self.represented_by.get(name, name)
 
+    def whole_step_events(self, events: list[tuple]) -> list[tuple]:
+        """The caching allocator's events (``("malloc", key, bytes)``, ``("free", key)``, ``("mark",
+        label)``) of the whole stack's step, from the cut step's: each left-out block's segments (from
+        its ``forward:``/``backward:`` mark to the next mark, and from its ``-done`` mark on) are its
+        representative's, inserted where the whole step runs them. A free of a storage another block
+        allocated (its input, its output's gradient) frees the one the block as far from this one
+        allocated, the same number of allocations before the end of that block's segment; a storage of
+        another size there raises (the count is then made whole)."""
+        labels, segments = [None], [[]]  # cut step: the events before the first mark, then after each
+        live, sizes = {}, {}  # key -> (segment, allocation index); allocation -> bytes
+        for event in events:
+            if event[0] == "mark":
+                labels.append(event[1])
+                segments.append([])
+                continue
+            if event[0] == "malloc":
+                if event[1] in live:  # a storage replaced under the same key
+                    segments[-1].append(("free", live[event[1]]))
+                allocation = (len(segments) - 1, sum(e[0] == "malloc" for e in segments[-1]))
+                live[event[1]], sizes[allocation] = allocation, event[2]
+                segments[-1].append(("malloc", allocation))
+            elif event[1] in live:
+                segments[-1].append(("free", live.pop(event[1])))
+        allocations = [sum(e[0] == "malloc" for e in segment) for segment in segments]
+        index_of = {label: index for index, label in enumerate(labels)}
+        position = {name: index for index, name in enumerate(self.names)}
+        cut_position = {name: index for index, name in enumerate(self.kept)}
+
+        def block_of(label):
+            kind, _, name = (label or "").partition(":")
+            return (kind, name) if name in position else (None, None)
+
+        # The whole step's segments: (its label, the cut segment it copies, its block's name or None).
+        order = []
+        left_out = [name for name in self.names if name not in cut_position]
+        for label in labels:
+            order.append((label, index_of[label], block_of(label)[1]))
+            kind, name = block_of(label)
+            if (kind, name) == ("forward-done", self.kept[-2]):
+                order += [(f"{k}:{block}", index_of[f"{k}:{self.represented_by[block]}"], block)
+                          for block in left_out for k in ("forward", "forward-done")]
+            elif (kind, name) == ("backward-done", self.kept[-1]):
+                order += [(f"{k}:{block}", index_of[f"{k}:{self.represented_by[block]}"], block)
+                          for block in reversed(left_out) for k in ("backward", "backward-done")]
+        whole_index = {label: index for index, (label, _, _) in enumerate(order)}
+
+        def whole_allocation(allocation, block):
+            """The whole step's allocation that a free in ``block``'s copied segment refers to."""
+            segment, number = allocation
+            kind, owner = block_of(labels[segment])
+            if owner is None or block is None:
+                return whole_index[labels[segment]], number
+            source = self.kept[cut_position.get(block, cut_position.get(self.represented_by.get(block)))]
+            target = position[block] + cut_position[owner] - cut_position[source]
+            if not 0 <= target < len(self.names):
+                raise ValueError("a block's free refers past the stack")
+            target_segment = whole_index[f"{kind}:{self.names[target]}"]
+            target_source = order[target_segment][1]
+            target_number = allocations[target_source] - (allocations[segment] - number)
+            if target_number < 0 or sizes.get((target_source, target_number)) != sizes[allocation]:
+                raise ValueError("blocks allocate differently")
+            return target_segment, target_number
+
+        whole = []
+        for index, (label, source, block) in enumerate(order):
+            if label is not None:
+                whole.append(("mark", label))
+            for action, allocation in segments[source]:
+                if action == "malloc":
+                    whole.append(("malloc", (index, allocation[1]), sizes[allocation]))
+                else:
+                    whole.append(("free", whole_allocation(allocation, block)))
+        return whole
+
     @contextlib.contextmanager
     def cut(self):
         """The stack with only the kept blocks, under their own names, for the duration."""
