@@ -195,6 +195,29 @@ def test_a_hugging_face_stack_is_counted_by_a_few_blocks_of_each_kind(case, tmp_
     assert len(set(map(id, calls))) == len(repeated.kept), case
 
 
+def test_a_sliding_window_layers_attention_runs_the_windows_band(tmp_path):
+    """gpt-oss-20b as published, two layers (sliding, full) and a window of 64 over 256 tokens: the
+    sliding layer's attention executes the band, 64 * 64 / 2 + 192 * 64 of the 256 * 256 / 2 scores the
+    full layer's causal attention executes (0.4375 of it); its FLOPs as counted (the square), its
+    parameters and its other work are the full layer's."""
+    import dataclasses
+    import json
+
+    pytest.importorskip("transformers")
+    from rsdp.planner import _models
+    from rsdp.planner._models import next_token_loss
+
+    values = json.loads((Path(__file__).parent / "data" / "configs" / "gpt-oss-20b" / "config.json").read_text())
+    values |= dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    model, loss_fn, _ = _models.build(f"hf:{tmp_path}", {})
+    counts = count(model, find_units(model), torch.zeros(1, 257, dtype=torch.long), loss_fn)
+    sliding, full = counts.units["model.layers.0"], counts.units["model.layers.1"]
+    assert sliding.forward_work.attention_executed_flops == 0.4375 * full.forward_work.attention_executed_flops > 0
+    band = dataclasses.replace(sliding.forward_work, attention_executed_flops=full.forward_work.attention_executed_flops)
+    assert dataclasses.replace(sliding, forward_work=band) == full
+
+
 @given(st.lists(st.integers(0, 3), min_size=5, max_size=40))
 def test_the_cut_keeps_two_middle_blocks_of_each_kind_it_leaves_out_and_the_last_at_a_place_of_its_kind(kinds):
     """The kept prefix holds two middle blocks of every kind a block left out of it is of, and the last

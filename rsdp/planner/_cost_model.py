@@ -103,6 +103,8 @@ alive yet).
 """
 
 import collections
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import itertools
@@ -512,6 +514,9 @@ class _MetaStorages(TorchDispatchMode):
             self.flops += flops
             if packet in _ATTENTION:
                 executed = flops / 2 if _argument(func, args, kwargs, "is_causal") else flops
+                window, keys = _attention_window.get(), args[1].shape[-2]
+                if window is not None and window < keys and _argument(func, args, kwargs, "is_causal"):
+                    executed = flops * (window * window / 2 + (keys - window) * window) / keys**2
                 self.work += Work(attention_flops=flops, attention_executed_flops=executed)
             return
         if func.is_view or packet.__name__.startswith(_NO_TRAFFIC):
@@ -553,6 +558,24 @@ class _MetaStorages(TorchDispatchMode):
 
 _ALLOCATED, _FREED, _MARKED = range(3)
 # Attention ops: their FLOPs run at their own rate (``Work``).
+# A sliding window (each query attends to the last ``window`` keys, itself included) under which the
+# causal attention ops run: a flash kernel runs only the tiles inside it (:func:`attention_window`).
+_attention_window: contextvars.ContextVar[int | None] = contextvars.ContextVar("attention_window", default=None)
+
+
+@contextlib.contextmanager
+def attention_window(window: int | None):
+    """Count the causal attention ops run inside as a sliding window of ``window`` keys (None: the whole
+    causal triangle): their executed FLOPs (``Work.attention_executed_flops``) are the window's band,
+    the triangle of its first ``window`` queries and ``window`` keys for each later one; their FLOPs as
+    ``torch.utils.flop_counter`` counts them (the square) and their memory do not change."""
+    token = _attention_window.set(window)
+    try:
+        yield
+    finally:
+        _attention_window.reset(token)
+
+
 _ATTENTION = {packet for packet in flop_registry if "attention" in getattr(packet, "__name__", "")}
 # Ops that allocate without reading or writing the memory.
 # (``_unsafe_view`` is a view that does not say so.)

@@ -146,21 +146,23 @@ class RepeatedBlocks:
         allocated, the same number of allocations before the end of that block's segment; a storage of
         another size there raises (the count is then made whole)."""
         labels, segments = [None], [[]]  # cut step: the events before the first mark, then after each
+        allocations = [0]  # each segment's number of allocations
         live, sizes = {}, {}  # key -> (segment, allocation index); allocation -> bytes
         for event in events:
             if event[0] == "mark":
                 labels.append(event[1])
                 segments.append([])
+                allocations.append(0)
                 continue
             if event[0] == "malloc":
                 if event[1] in live:  # a storage replaced under the same key
                     segments[-1].append(("free", live[event[1]]))
-                allocation = (len(segments) - 1, sum(e[0] == "malloc" for e in segments[-1]))
+                allocation = (len(segments) - 1, allocations[-1])
+                allocations[-1] += 1
                 live[event[1]], sizes[allocation] = allocation, event[2]
                 segments[-1].append(("malloc", allocation))
             elif event[1] in live:
                 segments[-1].append(("free", live.pop(event[1])))
-        allocations = [sum(e[0] == "malloc" for e in segment) for segment in segments]
         index_of = {label: index for index, label in enumerate(labels)}
         position = {name: index for index, name in enumerate(self.names)}
         cut_position = {name: index for index, name in enumerate(self.kept)}
