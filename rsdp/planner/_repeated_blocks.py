@@ -8,7 +8,8 @@ backward allocate and free above their start, its FLOPs and work, its parameter 
 so are the phases around the stack. The meta-device count (``_cost_model.count``) then runs the model
 with the stack cut to a prefix that holds two middle blocks of every kind (``kept_prefix``) and the
 last block, checks that each kind's two came out identical, and gives every left-out block its kind's
-first middle block's counts. The first and the last block are counted themselves: the first's input
+first middle block's counts; the caching allocator replays the whole stack's events, the left-out
+blocks' copied from that block's (``RepeatedBlocks.whole_step_events``). The first and the last block are counted themselves: the first's input
 and the last's output meet the root's work (embedding, head). When a check fails the model is counted
 whole, so the result is the full count to the byte (``tests/test_planner.py`` pins it, on published
 Hugging Face configs too).
@@ -144,7 +145,9 @@ class RepeatedBlocks:
         representative's, inserted where the whole step runs them. A free of a storage another block
         allocated (its input, its output's gradient) frees the one the block as far from this one
         allocated, the same number of allocations before the end of that block's segment; a storage of
-        another size there raises (the count is then made whole)."""
+        another size there raises (the count is then made whole). A storage of a left-out block that
+        only the root's work would free is never freed (none in the stacks ``tests/test_planner.py``
+        pins, whose replays equal the whole step's)."""
         labels, segments = [None], [[]]  # cut step: the events before the first mark, then after each
         allocations = [0]  # each segment's number of allocations
         live, sizes = {}, {}  # key -> (segment, allocation index); allocation -> bytes
@@ -191,7 +194,7 @@ class RepeatedBlocks:
             kind, owner = block_of(labels[segment])
             if owner is None or block is None:
                 return whole_index[labels[segment]], number
-            source = self.kept[cut_position.get(block, cut_position.get(self.represented_by.get(block)))]
+            source = self.represented_by.get(block, block)  # the kept block whose segment this is
             target = position[block] + cut_position[owner] - cut_position[source]
             if not 0 <= target < len(self.names):
                 raise ValueError("a block's free refers past the stack")
