@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,6 +146,93 @@ def test_counting_four_of_alike_blocks_is_counting_every_block():
             block.register_forward_pre_hook(lambda module, args: calls.append(module))
         assert _cost_model.count(model, units, tokens, _next_token_loss, dtype) == every_block, model
         assert len(set(map(id, calls))) == blocks_run, model
+
+
+# Published configs from tests/data with fewer layers (the count's cost is per op, not per byte), each
+# with some blocks left out of the cut: a dense stack, experts with dense first layers
+# (Qwen2/3-MoE's ``mlp_only_layers``) and every second layer dense (``decoder_sparse_step``), sliding
+# and full attention alternating (gpt-oss's ``layer_types``), and DeepSeek-V3's defaults (multi-head
+# latent attention, ``first_k_dense_replace`` 3).
+_HF_STACKS = {
+    "llama-3.1-8b": dict(num_hidden_layers=6),
+    "qwen3-30b-a3b dense first two": dict(num_hidden_layers=7, mlp_only_layers=[0, 1]),
+    "qwen3-30b-a3b every second dense": dict(num_hidden_layers=8, decoder_sparse_step=2),
+    "gpt-oss-20b": dict(num_hidden_layers=8),
+    "deepseek-v3 defaults": dict(num_hidden_layers=7),
+}
+
+
+@pytest.mark.parametrize("case", list(_HF_STACKS))
+def test_a_hugging_face_stack_is_counted_by_a_few_blocks_of_each_kind(case, tmp_path):
+    """``rsdp plan --model hf:`` models: blocks alike but for ``layer_idx`` are counted by a few of each
+    kind (dense, experts, sliding, full attention) and the rest take their kind's counts; every unit's
+    parameters, FLOPs, work and phases, and the root's, are those of counting every block, to the byte,
+    so every predicted peak, time and traffic is too."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from rsdp.planner import _cost_model, _models
+    from rsdp.planner._models import next_token_loss
+
+    name, _, _ = case.partition(" ")
+    if name == "deepseek-v3":
+        values = transformers.DeepseekV3Config().to_dict()
+    else:
+        values = json.loads((Path(__file__).parent / "data" / "configs" / name / "config.json").read_text())
+    values |= _HF_STACKS[case]
+    if "layer_types" in values:
+        values["layer_types"] = values["layer_types"][: values["num_hidden_layers"]]
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    model, loss_fn, _ = _models.build(f"hf:{tmp_path}", {})
+    units, tokens = find_units(model), torch.zeros(1, 17, dtype=torch.long)
+    every_block = _cost_model.count_step(_cost_model.meta_copy(model, torch.bfloat16), units, tokens.to("meta"), loss_fn)
+    repeated = _cost_model.repeated_blocks(model, units)
+    assert repeated is not None and len(repeated.kept) < len(repeated.names), case
+    calls = []
+    for block in model.model.layers:
+        block.register_forward_pre_hook(lambda module, args: calls.append(module))
+    assert _cost_model.count(model, units, tokens, loss_fn, torch.bfloat16) == every_block, case
+    assert len(set(map(id, calls))) == len(repeated.kept), case
+
+
+def test_a_sliding_window_layers_attention_runs_the_windows_band(tmp_path):
+    """gpt-oss-20b as published, two layers (sliding, full) and a window of 64 over 256 tokens: the
+    sliding layer's attention executes the band, 64 * 64 / 2 + 192 * 64 of the 256 * 256 / 2 scores the
+    full layer's causal attention executes (0.4375 of it); its FLOPs as counted (the square), its
+    parameters and its other work are the full layer's."""
+    import dataclasses
+    import json
+
+    pytest.importorskip("transformers")
+    from rsdp.planner import _models
+    from rsdp.planner._models import next_token_loss
+
+    values = json.loads((Path(__file__).parent / "data" / "configs" / "gpt-oss-20b" / "config.json").read_text())
+    values |= dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    model, loss_fn, _ = _models.build(f"hf:{tmp_path}", {})
+    counts = count(model, find_units(model), torch.zeros(1, 257, dtype=torch.long), loss_fn)
+    sliding, full = counts.units["model.layers.0"], counts.units["model.layers.1"]
+    assert sliding.forward_work.attention_executed_flops == 0.4375 * full.forward_work.attention_executed_flops > 0
+    band = dataclasses.replace(sliding.forward_work, attention_executed_flops=full.forward_work.attention_executed_flops)
+    assert dataclasses.replace(sliding, forward_work=band) == full
+
+
+@given(st.lists(st.integers(0, 3), min_size=5, max_size=40))
+def test_the_cut_keeps_two_middle_blocks_of_each_kind_it_leaves_out_and_the_last_at_a_place_of_its_kind(kinds):
+    """The kept prefix holds two middle blocks of every kind a block left out of it is of, and the last
+    block runs where a block of its own kind ran (a forward reading per-position values by its loop
+    index hands it its own kind's); where no such prefix leaves a block out, there is no cut."""
+    from rsdp.planner._repeated_blocks import kept_prefix
+
+    prefix = kept_prefix(kinds)
+    if prefix is None:
+        return
+    assert 1 < prefix < len(kinds) - 1 and kinds[prefix] == kinds[-1]
+    for kind in set(kinds[prefix:-1]):
+        assert kinds[1:prefix].count(kind) >= 2
+    for kind in set(kinds[1:-1]) - set(kinds[prefix:-1]):
+        assert kind in kinds[1:prefix]
 
 
 def untied_lm(vocab: int, dim: int, hidden: int, layers: int) -> TinyLM:

@@ -7,7 +7,7 @@ activations, their gradients, the logits, the loss's temporaries, each phase's c
 CPU run of the same step allocates them (storages counted as ``MemoryTracker`` counts them; parameter
 gradients are dropped as they are made, since where they live is the strategy's business). One run
 counts all of it (the phases come from a log of the step's allocations, replayed without the ones that
-became parameter gradients), and a stack of alike blocks runs cut to four of them (``_repeated_blocks``).
+became parameter gradients), and a stack of blocks runs cut to a few of each kind (``_repeated_blocks``).
 
 Estimating. A :class:`CostModel` adds what each strategy allocates for the parameters, as FSDP2,
 torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on one rank, W the world):
@@ -103,6 +103,8 @@ alive yet).
 """
 
 import collections
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import itertools
@@ -512,6 +514,9 @@ class _MetaStorages(TorchDispatchMode):
             self.flops += flops
             if packet in _ATTENTION:
                 executed = flops / 2 if _argument(func, args, kwargs, "is_causal") else flops
+                window, keys = _attention_window.get(), args[1].shape[-2]
+                if window is not None and window < keys and _argument(func, args, kwargs, "is_causal"):
+                    executed = flops * (window * window / 2 + (keys - window) * window) / keys**2
                 self.work += Work(attention_flops=flops, attention_executed_flops=executed)
             return
         if func.is_view or packet.__name__.startswith(_NO_TRAFFIC):
@@ -553,6 +558,24 @@ class _MetaStorages(TorchDispatchMode):
 
 _ALLOCATED, _FREED, _MARKED = range(3)
 # Attention ops: their FLOPs run at their own rate (``Work``).
+# A sliding window (each query attends to the last ``window`` keys, itself included) under which the
+# causal attention ops run: a flash kernel runs only the tiles inside it (:func:`attention_window`).
+_attention_window: contextvars.ContextVar[int | None] = contextvars.ContextVar("attention_window", default=None)
+
+
+@contextlib.contextmanager
+def attention_window(window: int | None):
+    """Count the causal attention ops run inside as a sliding window of ``window`` keys (None: the whole
+    causal triangle): their executed FLOPs (``Work.attention_executed_flops``) are the window's band,
+    the triangle of its first ``window`` queries and ``window`` keys for each later one; their FLOPs as
+    ``torch.utils.flop_counter`` counts them (the square) and their memory do not change."""
+    token = _attention_window.set(window)
+    try:
+        yield
+    finally:
+        _attention_window.reset(token)
+
+
 _ATTENTION = {packet for packet in flop_registry if "attention" in getattr(packet, "__name__", "")}
 # Ops that allocate without reading or writing the memory.
 # (``_unsafe_view`` is a view that does not say so.)
@@ -584,8 +607,8 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
     ``param_dtype`` (a mixed-precision policy's: the floating parameters are cast to it, so the
     activations are in it as FSDP2's and rsdp's compute makes them; parameter bytes are still counted
     in the model's own dtype). Activation checkpointing applied to ``model`` is counted as it runs:
-    what its regions save, and their recomputation in backward. A stack of alike blocks is counted
-    by four of them (``_repeated_blocks``), to the byte what counting all of them gives."""
+    what its regions save, and their recomputation in backward. A stack of blocks is counted by a
+    few of each kind (``_repeated_blocks``), to the byte what counting all of them gives."""
     batch = batch.to("meta")
     repeated = repeated_blocks(model, units)
     if repeated is not None:
@@ -593,10 +616,10 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
         with repeated.cut():  # copied cut: a 70B model's 80 blocks take seconds to copy
             meta = meta_copy(model, param_dtype)
         try:
-            counted = count_step(meta, kept, batch, loss_fn)
+            counted = count_step(meta, kept, batch, loss_fn, repeated.whole_step_events)
         except Exception:  # a forward that needs every block (indexes its stack): counted whole below
             counted = None
-        if counted is not None and _alike(counted, *repeated.compared):
+        if counted is not None and all(_alike(counted, *pair) for pair in repeated.compared):
             return _with_every_block(counted, units, repeated.representative)
     return count_step(meta_copy(model, param_dtype), units, batch, loss_fn)
 
@@ -639,10 +662,11 @@ def _with_every_block(counts: Counts, units: list[str], representative) -> Count
     )
 
 
-def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) -> Counts:
+def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, whole_step=None) -> Counts:
     """:func:`count`'s one training step of ``meta`` (on the meta device): each part's forward FLOPs and
     parameters, and the step's phases without the parameters' gradients, which are the strategies' to
-    count (whole, sharded, or one shard at a time)."""
+    count (whole, sharded, or one shard at a time). ``whole_step`` (a cut stack's
+    ``RepeatedBlocks.whole_step_events``) turns the step's allocator events into the whole stack's."""
     counter = _StepCounter(meta, units, batch, loss_fn)
     handles = counter.hooks()
     try:
@@ -652,18 +676,27 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn) 
         for handle in handles:
             handle.remove()
     timeline.relevel(counter.storages.levels(counter.gradients))
-    reserved = tuple(_allocator_factor(counter.storages.log, counter.gradients, expandable) for expandable in (False, True))
+    events = _allocator_events(counter.storages.log, counter.gradients, timeline.order)
+    if whole_step is not None:
+        events = whole_step(events)
+    reserved = tuple(_allocator_factor(events, expandable) for expandable in (False, True))
     return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved)
 
 
-def _allocator_factor(log: list[tuple], skipped: set[int], expandable_segments: bool) -> float:
-    """The caching allocator's reserved peak over the allocated peak for the step's allocations (without
-    the parameters' gradients, numbered in ``skipped``), as ``_allocator`` replays them."""
-    events = [
-        ("malloc", event[2], event[3]) if event[0] == _ALLOCATED else ("free", event[1])
-        for event in log if event[0] != _MARKED and not (event[0] == _ALLOCATED and event[1] in skipped)
+def _allocator_events(log: list[tuple], skipped: set[int], marks: list[str]) -> list[tuple]:
+    """The step's allocations (without the parameters' gradients, numbered in ``skipped``) and frees as
+    ``_allocator`` replays them, with its marks (``("mark", label)``)."""
+    labels = iter(marks)
+    return [
+        ("mark", next(labels)) if event[0] == _MARKED else ("malloc", event[2], event[3]) if event[0] == _ALLOCATED
+        else ("free", event[1])
+        for event in log if not (event[0] == _ALLOCATED and event[1] in skipped)
     ]
-    allocated, reserved = reserved_peak(events, expandable_segments)
+
+
+def _allocator_factor(events: list[tuple], expandable_segments: bool) -> float:
+    """The caching allocator's reserved peak over the allocated peak for ``events``."""
+    allocated, reserved = reserved_peak([event for event in events if event[0] != "mark"], expandable_segments)
     return reserved / allocated if allocated else 1.0
 
 

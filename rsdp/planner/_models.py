@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 
 from .._compat import TorchDispatchMode, flash_attention_op
+from ._cost_model import attention_window
 
 AC_MODES = ("none", "selective", "full")
 
@@ -68,9 +69,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return flash_attention_op(q, k, v, is_causal=True, scale=scale)[0][..., :value_dim]
 
 
-def _hf_flash_count(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Hugging Face's attention interface (``attn_implementation``): output ``(batch, seq, heads, dim)``."""
-    return flash_attention(query, key, value, scaling).transpose(1, 2), None
+def _hf_flash_count(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+    """Hugging Face's attention interface (``attn_implementation``): output ``(batch, seq, heads, dim)``;
+    a sliding-window layer's (gpt-oss, Mistral, Qwen2, Gemma: ``sliding_window``) executed FLOPs are its
+    window's band."""
+    with attention_window(sliding_window):
+        return flash_attention(query, key, value, scaling).transpose(1, 2), None
 
 
 @torch.library.custom_op("rsdp_planner::grouped_mm", mutates_args=())
