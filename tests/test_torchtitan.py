@@ -38,6 +38,7 @@ RTOL = 2e-4
 LAUNCH_TIMEOUT_S = 600
 _launches = itertools.count()
 AUTO_BUDGETS_MIB = (61, 75)  # a mixed plan and one that is all replicate but for the embedding (see the test)
+AUTO_GROUPS_BUDGET_MIB = 61  # a plan with rsdp modules in them, in rings of groups
 BF16_RTOL = 5e-4  # bf16 compute; the measured gap is under 1e-4
 BF16_SEQ_LEN = 16  # bf16 matmuls are several times slower than fp32 ones on CPU; what is compared does not need 64
 STEP_LOG = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
@@ -150,15 +151,17 @@ def test_strategy_trains_like_torchtitan_fsdp(workdir, torchtitan_fsdp, flags):
     assert_losses_match(losses, torchtitan_fsdp)
 
 
-@pytest.mark.parametrize("budget_mib", AUTO_BUDGETS_MIB)
-def test_auto_plans_hold_their_budget_and_train_like_torchtitan_fsdp(workdir, torchtitan_fsdp, budget_mib):
+@pytest.mark.parametrize("budget_mib,group", [(budget, 1) for budget in AUTO_BUDGETS_MIB] + [(AUTO_GROUPS_BUDGET_MIB, 2)])
+def test_auto_plans_hold_their_budget_and_train_like_torchtitan_fsdp(workdir, torchtitan_fsdp, budget_mib, group):
     """dp_strategy=auto plans with the cost model, whose peak bounds what a step measures: every step of
     the plan holds at most the budget (parameters, optimizer state and the step's peak, the most of
     any rank, as --parallelism.dp_measure_memory logs it). These budgets were exceeded before the cost
     model counted FSDP2's carried buffers and the optimizer step (61 -> 65.2, 75 -> 79.4, 100 -> 107.7).
-    The plan trains as torchtitan's FSDP does."""
-    flags = ["--parallelism.dp_strategy=auto", f"--parallelism.dp_memory_budget={budget_mib}MiB", "--parallelism.dp_measure_memory"]
-    output = launch_training(workdir, f"auto-{budget_mib}", *from_seed(workdir), *flags)
+    With --parallelism.dp_ring_group_size 2 it plans its rsdp modules in rings of groups of 2 (on 2
+    ranks one group: each ring one all-gather), as they run. The plan trains as torchtitan's FSDP does."""
+    flags = ["--parallelism.dp_strategy=auto", f"--parallelism.dp_memory_budget={budget_mib}MiB", "--parallelism.dp_measure_memory",
+             f"--parallelism.dp_ring_group_size={group}"]
+    output = launch_training(workdir, f"auto-{budget_mib}-g{group}", *from_seed(workdir), *flags)
     losses = logged_losses(output)
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert_losses_match(losses, torchtitan_fsdp)
@@ -168,7 +171,10 @@ def test_auto_plans_hold_their_budget_and_train_like_torchtitan_fsdp(workdir, to
     assert len(logged) == STEPS and output.count("rsdp: dp_strategy=auto planned") == 1, "logged once, not per rank"
     assert "torchtitan's chunked loss in 8 chunks" in output, "the config's loss is what the plan counts"
 
-    print(f"budget {budget_mib} MiB: measured per step {measured}")
+    planned_groups = set(re.findall(r"\| rsdp g=(\d+) \|", output))
+    assert planned_groups == (set() if group == 1 else {str(group)}), output[-3000:]
+
+    print(f"budget {budget_mib} MiB, ring group size {group}: measured per step {measured}")
     assert max(measured.values()) <= budget_mib, (measured, output[-3000:])
 
 
@@ -225,7 +231,6 @@ def test_a_failing_rank_fails_the_launch_with_its_error(workdir):
         (dict(dp_strategy="rsdp", dp_memory_budget="60GiB"), "would do nothing with dp_strategy=rsdp: only dp_strategy=auto"),
         (dict(dp_hardware="h100-pcie"), "parallelism.dp_hardware: .* neither a preset"),
         (dict(dp_ring_group_size=0), "dp_ring_group_size=0 must be a positive integer"),
-        (dict(dp_strategy="auto", dp_memory_budget="60GiB", dp_ring_group_size=2), "dp_ring_group_size=2 with dp_strategy=auto"),
     ],
 )
 def test_bad_parallelism_flags_are_named(fields, message):

@@ -11,7 +11,8 @@
   measured); by default the preset matching the device; ``dp_flops_per_s`` / ``dp_bandwidth_bytes_per_s``
   / ``dp_latency_s`` override its numbers;
 - ``dp_measure_memory``: log what each step holds per rank, to check a plan against its budget;
-- ``dp_ring_group_size``: rsdp modules' ring of groups (``rsdp_shard``'s ``ring_group_size``).
+- ``dp_ring_group_size``: rsdp modules' ring of groups (``rsdp_shard``'s ``ring_group_size``; ``auto``
+  plans its rsdp modules in groups of this size).
 
 ``RSDPTrainer`` is torchtitan's Trainer with that config, and the measurement.
 """
@@ -75,7 +76,7 @@ class ParallelismConfig(TorchTitanParallelismConfig):
     dp_ring_group_size: int = 1
     """rsdp modules pass their shards between groups of this many consecutive ranks of the data-parallel
     shard dimension, all-gathered within a group (rsdp_shard's ring_group_size; it divides that
-    dimension's size); 1: a ring of ranks."""
+    dimension's size); 1: a ring of ranks. auto plans its rsdp modules in groups of this size."""
 
     dp_loss_chunks: int = field(default=1, init=False)
     """Not a flag: the run's loss, set by RSDPTrainer (torchtitan's chunked loss's num_chunks, else 1),
@@ -93,12 +94,6 @@ class ParallelismConfig(TorchTitanParallelismConfig):
             raise ValueError(
                 f"parallelism.dp_ring_group_size={self.dp_ring_group_size} must be a positive integer dividing the "
                 "data-parallel shard dimension's size; 1 is a ring of ranks."
-            )
-        if self.dp_strategy == "auto" and self.dp_ring_group_size != 1:
-            raise ValueError(
-                f"parallelism.dp_ring_group_size={self.dp_ring_group_size} with dp_strategy=auto: auto plans rsdp "
-                "as rings of ranks, and groups would hold more than it planned. Pass --parallelism.dp_ring_group_size 1 "
-                "with auto, or name the strategies (dp_strategy rsdp, dp_overrides) to use groups."
             )
         if self.dp_strategy == "auto" and not self.dp_memory_budget:
             raise ValueError(

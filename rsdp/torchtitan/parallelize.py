@@ -141,16 +141,12 @@ def _plan(
     model: nn.Module, parallel_dims: ParallelDims, training: TrainingConfig, parallelism: ParallelismConfig,
     ac_config: ActivationCheckpointingConfig | None, dump_folder: str,
 ):
-    world = _dp_world(parallel_dims)
-    cost_model = parallelism.hardware(world).cost_model(
-        world,
-        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
-        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
-        flops_per_s=parallelism.dp_flops_per_s,
-        bandwidth_bytes_per_s=parallelism.dp_bandwidth_bytes_per_s,
-        latency_s=parallelism.dp_latency_s,
-        allowed_ring_group_sizes=(1,),  # the plan is applied by strategy alone here: flat rings
-    ).with_optimizer(parallelism.dp_optimizer)
+    world, group = _dp_world(parallel_dims), parallelism.dp_ring_group_size
+    hardware = parallelism.hardware(world)
+    try:
+        cost_model = _cost_model(hardware, world, group, training, parallelism)
+    except ValueError as error:
+        raise ValueError(f"parallelism.dp_ring_group_size={group} with dp_strategy=auto: {error}") from None
     sample = torch.zeros(training.local_batch_size, training.seq_len + 1, dtype=torch.long, device="meta")
     counted = torchtitan_moe_for_counting(flash_attention_for_counting(copy.deepcopy(model)))  # on the meta device: no memory
     if ac_config is not None:  # counted as the step will run it: what each block saves and recomputes
@@ -159,6 +155,23 @@ def _plan(
         counted, memory_budget=parallelism.memory_budget_bytes(), sample_input=sample, cost_model=cost_model,
         loss_fn=chunked_next_token_loss(parallelism.dp_loss_chunks) if parallelism.dp_loss_chunks > 1 else next_token_loss,
     )
+
+
+def _cost_model(hardware, world: int, group: int, training: TrainingConfig, parallelism: ParallelismConfig):
+    """auto's cost model of ``world`` ranks of ``hardware``, whose rsdp modules run in rings of groups of
+    ``group`` (the plan is applied with one ``ring_group_size`` for every rsdp module, so the search
+    chooses the strategies for that size alone). Hardware of one level is one machine of ``world``
+    ranks: a group anywhere in it is one of consecutive ranks."""
+    return hardware.cost_model(
+        world,
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        flops_per_s=parallelism.dp_flops_per_s,
+        bandwidth_bytes_per_s=parallelism.dp_bandwidth_bytes_per_s,
+        latency_s=parallelism.dp_latency_s,
+        gpus_per_node=hardware.gpus_per_node or world,
+        allowed_ring_group_sizes=(group,),
+    ).with_optimizer(parallelism.dp_optimizer)
 
 
 def _loss_counted(parallelism: ParallelismConfig) -> str:
