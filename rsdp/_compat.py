@@ -14,7 +14,9 @@ Used in place, not here, as torch's own public code uses them: ``nn.Module``'s `
 """
 
 import contextlib
+import functools
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -94,15 +96,13 @@ _gather_single = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.P
 _scatter_single = getattr(dist.ProcessGroup, "reduce_scatter_single", None) or dist.ProcessGroup._reduce_scatter_base
 
 
-def gather_in_group(group, output: torch.Tensor, input: torch.Tensor) -> None:
-    """``all_gather_flat`` straight on the process group, without ``torch.distributed``'s checks and
-    logging wrapper: a ring of groups runs one at every step. Waits (on CUDA: the stream waits)."""
-    _gather_single(group, output, input, _GATHER_OPTIONS).wait()
-
-
-def sum_scatter_in_group(group, output: torch.Tensor, input: torch.Tensor) -> None:
-    """``reduce_scatter_flat`` (a sum) straight on the process group, as ``gather_in_group``."""
-    _scatter_single(group, output, input, _SCATTER_OPTIONS).wait()
+def group_collectives(group) -> tuple[Callable, Callable]:
+    """``(all_gather, sum_scatter)`` of ``group``: ``all_gather_flat`` and ``reduce_scatter_flat`` (a
+    sum) straight on the process group, without ``torch.distributed``'s checks and logging wrapper, as
+    ``(output, input) -> work`` callables that run no Python frame (C ``functools.partial``s of the
+    process group's own methods): a ring of groups runs one or two at every step. The caller waits
+    (on CUDA: the stream waits)."""
+    return functools.partial(_gather_single, group, opts=_GATHER_OPTIONS), functools.partial(_scatter_single, group, opts=_SCATTER_OPTIONS)
 
 
 def send_and_receive(group, send: torch.Tensor, to: int, receive: torch.Tensor, source: int, tag: int) -> list:
@@ -365,7 +365,6 @@ __all__ = [
     "calling_modules",
     "current_graph_task_id",
     "flatten_mesh",
-    "gather_in_group",
     "flash_attention_op",
     "fully_shard",
     "get_module_state",
@@ -378,6 +377,7 @@ __all__ = [
     "share_fsdp_contexts",
     "sharded_like",
     "gradient_hooks",
+    "group_collectives",
     "local_of",
     "make_wrapper_subclass",
     "tree_flatten",
@@ -387,7 +387,6 @@ __all__ = [
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",
     "reduce_scatter_flat",
-    "sum_scatter_in_group",
     "replicate",
 ]
 

@@ -75,7 +75,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .._compat import current_graph_task_id, gather_in_group, send_and_receive, sum_scatter_in_group
+from .._compat import current_graph_task_id, group_collectives, send_and_receive
 from ._param import ShardLayout, owners_layout
 from ._wire import BlockRegions, Message
 
@@ -155,6 +155,8 @@ class Ring:
         # Group ranks; on a ring of groups the rank at this rank's place in the next group.
         self._down, self._up = (self.rank - group_size) % self.size, (self.rank + group_size) % self.size
         self.within = within_group(group, group_size) if group_size > 1 else None
+        # Its all-gather and reduce-scatter, called with no Python frame of their own (two or three per step).
+        self.within_collectives = group_collectives(self.within) if group_size > 1 else None
         # ``layout(rows)``: how ``rows`` rows split over this ring's owners.
         self.layout: Callable[[int], ShardLayout] = functools.partial(owners_layout, self.owners, group_size)
 
@@ -289,7 +291,7 @@ class _WithinGroup:
     rider (a planned sub-block's ``[partials | weights]`` rings carry none)."""
 
     def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple | None):
-        self.group = ring.within
+        self.all_gather, self.sum_scatter = ring.within_collectives
         size, place = ring.group_size, ring.rank % ring.group_size
         block, staging = scratch[: regions.staging_at], scratch[regions.staging_at :]
         self.gathers, self.unstage = [], []  # (output, input) of each all-gather; (block, staged) copies after
@@ -340,8 +342,9 @@ class _WithinGroup:
         return reductions
 
     def gather(self) -> None:
+        all_gather = self.all_gather
         for output, input in self.gathers:
-            gather_in_group(self.group, output, input)
+            all_gather(output, input).wait()
         for block, staged in self.unstage:
             block.copy_(staged)
 
@@ -355,10 +358,11 @@ class _WithinGroup:
             staged.copy_(block)
         if rider is not None:
             rider.block(step, self.rider_parts)
+        sum_scatter = self.sum_scatter
         for into, summed, mine in self.reductions if into is None else self._reductions(into):
             if add_held:
                 mine.add_(into)
-            sum_scatter_in_group(self.group, into, summed)
+            sum_scatter(into, summed).wait()
 
 
 def _block_and_staged(block: torch.Tensor, by_rank: torch.Tensor, regions: list[tuple[slice, slice]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
