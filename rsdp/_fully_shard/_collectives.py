@@ -56,6 +56,7 @@ import torch.nn as nn
 from .._compat import (
     all_gather_flat,
     current_graph_task_id,
+    dispatch_modes,
     in_backward,
     in_selective_checkpoint,
     local_of,
@@ -332,7 +333,8 @@ class PendingGathers:
     def ring_rider(self, ring, start) -> "_RingAllGather | None":
         """The pending parameters, to all-gather on a forward ring whose first message is ``start``
         (``Ring.circulate``'s), if it is the pass's carrier and shares their group and device."""
-        if in_backward() or in_selective_checkpoint():  # a recomputation, or a replay that needs its ops alike
+        # A recomputation, or a replay that needs its ops alike (builtins first: no frame at every ring).
+        if current_graph_task_id() != -1 or (dispatch_modes() and in_selective_checkpoint()):
             return None
         if isinstance(start, Prefetched) or not self._schedule.carrier() or not self._pending:
             return None

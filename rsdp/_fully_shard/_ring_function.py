@@ -31,6 +31,7 @@ Pitfalls:
   is an explicit graph break (``torch.compiler.disable``), and the code around it compiles as usual.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -122,6 +123,11 @@ class DenseContribution:
         if earlier is not None:
             earlier(shard, partials)
 
+    def starter(self, earlier) -> Callable[[int, list[torch.Tensor]], None]:
+        """``start`` with ``earlier`` bound; ``write`` itself where nothing was kept (a ring of groups
+        starts a partial at every step: one call less each)."""
+        return self.write if earlier is None else functools.partial(self.start, earlier=earlier)
+
     def ahead(self, shard: int, earlier) -> None:
         """While the partial of ``shard`` travels to this rank: its contribution, into the scratch."""
         mine = self._grads.views(self._scratch, shard)
@@ -171,6 +177,10 @@ class SparseContribution:
         self.add(shard, partials)
         if earlier is not None:
             earlier(shard, partials)
+
+    def starter(self, earlier) -> Callable[[int, list[torch.Tensor]], None]:
+        """``start`` with ``earlier`` bound."""
+        return functools.partial(self.start, earlier=earlier)
 
     def arrival(self, ring: Ring, message: Message, first: int, earlier) -> Callable[[int, torch.Tensor], None]:
         """The ring's ``on_arrival``: add the contribution into the partial that arrived."""
@@ -285,8 +295,10 @@ def _reduce_on_ring(
     if ring.group_size > 1:
         # Each step's contribution to a whole block, as a ring of ranks' first partial is made; the ring
         # reduce-scatters it within the group.
+        begin = contribution.starter(earlier)
+
         def fill(shard: int, block: torch.Tensor) -> None:
-            contribution.start(shard, message.views(block, shard, weight_segments), earlier)
+            begin(shard, message.views(block, shard, weight_segments))
 
         start, during = weights.rotation(ring, weights_only) if weight_segments else (_nothing_to_pack, None)
         final = run.turn(start, during, gathered=range(weight_segments), fill=fill)
