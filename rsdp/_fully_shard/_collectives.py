@@ -352,7 +352,7 @@ class PendingGathers:
 
 class _RingAllGather:
     """Pending gathered parameters all-gathered on a forward ring (a ``Rider``): each rank's message
-    carries the segments of the rank whose weight shard it carries (``ring.weight_shard_at``), which
+    carries the segments of the rank whose weight shard it carries (``ring.weight_shards``), which
     every other rank copies as it passes. The full parameters are made when the ring ends."""
 
     reduces = False
@@ -469,7 +469,7 @@ def _finish_batch(batch: list, reduced: torch.Tensor) -> None:
 
 class _RingReduceScatter:
     """Queued gradients reduce-scattered on a backward ring (a ``Rider``): the message a rank holds at
-    step k carries the running sum of shard ``ring.partial_shard_at(k)``'s segment, to which each rank
+    step k carries the running sum of shard ``ring.partial_shards[k]``'s segment, to which each rank
     adds its own contribution as it passes; at the last step it is the owner's, complete. On a ring of
     groups the running sums travel as the partials do, summed within the group at every step."""
 

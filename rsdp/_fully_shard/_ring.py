@@ -148,8 +148,8 @@ class Ring:
         self.rank = dist.get_rank(group)
         self.group_size = group_size
         self.owners, self.owner = owners, owner = self.size // group_size, self.rank // group_size
-        # ``weight_shard_at`` and ``partial_shard_at`` of every step, for ring layers to index at each
-        # step (a lookup, not a call).
+        # Which owner's weight shard a rank holds at each step (``weight_shards[k]``), and whose partial
+        # (``partial_shards[k]``): for ring layers to index at each step (a lookup, not a call).
         self.weight_shards = tuple((owner + step) % owners for step in range(owners))
         self.partial_shards = tuple((owner + 1 + step) % owners for step in range(owners))
         # Group ranks; on a ring of groups the rank at this rank's place in the next group.
@@ -164,12 +164,6 @@ class Ring:
         """Use ``context`` (a ``RingContext``) and its ring buffers (``buffers``, where ring layers lay out
         their messages) from now on."""
         self.context, self.buffers = context, context.buffers
-
-    def weight_shard_at(self, step: int) -> int:
-        return (self.owner + step) % self.owners
-
-    def partial_shard_at(self, step: int) -> int:
-        return (self.owner + 1 + step) % self.owners
 
     def exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int) -> list:
         """Start sending ``send`` down and receiving ``receive`` from up, as one batch; returns the works."""
@@ -196,7 +190,7 @@ class Ring:
         itself). ``start`` is this rank's first message: a byte tensor sent as it is, a function that
         writes it into the buffer it is given, or the first exchange done already (prefetched). At step
         k, ``during(k, block)`` runs while the message held is sent on and the next one received:
-        ``block`` holds owner ``weight_shard_at(k)``'s shards, which on a ring of ranks is the message
+        ``block`` holds owner ``weight_shards[k]``'s shards, which on a ring of ranks is the message
         held, and on a ring of groups the block its group all-gathers (the segments ``gathered``, all
         by default) from the shards its ranks hold. ``on_arrival(k + 1, message)`` then sees the next
         message before it is forwarded. ``region(k)`` is the part of the message that travels at step k
@@ -206,10 +200,10 @@ class Ring:
         contribution to block t into them (before the steps, and in each step that an arrival
         follows); the group sums the contributions by a reduce-scatter, each rank's piece added to the
         partial of its place that travels on toward its owner, so the partial of
-        ``partial_shard_at(k)`` is held at step k and the owner's own at the end. With ``own`` instead
+        ``partial_shards[k]`` is held at step k and the owner's own at the end. With ``own`` instead
         (a planned sub-block's: a contribution to block t needs t's weights) the partials follow the
         weights, ``[partials | weights]``: the partial held at step k >= 1 is that of
-        ``weight_shard_at(k)``, begun at step 1 (step 0 sends no partials: ``region``). As a message
+        ``weight_shards[k]``, begun at step 1 (step 0 sends no partials: ``region``). As a message
         arrives its block is gathered and ``on_arrival(k, block)`` writes this rank's contribution to
         its partials, which the group sums (with the piece that arrived, from step 2 on) before it
         travels on; ``during(0, block)`` writes the contribution to this rank's own group's block,
@@ -496,6 +490,7 @@ class _RingPass:
         be host time at every step of every ring (``benchmarks/host_overhead.py`` counts them)."""
         ring, hops, tag, within, region, boarding_at = self.ring, self.hops, self.tag, self.within, self.region, self.boarding_at
         group, down, up, kept = ring.group, ring._down, ring._up, ring.context.waited_works
+        all_gather = ring.within_collectives[0] if within is not None else None
         buffers, block, fill, own, partial_shards = self.buffers, self.block, self.fill, self.own, ring.partial_shards
         for step in range(ring.owners):
             # Send: the exchange of ``step``, the message held (its ``region``, and what boards it) down,
@@ -522,8 +517,11 @@ class _RingPass:
             try:
                 if within is not None:
                     side = self.side
-                    if step != self.gathered_at:
-                        side.gather()
+                    if step != self.gathered_at:  # ``side.gather()``, written out (a call less a step)
+                        for output, input in side.gathers:
+                            all_gather(output, input).wait()
+                        for block_part, staged in side.unstage:
+                            block_part.copy_(staged)
                     if side.rider_parts is not None and self.reduce_rider is None:
                         self.rider.block(step, side.rider_parts)
                     if during is not None:
@@ -665,17 +663,17 @@ class Rider(typing.Protocol):
     """Data of W segments, one per rank, that travels behind a ring's messages instead of in a
     collective of its own: a collective is another synchronisation of every rank, and with gloo it
     costs several ring exchanges (``benchmarks/collective_latency.py``). At step k a rank's message
-    carries the rider part of shard ``ring.partial_shard_at(k)`` (whose owner it reaches at the last
-    step) or, read the other way, the part that left shard ``ring.weight_shard_at(k)``'s owner k steps
+    carries the rider part of shard ``ring.partial_shards[k]`` (whose owner it reaches at the last
+    step) or, read the other way, the part that left shard ``ring.weight_shards[k]``'s owner k steps
     ago. ``start(region)`` writes this rank's part into its first message, ``arrived(k, region)`` sees
     the part that arrived at step k (before it is sent on), ``finish(region)`` the part held at the end;
     ``region`` is a byte view of ``nbytes``.
 
     On a ring of groups the rider goes with the collectives within the group instead, in ``dtype``:
     an all-gather's (``reduces`` False) with the weights, so that ``block(k, parts)`` sees the parts of
-    the g ranks of group ``ring.weight_shard_at(k)`` as they arrived; a reduce-scatter's (``reduces``)
+    the g ranks of group ``ring.weight_shards[k]`` as they arrived; a reduce-scatter's (``reduces``)
     with the partials, so that ``block(k, parts)`` writes this rank's contributions for the g ranks of
-    group ``ring.partial_shard_at(k)`` into ``parts`` before the group sums them (no ``start`` then,
+    group ``ring.partial_shards[k]`` into ``parts`` before the group sums them (no ``start`` then,
     and no ``arrived``); ``parts`` is ``[g, nbytes]`` bytes, in place order."""
 
     nbytes: int

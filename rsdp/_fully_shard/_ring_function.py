@@ -243,8 +243,13 @@ def ring_backward(
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
     travelling = weights_only if unsynced else message
     if ring.group_size > 1:  # the ring's messages are a rank's shards, the blocks a scratch (``Ring.circulate``)
-        pair = travelling.members.nbytes
-        scratch = max(travelling.block_regions(range(weight_segments)).scratch_nbytes, grads.nbytes if unsynced else 0)
+        # ``circulate`` asks for both (the pair, then the scratch), so nothing is asked first unless the
+        # contributions go to the local accumulators through the scratch before the ring: two requests
+        # less at every synchronised backward ring (host time; the buffers' sizes are the same).
+        pair = scratch = None
+        if unsynced:
+            pair = travelling.members.nbytes
+            scratch = max(travelling.block_regions(range(weight_segments)).scratch_nbytes, grads.nbytes)
     else:
         pair, scratch = message.nbytes, grads.nbytes if contribution.computes_ahead else None
     with layer.driver.run(Phase.BACKWARD, travelling, pair=pair, scratch=scratch) as run:
@@ -275,7 +280,7 @@ def _reduce_on_ring(
     layer: RingLayer, run: RingRun, weights_only: Message, grads: Message, unsynced: list, weights, contribution
 ) -> list[torch.Tensor]:
     """The weights (``weights_only``, the leading segments of the run's message) and the partials
-    (``grads``, the rest) round the ring: the partial of shard ``ring.partial_shard_at(k)`` is held at
+    (``grads``, the rest) round the ring: the partial of shard ``ring.partial_shards[k]`` is held at
     step k and reaches its owner after W-1 hops, reduced. ``unsynced``: what backwards without
     synchronisation kept for each gradient (None where nothing), added on the way."""
     ring, message = layer.ring, run.message
