@@ -28,6 +28,11 @@ messages and bytes per block (``rsdp.memory.CommCounter``).
     python benchmarks/host_overhead.py                 # W=8, 4 blocks, 5 rounds of 20 steps
     python benchmarks/host_overhead.py --ring-group-size 2 --ring-group-size 4
     python benchmarks/host_overhead.py --world 16 --blocks 8 --json out.json
+    python benchmarks/host_overhead.py --clock cpu     # this thread's CPU time: moves less with the load
+
+On a shared machine the wall-clock times follow the load (other processes take the cores);
+``--clock cpu`` times the thread's own CPU time instead (``time.thread_time``), which the load moves
+much less, though caches and frequency still move with it.
 """
 
 import argparse
@@ -191,6 +196,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds; strategies alternate within each")
     parser.add_argument("--ring-group-size", type=int, action="append", default=[], metavar="G",
                         help="add rows for rsdp, with and without the ring plan, on a ring of groups of G ranks (G divides --world); repeatable")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time by the wall clock, or by this thread's CPU time (moves less with the machine's load)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     for group in args.ring_group_size:
@@ -233,18 +240,19 @@ def main() -> None:
         }
     loadavg_before = open("/proc/loadavg").read().split()[:3]
     rounds = {strategy: [] for strategy in models}
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     for _ in range(args.repeats):
         for strategy, model in models.items():
-            start = time.perf_counter()
+            start = clock()
             for _ in range(args.steps):
                 step(model, x)
-            rounds[strategy].append((time.perf_counter() - start) / args.steps)
+            rounds[strategy].append((clock() - start) / args.steps)
     loadavg_after = open("/proc/loadavg").read().split()[:3]
     dist.destroy_process_group()
 
     median = {strategy: statistics.median(times) for strategy, times in rounds.items()}
     print(
-        f"### host time per step, fake process group, W={args.world}, {args.blocks} Llama blocks "
+        f"### host time per step ({'wall clock' if args.clock == 'wall' else 'CPU time of the thread'}), fake process group, W={args.world}, {args.blocks} Llama blocks "
         f"(dim {args.dim}, hidden {args.hidden}, {args.tokens} tokens); loadavg {' '.join(loadavg_before)} -> "
         f"{' '.join(loadavg_after)}\n"
     )

@@ -231,15 +231,17 @@ except ImportError:
     _SELECTIVE_CHECKPOINT_MODES = ()
 
 
-# How many dispatch modes are active (private; every ring step asks, through in_selective_checkpoint).
-_dispatch_stack_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+# How many dispatch modes are active (private): a builtin, so ``dispatch_modes() and
+# in_selective_checkpoint()`` costs no Python frame in the common case (none active), which every ring
+# pass meets several times; where torch lacks it, 1, so that ``in_selective_checkpoint`` decides.
+dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", None) or (lambda: 1)
 
 
 def in_selective_checkpoint() -> bool:
     """Whether selective activation checkpointing records or replays ops now: it matches the ops of a
     recomputation to those of the original forward one by one, so their sequence must not depend on
-    state such as whether a buffer already exists."""
-    if _dispatch_stack_depth is not None and _dispatch_stack_depth() == 0:  # the common case, cheaply
+    state such as whether a buffer already exists. Hot paths ask ``dispatch_modes()`` first."""
+    if dispatch_modes() == 0:  # the common case, cheaply
         return False
     return any(isinstance(mode, _SELECTIVE_CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack())
 
@@ -364,6 +366,7 @@ __all__ = [
     "autocast_dtype",
     "calling_modules",
     "current_graph_task_id",
+    "dispatch_modes",
     "flatten_mesh",
     "flash_attention_op",
     "fully_shard",

@@ -27,7 +27,7 @@ Pitfalls:
 
 import torch
 
-from .._compat import current_graph_task_id, in_backward, in_selective_checkpoint, outside_inference_mode
+from .._compat import current_graph_task_id, dispatch_modes, in_selective_checkpoint, outside_inference_mode
 from ._wire import Message, Segment
 
 
@@ -59,6 +59,8 @@ class RingBuffers:
         # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
         # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
         self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+        # (device, start, stop) -> both message buffers' bytes start:stop (``regions``); a reset drops them.
+        self._regions: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Regions of the message buffers that ``trim`` keeps (the next ring's first exchange, done ahead).
         self._kept: tuple[torch.Tensor, ...] = ()
 
@@ -71,16 +73,30 @@ class RingBuffers:
 
     def pair(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The two message buffers (ping-pong), ``nbytes`` long."""
-        if in_selective_checkpoint():
+        if dispatch_modes() and in_selective_checkpoint():  # (``dispatch_modes`` first: no frame when none is active)
             return _fresh(nbytes, device), _fresh(nbytes, device)
         schedule = self._schedule_now()
         return self._buffer(0, nbytes, device, schedule), self._buffer(1, nbytes, device, schedule)
+
+    def regions(self, pair: tuple[torch.Tensor, torch.Tensor], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pair[0][start:stop], pair[1][start:stop]`` of the message buffers ``pair`` (``pair()``'s, at
+        least ``stop`` long): where a passenger rides, at every exchange that carries one, made once per
+        range (a dispatch each) while the buffers stay; fresh buffers (selective checkpointing's) get
+        fresh ones."""
+        if pair[0].data_ptr() not in self.starts:
+            return pair[0][start:stop], pair[1][start:stop]
+        key = (pair[0].device, start, stop)
+        regions = self._regions.get(key)
+        if regions is None:
+            with outside_inference_mode():
+                regions = self._regions[key] = (pair[0][start:stop], pair[1][start:stop])
+        return regions
 
     def hold(self, nbytes: int, device: torch.device) -> bool:
         """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
         they hold (a prefetched message, for one). Either way the request is recorded in the pass's
         schedule as if made: the next pass of the kind then gives them that much memory from its start."""
-        schedule = self._context.schedules[in_backward()]
+        schedule = self._context.schedules[current_graph_task_id() != -1]  # in backward
         for index in (0, 1):
             schedule.ask(index, nbytes)
         buffers = self._sets.get(device, [None, None])[:2]
@@ -88,7 +104,7 @@ class RingBuffers:
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
-        if in_selective_checkpoint():
+        if dispatch_modes() and in_selective_checkpoint():
             return _fresh(nbytes, device)
         return self._buffer(2, nbytes, device, self._schedule_now())
 
@@ -141,7 +157,7 @@ class RingBuffers:
         weights and partials) must not stay for its last ones (the Embedding's partials). The next
         request makes a freed buffer again, at the size the rest of the backward needs. A buffer that
         holds a region named by ``keep`` keeps it (and what lies before it)."""
-        upcoming = self._context.schedules[True].upcoming() if in_backward() else None
+        upcoming = self._context.schedules[True].upcoming() if current_graph_task_id() != -1 else None  # in backward
         if upcoming is None:
             return
         freed = False
@@ -200,6 +216,7 @@ class RingBuffers:
     def _reset(self) -> None:
         self.generation += 1
         self._prefixes.clear()
+        self._regions.clear()
         self._messages.clear()
 
     @property

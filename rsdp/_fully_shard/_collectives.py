@@ -56,6 +56,7 @@ import torch.nn as nn
 from .._compat import (
     all_gather_flat,
     current_graph_task_id,
+    dispatch_modes,
     in_backward,
     in_selective_checkpoint,
     local_of,
@@ -332,7 +333,8 @@ class PendingGathers:
     def ring_rider(self, ring, start) -> "_RingAllGather | None":
         """The pending parameters, to all-gather on a forward ring whose first message is ``start``
         (``Ring.circulate``'s), if it is the pass's carrier and shares their group and device."""
-        if in_backward() or in_selective_checkpoint():  # a recomputation, or a replay that needs its ops alike
+        # A recomputation, or a replay that needs its ops alike (builtins first: no frame at every ring).
+        if current_graph_task_id() != -1 or (dispatch_modes() and in_selective_checkpoint()):
             return None
         if isinstance(start, Prefetched) or not self._schedule.carrier() or not self._pending:
             return None
@@ -350,7 +352,7 @@ class PendingGathers:
 
 class _RingAllGather:
     """Pending gathered parameters all-gathered on a forward ring (a ``Rider``): each rank's message
-    carries the segments of the rank whose weight shard it carries (``ring.weight_shard_at``), which
+    carries the segments of the rank whose weight shard it carries (``ring.weight_shards``), which
     every other rank copies as it passes. The full parameters are made when the ring ends."""
 
     reduces = False
@@ -467,7 +469,7 @@ def _finish_batch(batch: list, reduced: torch.Tensor) -> None:
 
 class _RingReduceScatter:
     """Queued gradients reduce-scattered on a backward ring (a ``Rider``): the message a rank holds at
-    step k carries the running sum of shard ``ring.partial_shard_at(k)``'s segment, to which each rank
+    step k carries the running sum of shard ``ring.partial_shards[k]``'s segment, to which each rank
     adds its own contribution as it passes; at the last step it is the owner's, complete. On a ring of
     groups the running sums travel as the partials do, summed within the group at every step."""
 

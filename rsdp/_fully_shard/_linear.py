@@ -63,10 +63,15 @@ class _Stacked:
         return first.as_strided((self.width, *trailing), (math.prod(trailing), *first.stride()[1:]), first.storage_offset())
 
     def rows_of(self, views: Views, index: int, transposed: bool = False) -> torch.Tensor:
-        """``rows`` of ``views[index]`` (transposed, as a GEMM takes a weight), made once per view."""
+        """``rows`` of ``views[index]`` (transposed, as a GEMM takes a weight), made once per view (read
+        from ``Views.known`` first: one call less at every ring step)."""
+        key = ("stacked.t" if transposed else "stacked", index, self.width)
+        rows = views.known.get(key)
+        if rows is not None:
+            return rows
         if transposed:
-            return views.derived(("stacked.t", index, self.width), lambda views: self.rows(views[index]).t())
-        return views.derived(("stacked", index, self.width), lambda views: self.rows(views[index]))
+            return views.derived(key, lambda views: self.rows(views[index]).t())
+        return views.derived(key, lambda views: self.rows(views[index]))
 
     def spread(self, outputs: list[torch.Tensor]) -> torch.Tensor:
         """``[tokens, W, width]`` laid out like the products, holding ``outputs`` (every member's
@@ -85,14 +90,18 @@ class _Stacked:
                 columns.copy_(whole.view(tokens, world, layout.chunk))
         return spread
 
-    def copy_member(self, out: torch.Tensor, products: torch.Tensor, member: int) -> None:
-        """Member ``member``'s ``[tokens, out_features]`` columns of ``products`` into ``out``."""
+    def member_output(self, products: torch.Tensor, member: int, leading: torch.Size) -> torch.Tensor:
+        """Member ``member``'s output, ``[*leading, out_features]``: its columns of ``products``, copied
+        into a fresh tensor by the copy itself (no output made first and viewed: two ops less a member).
+        ``reshape`` copies columns it cannot view into a tensor that is no view; columns it can view
+        (a ring of one owner, one token) are cloned: an autograd Function's output that is a view may
+        not be modified in place, and a stock Linear's may."""
         layout, start = self.layouts[member], self.offsets[member]
         columns = products[:, :, start : start + layout.chunk]
-        if layout.chunk * layout.world == layout.rows:
-            out.view(out.shape[0], layout.world, layout.chunk).copy_(columns)
-        else:
-            out.copy_(columns.reshape(out.shape[0], layout.world * layout.chunk)[:, : layout.rows])
+        if layout.chunk * layout.world != layout.rows:
+            columns = columns.reshape(products.shape[0], layout.world * layout.chunk)[:, : layout.rows]
+        out = columns.reshape(*leading, layout.rows)
+        return out if out._base is None else out.clone()
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,19 +186,18 @@ class _GroupForward:
     def rotate(self) -> tuple[torch.Tensor, ...]:
         """The group's outputs, from one ring."""
         layer, ring, x2d, stacked = self.layer, self.ring, self.x2d, self.stacked
-        outs = [x2d.new_empty(*self.x_shape[:-1], rows) for rows in self.out_features]
-        outs2d = [out.view(-1, rows) for out, rows in zip(outs, self.out_features)]
         # Every shard's output block, split once (one op) rather than sliced at each step.
         if stacked is None:
-            self.columns = outs2d[0].split_with_sizes(self.layouts[0].sizes, 1)
+            (rows,) = self.out_features
+            out = x2d.new_empty(*self.x_shape[:-1], rows)
+            self.columns = out.view(-1, rows).split_with_sizes(self.layouts[0].sizes, 1)
         else:
             products = x2d.new_empty(x2d.shape[0], ring.owners, stacked.width)
             self.columns = products.unbind(1)
         layer.driver.forward(self.message, self.during, [self.params[index] for index in self.order])
-        if stacked is not None:
-            for member, out in enumerate(outs2d):
-                stacked.copy_member(out, products, member)
-        return tuple(outs)
+        if stacked is None:
+            return (out,)
+        return tuple([stacked.member_output(products, member, self.x_shape[:-1]) for member in range(len(self.out_features))])
 
     def during(self, step: int, buffer: torch.Tensor) -> None:
         """The products of the shard held at ``step`` (in ``buffer``), into their output columns."""
@@ -291,6 +299,7 @@ class _GroupBackward:
         if known.splits_dy_t:
             self.dys_split_t = [dy.t().split_with_sizes(layout.sizes, 0) for dy, layout in zip(dys, known.layouts)]
         self.grad_x = torch.zeros_like(x2d) if ctx.needs_input_grad[0] else None
+        self.in_place = dtype == reduce_dtype  # the weight gradient's GEMM writes the partials' dtype
 
     def pack_weights(self, views: list[torch.Tensor]) -> None:
         for view, weight in zip(views, self.weights):
@@ -306,7 +315,11 @@ class _GroupBackward:
 
     def contribute(self, shard: int, views: Views) -> None:
         if self.stacked:
-            write_product(self.group.rows_of(views, 0), self.dy_shards_t[shard], self.x2d)
+            rows = self.group.rows_of(views, 0)
+            if self.in_place:  # the GEMM writes the partials' dtype: ``write_product``'s case, with no call of it
+                torch.mm(self.dy_shards_t[shard], self.x2d, out=rows)
+            else:
+                write_product(rows, self.dy_shards_t[shard], self.x2d)
             if self.stacked_biases:
                 self.group.rows_of(views, len(self.layouts)).copy_(self.dy_shards[shard].sum(0))
                 return

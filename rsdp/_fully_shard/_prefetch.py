@@ -56,7 +56,7 @@ import math
 
 import torch
 
-from .._compat import in_backward, in_selective_checkpoint
+from .._compat import current_graph_task_id, dispatch_modes, in_selective_checkpoint
 from ._wire import Message
 from ._ring import Phase, Prefetched, Ring
 
@@ -141,7 +141,7 @@ class RingPrefetch:
             self._context.end_with_backward(self)
         self.schedule.ring(tag, message.segments, first, message.members.nbytes)
         prefetched = self._take()
-        prefetchable = tensors is not None and ring.owners > 1 and not in_selective_checkpoint()
+        prefetchable = tensors is not None and ring.owners > 1 and not (dispatch_modes() and in_selective_checkpoint())
         first_message = _FirstMessage(ring, message, tensors, first) if prefetchable else None
         self._first_messages[tag] = first_message
         if prefetched is None:
@@ -156,7 +156,8 @@ class RingPrefetch:
         """The next ring's first message, for ``ring``'s last exchange to carry (``Ring.circulate``'s
         ``carry_next``), if the schedule says which ring that is and it shares ``ring``'s group and
         group size (the same neighbour) and device. Called as a ring of this prefetch's kind starts."""
-        if in_backward() != self.backward or in_selective_checkpoint():
+        # (Builtins first: no Python frame in the common case, at every ring.)
+        if (current_graph_task_id() != -1) != self.backward or (dispatch_modes() and in_selective_checkpoint()):
             return None
         if self.backward and ring.owners < 4:  # the deferred hop the next ring would carry has no place
             return None
@@ -200,6 +201,6 @@ def ring_begins(
     """A ring of ``phase`` begins (see ``RingPrefetch.begin``): it is one of the pass running, and a
     forward ring recomputed in backward (activation checkpointing) is one of the backward's, which
     takes no prefetch (it would overwrite one made for the ring after it)."""
-    if not in_backward():
+    if current_graph_task_id() == -1:  # not in backward (a builtin: no frame, at every ring)
         return ring.context.forward_prefetch.begin(ring, tag, message, tensors, first)
     return ring.context.backward_prefetch.begin(ring, tag, message, tensors if phase is Phase.BACKWARD else None, first)

@@ -148,8 +148,8 @@ class Ring:
         self.rank = dist.get_rank(group)
         self.group_size = group_size
         self.owners, self.owner = owners, owner = self.size // group_size, self.rank // group_size
-        # ``weight_shard_at`` and ``partial_shard_at`` of every step, for ring layers to index at each
-        # step (a lookup, not a call).
+        # Which owner's weight shard a rank holds at each step (``weight_shards[k]``), and whose partial
+        # (``partial_shards[k]``): for ring layers to index at each step (a lookup, not a call).
         self.weight_shards = tuple((owner + step) % owners for step in range(owners))
         self.partial_shards = tuple((owner + 1 + step) % owners for step in range(owners))
         # Group ranks; on a ring of groups the rank at this rank's place in the next group.
@@ -164,12 +164,6 @@ class Ring:
         """Use ``context`` (a ``RingContext``) and its ring buffers (``buffers``, where ring layers lay out
         their messages) from now on."""
         self.context, self.buffers = context, context.buffers
-
-    def weight_shard_at(self, step: int) -> int:
-        return (self.owner + step) % self.owners
-
-    def partial_shard_at(self, step: int) -> int:
-        return (self.owner + 1 + step) % self.owners
 
     def exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int) -> list:
         """Start sending ``send`` down and receiving ``receive`` from up, as one batch; returns the works."""
@@ -196,7 +190,7 @@ class Ring:
         itself). ``start`` is this rank's first message: a byte tensor sent as it is, a function that
         writes it into the buffer it is given, or the first exchange done already (prefetched). At step
         k, ``during(k, block)`` runs while the message held is sent on and the next one received:
-        ``block`` holds owner ``weight_shard_at(k)``'s shards, which on a ring of ranks is the message
+        ``block`` holds owner ``weight_shards[k]``'s shards, which on a ring of ranks is the message
         held, and on a ring of groups the block its group all-gathers (the segments ``gathered``, all
         by default) from the shards its ranks hold. ``on_arrival(k + 1, message)`` then sees the next
         message before it is forwarded. ``region(k)`` is the part of the message that travels at step k
@@ -206,10 +200,10 @@ class Ring:
         contribution to block t into them (before the steps, and in each step that an arrival
         follows); the group sums the contributions by a reduce-scatter, each rank's piece added to the
         partial of its place that travels on toward its owner, so the partial of
-        ``partial_shard_at(k)`` is held at step k and the owner's own at the end. With ``own`` instead
+        ``partial_shards[k]`` is held at step k and the owner's own at the end. With ``own`` instead
         (a planned sub-block's: a contribution to block t needs t's weights) the partials follow the
         weights, ``[partials | weights]``: the partial held at step k >= 1 is that of
-        ``weight_shard_at(k)``, begun at step 1 (step 0 sends no partials: ``region``). As a message
+        ``weight_shards[k]``, begun at step 1 (step 0 sends no partials: ``region``). As a message
         arrives its block is gathered and ``on_arrival(k, block)`` writes this rank's contribution to
         its partials, which the group sums (with the piece that arrived, from step 2 on) before it
         travels on; ``during(0, block)`` writes the contribution to this rank's own group's block,
@@ -227,20 +221,7 @@ class Ring:
         first message); a deferred hop it cannot take goes alone before its first exchange.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
-        ring_pass = _RingPass(self, message, tag, start, region, carry_next, rider, gathered, fill, own)
-        grouped = ring_pass.within is not None
-        for step in range(self.owners):
-            ring_pass.send(step)
-            try:
-                if grouped:
-                    ring_pass.use_block(step, during)
-                elif during is not None:
-                    during(step, ring_pass.current)
-            except BaseException:
-                drain(ring_pass.works, self.context.waited_works)
-                raise
-            ring_pass.receive(step, on_arrival)
-        return ring_pass.finish()
+        return _RingPass(self, message, tag, start, region, carry_next, rider, gathered, fill, own).run(during, on_arrival)
 
     def _within(self, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple | None) -> "_WithinGroup":
         """The collectives within the group for the message ``held`` (in the ring buffers: at the start
@@ -279,7 +260,7 @@ class _WithinGroup:
     """What a ring of groups does within its group with one message ``held`` (this rank's shards) and
     the scratch (the block, and the staging area behind it): ``gathers`` all-gather the group's shards
     of the gathered segments into the block, or into the staging area that ``unstage`` copies to the
-    block (``_RingPass.use_block`` runs them, at every step); ``reduce`` sums the group's contributions to the partials
+    block (``_RingPass.run`` runs them, at every step); ``reduce`` sums the group's contributions to the partials
     in the block into ``held``'s, each rank's piece at its place. Several segments go in one
     collective, staged rank-major (``_wire.BlockRegions``); partials of several dtypes go one by one.
 
@@ -293,7 +274,10 @@ class _WithinGroup:
     def __init__(self, ring: Ring, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple | None):
         self.all_gather, self.sum_scatter = ring.within_collectives
         size, place = ring.group_size, ring.rank % ring.group_size
-        block, staging = scratch[: regions.staging_at], scratch[regions.staging_at :]
+        # ``block``: the scratch's block (to the staging area's start, past the message's padded end),
+        # made here once rather than by every ring that uses it.
+        self.block = block = scratch[: regions.staging_at]
+        staging = scratch[regions.staging_at :]
         self.gathers, self.unstage = [], []  # (output, input) of each all-gather; (block, staged) copies after
         self.rider_parts = None
         reduced_as = None if rider is None else rider[2]
@@ -414,10 +398,10 @@ class _RingPass:
     exchange in flight (``works``), what rides it (rider, passengers) and, on a ring of groups, the
     collectives within the group (``within``, per message held) and the scratch that holds the block.
 
-    Step k ``send``s the message held (the part ``region(k)`` says) and starts receiving the next into
-    the other buffer, except at the last step and at a prefetched ring's first (done ahead); on a ring
-    of groups ``use_block`` then gathers the block and runs the step on it; after the step's
-    computation, ``receive`` waits, makes the arrived message ``current``, reduce-scatters a ring of
+    Step k (``run``) sends the message held (the part ``region(k)`` says) and starts receiving the next
+    into the other buffer, except at the last step and at a prefetched ring's first (done ahead); on a
+    ring of groups it then gathers the block and runs the step on it; after the step's computation it
+    receives: waits, makes the arrived message ``current``, reduce-scatters a ring of
     groups' contributions into it (where the partials follow the weights, ``own``: after gathering its
     block and letting ``on_arrival`` contribute), and shows it to ``on_arrival``, the rider and the
     passengers that alight."""
@@ -454,6 +438,7 @@ class _RingPass:
         self.held = None  # which of ``buffers`` holds ``current``, if one does
         self.arriving_rider = None if grouped else rider  # a ring of groups' rider comes with its collectives
         self.within, self.reduce_rider, self.own = None, None, own
+        self.block = self.fill = None  # a ring of groups' (``_within_group``)
         if grouped:
             self._within_group(message, nbytes, gathered, fill)
         if self.prefetched:
@@ -486,8 +471,8 @@ class _RingPass:
             staged = nbytes - (regions.partials_start if rider.reduces and regions.partials else 0)
             scratch_nbytes = max(scratch_nbytes, regions.staging_at + ring.group_size * staged)
         self.scratch = ring.buffers.scratch(scratch_nbytes, ring.device)
-        self.block = self.scratch[: message.nbytes]
         self.within = ring._within_pair(regions, self.buffers, self.scratch, self.rider_key)
+        self.block = self.within[0].block
         self.reduces = bool(self.within[0].reductions)
         self.gathered_at = None  # the step whose block was gathered as its message arrived (``own``)
 
@@ -499,72 +484,86 @@ class _RingPass:
             return self.within[held]
         return self.ring._within(self.regions, self.current, self.scratch, self.rider_key)
 
-    def use_block(self, step: int, during: Callable[[int, torch.Tensor], None] | None) -> None:
-        """A ring of groups' step: the group's all-gather of the shards held into the block (the
-        rider's parts with them), the step's computation on it, and the contribution to the partial
-        that arrives next."""
-        within = self.side
-        if step != self.gathered_at:
-            within.gather()
-        if within.rider_parts is not None and self.reduce_rider is None:
-            self.rider.block(step, within.rider_parts)
-        if during is not None:
-            during(step, self.block)
-        if self.fill is not None and step < self.hops:
-            self.fill(self.ring.partial_shards[step + 1], self.block)
-        if step == 0 and self.own is not None:
-            within.reduce(False, None, 0, self.own)
-
-    def send(self, step: int) -> None:
-        """Start the exchange of ``step``: the message held (its ``region``, and what boards it) down,
-        the next one from up into the buffer not held, whose last send was waited for at the last step."""
-        if step == self.hops or self.prefetched:
-            return
-        self.arriving = arriving = 1 if self.held == 0 else 0
-        self.incoming = incoming = self.buffers[arriving]
-        part = None if self.region is None else self.region(step)
-        if part == slice(None):
-            part = None  # all of it, with no slice dispatched
-        if step in self.boarding_at:
-            sent, received = self.wide[self.held], self.wide[arriving]
-            self.aboard = self.boarding.board(step, sent, received)
-            first, end = 0 if part is None else part.start, self.boarding.end(step)
-            sent, received = sent[first:end], received[first:end]
-        elif part is None:
-            sent, received = self.current, incoming
-        else:
-            sent, received = self.current[part], incoming[part]
-        # ``Ring.exchange``'s call, made here: one Python call less at every step of every ring.
-        ring = self.ring
-        self.works = send_and_receive(ring.group, sent, ring._down, received, ring._up, self.tag)
-
-    def receive(self, step: int, on_arrival: Callable[[int, torch.Tensor], None] | None) -> None:
-        """Wait for the exchange of ``step`` (if there was one); the message that arrived is held next."""
-        if not (self.works or self.prefetched):
-            return
-        if self.works:
-            wait_for(self.works, self.ring.context.waited_works)
-            self.works = []
-        self.current, self.held = self.incoming, self.arriving
-        if self.within is not None:
-            held, within = self.held, self.within
-            self.side = side = within[held] if self.current is self.buffers[held] else self._side()
-            if self.own is not None:  # the partials follow the weights: contributed to the block that came
-                side.gather()
-                self.gathered_at = step + 1
-                on_arrival(step + 1, self.block)
-                side.reduce(step > 0, None, step + 1)  # none came with the first: step 0 sent the weights alone
-                on_arrival = None
-            elif self.reduces:
-                side.reduce(True, self.reduce_rider, step + 1)
-        if on_arrival is not None:
-            on_arrival(step + 1, self.current)
-        if self.arriving_rider is not None:
-            self.arriving_rider.arrived(step + 1, self.current[self.rider_at :])
-        if step in self.boarding_at:
-            for passenger, sent_region, received_region in self.aboard:
-                passenger.alight(sent_region, received_region, self.arriving)
-        self.prefetched = False
+    def run(self, during: Callable[[int, torch.Tensor], None] | None, on_arrival: Callable[[int, torch.Tensor], None] | None) -> torch.Tensor:
+        """Every step of the pass (``Ring.circulate``'s ``during`` and ``on_arrival``); returns the message
+        held last. A step's three parts are written out in one loop, not as methods: each call would
+        be host time at every step of every ring (``benchmarks/host_overhead.py`` counts them)."""
+        ring, hops, tag, within, region, boarding_at = self.ring, self.hops, self.tag, self.within, self.region, self.boarding_at
+        group, down, up, kept = ring.group, ring._down, ring._up, ring.context.waited_works
+        all_gather = ring.within_collectives[0] if within is not None else None
+        buffers, block, fill, own, partial_shards = self.buffers, self.block, self.fill, self.own, ring.partial_shards
+        for step in range(ring.owners):
+            # Send: the exchange of ``step``, the message held (its ``region``, and what boards it) down,
+            # the next one from up into the buffer not held, whose last send was waited for at the last
+            # step; none at the last step, nor at a prefetched ring's first (done ahead).
+            if step != hops and not self.prefetched:
+                self.arriving = arriving = 1 if self.held == 0 else 0
+                self.incoming = incoming = buffers[arriving]
+                part = None if region is None else region(step)
+                if part == slice(None):
+                    part = None  # all of it, with no slice dispatched
+                if step in boarding_at:
+                    self.aboard = self.boarding.board(step, self.wide, self.held, arriving)
+                    regions = ring.buffers.regions(self.wide, 0 if part is None else part.start, self.boarding.ends[step])
+                    sent, received = regions[self.held], regions[arriving]
+                elif part is None:
+                    sent, received = self.current, incoming
+                else:
+                    sent, received = self.current[part], incoming[part]
+                self.works = send_and_receive(group, sent, down, received, up, tag)
+            # The step's computation while the exchange travels; on a ring of groups on the block: the
+            # group's all-gather of the shards held into it (the rider's parts with them), the
+            # computation, and the contribution to the partial that arrives next.
+            try:
+                if within is not None:
+                    side = self.side
+                    if step != self.gathered_at:  # ``side.gather()``, written out (a call less a step)
+                        for output, input in side.gathers:
+                            all_gather(output, input).wait()
+                        for block_part, staged in side.unstage:
+                            block_part.copy_(staged)
+                    if side.rider_parts is not None and self.reduce_rider is None:
+                        self.rider.block(step, side.rider_parts)
+                    if during is not None:
+                        during(step, block)
+                    if fill is not None and step < hops:
+                        fill(partial_shards[step + 1], block)
+                    if step == 0 and own is not None:
+                        side.reduce(False, None, 0, own)
+                elif during is not None:
+                    during(step, self.current)
+            except BaseException:
+                drain(self.works, kept)
+                raise
+            # Receive: wait for the exchange of ``step`` (if there was one); the message that arrived is
+            # held next.
+            if not (self.works or self.prefetched):
+                continue
+            if self.works:
+                for work in self.works:  # ``wait_for``, written out
+                    work.wait()
+                kept.works, self.works = self.works, []
+            self.current, self.held = current, held = self.incoming, self.arriving
+            arrival = on_arrival
+            if within is not None:
+                self.side = side = within[held] if current is buffers[held] else self._side()
+                if own is not None:  # the partials follow the weights: contributed to the block that came
+                    side.gather()
+                    self.gathered_at = step + 1
+                    on_arrival(step + 1, block)
+                    side.reduce(step > 0, None, step + 1)  # none came with the first: step 0 sent the weights alone
+                    arrival = None
+                elif self.reduces:
+                    side.reduce(True, self.reduce_rider, step + 1)
+            if arrival is not None:
+                arrival(step + 1, current)
+            if self.arriving_rider is not None:
+                self.arriving_rider.arrived(step + 1, current[self.rider_at :])
+            if step in boarding_at:
+                for passenger, sent_region, received_region in self.aboard:
+                    passenger.alight(sent_region, received_region, self.arriving)
+            self.prefetched = False
+        return self.finish()
 
     def finish(self) -> torch.Tensor:
         """The message held last, once the rider has seen it."""
@@ -584,7 +583,7 @@ class _Boarding:
         # The steps at which passengers board: step -> (passenger, where its data starts); a dict, as a
         # step is looked up at every ring step.
         self.steps: dict[int, list[tuple[Passenger, int]]] = {}
-        self._ends: dict[int, int] = {}
+        self.ends: dict[int, int] = {}  # step -> where what it sends ends
         self.nbytes = 0
         self._deferred: DeferredHop | None = None
 
@@ -597,13 +596,13 @@ class _Boarding:
         return part is None or part.stop is None
 
     def _free_at(self, step: int) -> int:
-        return _aligned(self._ends.get(step, self.message_nbytes))
+        return _aligned(self.ends.get(step, self.message_nbytes))
 
     def _add(self, step: int, passenger: Passenger) -> None:
         at = self._free_at(step)
         self.steps.setdefault(step, []).append((passenger, at))
-        self._ends[step] = at + passenger.nbytes
-        self.nbytes = max(self.nbytes, self._ends[step])
+        self.ends[step] = at + passenger.nbytes
+        self.nbytes = max(self.nbytes, self.ends[step])
 
     def add_deferred_hop(self) -> None:
         """The hop an earlier ring deferred (``DeferredHops.pending``), aboard the first exchange that can
@@ -635,19 +634,17 @@ class _Boarding:
         the next pass makes them large enough from its start (``RingBuffers.hold``)."""
         if not self.ring.context.buffers.hold(self.nbytes, self.ring.device):
             self.steps.clear()
-            self._ends, self.nbytes = {}, 0
+            self.ends, self.nbytes = {}, 0
             if self._deferred is not None:
                 _send_alone(self._deferred)
 
-    def end(self, step: int) -> int:
-        return self._ends[step]
-
-    def board(self, step: int, sent: torch.Tensor, received: torch.Tensor) -> list[tuple[Passenger, torch.Tensor, torch.Tensor]]:
-        """Board the passengers of ``step`` into ``sent``; their regions in ``sent`` and ``received``."""
-        aboard = []
+    def board(self, step: int, wide: tuple[torch.Tensor, torch.Tensor], sent: int, received: int) -> list[tuple[Passenger, torch.Tensor, torch.Tensor]]:
+        """Board the passengers of ``step`` into message buffer ``sent`` of ``wide`` (the pair that holds
+        them); their regions in it and in buffer ``received``."""
+        aboard, buffers = [], self.ring.buffers
         for passenger, at in self.steps[step]:
-            start, stop = at - passenger.lead, at + passenger.nbytes
-            sent_region, received_region = sent[start:stop], received[start:stop]
+            regions = buffers.regions(wide, at - passenger.lead, at + passenger.nbytes)
+            sent_region, received_region = regions[sent], regions[received]
             passenger.board(sent_region)
             aboard.append((passenger, sent_region, received_region))
         return aboard
@@ -666,17 +663,17 @@ class Rider(typing.Protocol):
     """Data of W segments, one per rank, that travels behind a ring's messages instead of in a
     collective of its own: a collective is another synchronisation of every rank, and with gloo it
     costs several ring exchanges (``benchmarks/collective_latency.py``). At step k a rank's message
-    carries the rider part of shard ``ring.partial_shard_at(k)`` (whose owner it reaches at the last
-    step) or, read the other way, the part that left shard ``ring.weight_shard_at(k)``'s owner k steps
+    carries the rider part of shard ``ring.partial_shards[k]`` (whose owner it reaches at the last
+    step) or, read the other way, the part that left shard ``ring.weight_shards[k]``'s owner k steps
     ago. ``start(region)`` writes this rank's part into its first message, ``arrived(k, region)`` sees
     the part that arrived at step k (before it is sent on), ``finish(region)`` the part held at the end;
     ``region`` is a byte view of ``nbytes``.
 
     On a ring of groups the rider goes with the collectives within the group instead, in ``dtype``:
     an all-gather's (``reduces`` False) with the weights, so that ``block(k, parts)`` sees the parts of
-    the g ranks of group ``ring.weight_shard_at(k)`` as they arrived; a reduce-scatter's (``reduces``)
+    the g ranks of group ``ring.weight_shards[k]`` as they arrived; a reduce-scatter's (``reduces``)
     with the partials, so that ``block(k, parts)`` writes this rank's contributions for the g ranks of
-    group ``ring.partial_shard_at(k)`` into ``parts`` before the group sums them (no ``start`` then,
+    group ``ring.partial_shards[k]`` into ``parts`` before the group sums them (no ``start`` then,
     and no ``arrived``); ``parts`` is ``[g, nbytes]`` bytes, in place order."""
 
     nbytes: int

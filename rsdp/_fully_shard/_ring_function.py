@@ -31,6 +31,7 @@ Pitfalls:
   is an explicit graph break (``torch.compiler.disable``), and the code around it compiles as usual.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -122,6 +123,11 @@ class DenseContribution:
         if earlier is not None:
             earlier(shard, partials)
 
+    def starter(self, earlier) -> Callable[[int, list[torch.Tensor]], None]:
+        """``start`` with ``earlier`` bound; ``write`` itself where nothing was kept (a ring of groups
+        starts a partial at every step: one call less each)."""
+        return self.write if earlier is None else functools.partial(self.start, earlier=earlier)
+
     def ahead(self, shard: int, earlier) -> None:
         """While the partial of ``shard`` travels to this rank: its contribution, into the scratch."""
         mine = self._grads.views(self._scratch, shard)
@@ -171,6 +177,10 @@ class SparseContribution:
         self.add(shard, partials)
         if earlier is not None:
             earlier(shard, partials)
+
+    def starter(self, earlier) -> Callable[[int, list[torch.Tensor]], None]:
+        """``start`` with ``earlier`` bound."""
+        return functools.partial(self.start, earlier=earlier)
 
     def arrival(self, ring: Ring, message: Message, first: int, earlier) -> Callable[[int, torch.Tensor], None]:
         """The ring's ``on_arrival``: add the contribution into the partial that arrived."""
@@ -233,8 +243,13 @@ def ring_backward(
     # record of the schedule, and so of the buffers' sizes, the pass follows (``PassSchedule.ring``).
     travelling = weights_only if unsynced else message
     if ring.group_size > 1:  # the ring's messages are a rank's shards, the blocks a scratch (``Ring.circulate``)
-        pair = travelling.members.nbytes
-        scratch = max(travelling.block_regions(range(weight_segments)).scratch_nbytes, grads.nbytes if unsynced else 0)
+        # ``circulate`` asks for both (the pair, then the scratch), so nothing is asked first unless the
+        # contributions go to the local accumulators through the scratch before the ring: two requests
+        # less at every synchronised backward ring (host time; the buffers' sizes are the same).
+        pair = scratch = None
+        if unsynced:
+            pair = travelling.members.nbytes
+            scratch = max(travelling.block_regions(range(weight_segments)).scratch_nbytes, grads.nbytes)
     else:
         pair, scratch = message.nbytes, grads.nbytes if contribution.computes_ahead else None
     with layer.driver.run(Phase.BACKWARD, travelling, pair=pair, scratch=scratch) as run:
@@ -265,7 +280,7 @@ def _reduce_on_ring(
     layer: RingLayer, run: RingRun, weights_only: Message, grads: Message, unsynced: list, weights, contribution
 ) -> list[torch.Tensor]:
     """The weights (``weights_only``, the leading segments of the run's message) and the partials
-    (``grads``, the rest) round the ring: the partial of shard ``ring.partial_shard_at(k)`` is held at
+    (``grads``, the rest) round the ring: the partial of shard ``ring.partial_shards[k]`` is held at
     step k and reaches its owner after W-1 hops, reduced. ``unsynced``: what backwards without
     synchronisation kept for each gradient (None where nothing), added on the way."""
     ring, message = layer.ring, run.message
@@ -285,8 +300,10 @@ def _reduce_on_ring(
     if ring.group_size > 1:
         # Each step's contribution to a whole block, as a ring of ranks' first partial is made; the ring
         # reduce-scatters it within the group.
+        begin = contribution.starter(earlier)
+
         def fill(shard: int, block: torch.Tensor) -> None:
-            contribution.start(shard, message.views(block, shard, weight_segments), earlier)
+            begin(shard, message.views(block, shard, weight_segments))
 
         start, during = weights.rotation(ring, weights_only) if weight_segments else (_nothing_to_pack, None)
         final = run.turn(start, during, gathered=range(weight_segments), fill=fill)

@@ -628,7 +628,7 @@ class _SubBlockForward:
 
     def during(self, step: int, buffer: torch.Tensor) -> None:
         """The sub-block on the shard held at ``step`` (in ``buffer``), its partial output added."""
-        shard = self.ring.weight_shard_at(step)
+        shard = self.ring.weight_shards[step]
         if self.row_layout.rows_of(shard) == 0:
             return
         block, graphs = self.call.block, self.graphs
@@ -836,8 +836,8 @@ class _SubBlockBackward:
     def _weights_free(self) -> None:
         """The synchronised backward of a block whose parameter gradients need no weights (experts): the
         partials travel as a Linear's (``_ring_function.ring_backward``), in ``[weights | partials]``
-        messages, the partial of ``ring.partial_shard_at(k)`` held at step k beside the weights of
-        ``ring.weight_shard_at(k)``, and reach their owners in the ring's own exchanges, the owner's own
+        messages, the partial of ``ring.partial_shards[k]`` held at step k beside the weights of
+        ``ring.weight_shards[k]``, and reach their owners in the ring's own exchanges, the owner's own
         contribution added last: no last hop, deferred or sent. A rank adds its contribution into a
         partial as it arrives (no scratch beside the ring buffers: what the backward's peak would hold),
         and its reduced shards are copied out as the ring ends. The first message carries partials, so
@@ -851,7 +851,7 @@ class _SubBlockBackward:
             pack = functools.partial(self._pack, message, 0)
 
             def during(step: int, block: torch.Tensor) -> None:
-                shard = ring.weight_shard_at(step)
+                shard = ring.weight_shards[step]
                 if self.row_layout.rows_of(shard):
                     self._backpropagated(shard, message.views(block, shard, 0, self.block.transposed))
 
@@ -863,10 +863,10 @@ class _SubBlockBackward:
             else:
                 def start(buffer: torch.Tensor) -> None:
                     pack(buffer)
-                    self._contribute(message, ring.partial_shard_at(0), buffer, add=False)
+                    self._contribute(message, ring.partial_shards[0], buffer, add=False)
 
                 def arrived(step: int, buffer: torch.Tensor) -> None:
-                    self._contribute(message, ring.partial_shard_at(step), buffer, add=True)
+                    self._contribute(message, ring.partial_shards[step], buffer, add=True)
 
                 final = run.turn(start, during, arrived)
             self._deliver(finished_gradients(self.layer, message.members, weights, final))
@@ -902,7 +902,7 @@ class _SubBlockBackward:
         """The message of ``hop`` came (on a ring of groups, its block, gathered): this rank's
         contribution to its partials, added to them (written, for the ring to sum them with the piece
         that came, on a ring of groups; hop 1 starts them on a ring of ranks)."""
-        shard, message = self.ring.weight_shard_at(hop), self.message
+        shard, message = self.ring.weight_shards[hop], self.message
         into = message.views(buffer, shard, transposed=self.grads_transposed)[: self.first_weight]
         operands = message.views(buffer, shard, self.first_weight, self.block.transposed)
         self.step(shard, operands, into, add=hop > 1 and self.ring.group_size == 1)
@@ -935,7 +935,7 @@ class _SubBlockBackward:
         totals = [self.gradients.unsynced_total(key, segment) for key, segment in zip(self.keys, self.grad_segments)]
 
         def during(hop: int, buffer: torch.Tensor) -> None:
-            shard = ring.weight_shard_at(hop)
+            shard = ring.weight_shards[hop]
             views = weights_only.views(buffer, shard)
             into = [self.gradients.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, self.grad_index)]
             into = [view.mT if transposed else view for view, transposed in zip(into, self.grads_transposed)]

@@ -119,25 +119,27 @@ class Views(list):
     """The views of one shard's segments (a list), and what callers derive from them: a ring step's
     GEMM often wants a transposed or stacked view of a segment, and making it again at every step costs
     a dispatch each. Views of the ring's own buffers are cached, and so is what is derived from them;
-    fresh views (of any other buffer) derive afresh and are dropped with the list."""
+    fresh views (of any other buffer) derive afresh and are dropped with the list. ``known`` holds what
+    was derived, by key: a caller at every ring step reads it first (``known.get(key)``), sparing the
+    call of ``derived`` once the value exists."""
 
-    __slots__ = ("_derived", "_cached")
+    __slots__ = ("known", "_cached")
 
     def __init__(self, views: list[torch.Tensor], cached: bool):
         super().__init__(views)
-        self._derived: dict = {}
+        self.known: dict = {}
         self._cached = cached
 
     def derived(self, key, make: "typing.Callable[[Views], torch.Tensor]") -> torch.Tensor:
         """``make(self)``, made once per ``key`` for these views (``key`` names what ``make`` derives)."""
-        value = self._derived.get(key)
+        value = self.known.get(key)
         if value is None:
             if self._cached:
                 with outside_inference_mode():
                     value = make(self)
             else:
                 value = make(self)
-            self._derived[key] = value
+            self.known[key] = value
         return value
 
 
