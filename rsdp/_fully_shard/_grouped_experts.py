@@ -68,6 +68,13 @@ class GroupedExpertsBlock(ExpertRing):
             return ("mlp1_weight_EGD", "mlp1_bias_EG"), ("mlp2_weight_EDF", "mlp2_bias_ED")
         return ("w1_EFD", "w3_EFD"), ("w2_EDF",)
 
+    @staticmethod
+    def dropped_activation_bytes(module: nn.Module, args: tuple) -> int:
+        """What the stock experts keep from forward to backward and the rings do not (the planner's): the
+        activation's output and saved product, two bfloat16 ``[routed rows, inner]`` (SwiGLU's)."""
+        down = getattr(module, GroupedExpertsBlock.ring_parameters(module)[1][0])
+        return 2 * args[0].shape[0] * down.shape[2] * 2
+
     def gradient_term(self, name: str) -> tuple[slice | None, torch.dtype | None]:
         """Weights multiply in bfloat16 (a bias is added in bfloat16 from its own dtype, so its gradient
         is summed in that); ``w1`` makes the first half of the up projection's columns, ``w3`` the second."""
