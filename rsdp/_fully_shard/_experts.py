@@ -1,5 +1,5 @@
-"""A mixture-of-experts layer's experts as two rings, one per projection: blocks of whole experts
-rotate, the tokens stay.
+"""A mixture-of-experts layer's experts on rings of blocks of whole experts: one ring of both
+projections forward, one per projection backward; the weights rotate, the tokens stay.
 
 A MoE layer's routed experts are 3-D parameters ``[experts, out, in]`` (Hugging Face's ``gate_up_proj``
 and ``down_proj``, torchtitan's ``w1``/``w3`` and ``w2``; biases ``[experts, out]``). rsdp stores each
@@ -10,32 +10,37 @@ A call runs in three parts, written once here for both kinds of experts module (
 
 1. **Routing** (plain autograd ops): the rank's token-expert pairs sorted by expert (``routed``), each
    expert's count read to the host once, so every block's rows are known (``Routing``).
-2. **The first ring** carries the up projection (``gate_up_proj`` with its bias; torchtitan's ``w1``
-   and ``w3``): at step k the rank multiplies the rows routed to the block it holds by that block's
-   weights, one grouped GEMM per weight over the block's whole experts (``expert_product``); the W
-   steps fill every row of the intermediate. Then the activation (the module's own: ``_apply_gate``,
-   gpt-oss's clamped SwiGLU), as the stock forward runs it.
-3. **The second ring** carries the down projection the same way; the pairs are weighted by the router
-   and summed back per token (``combine``).
+2. **One forward ring** (``_ExpertsForward``) whose message is a block's up projection (``gate_up_proj``
+   with its bias; torchtitan's ``w1`` and ``w3``) then its down projection: at step k the rank takes the
+   rows routed to the block it holds through the block's up weights, one grouped GEMM per weight over
+   the block's whole experts (``expert_product``), the activation (the module's own: ``_apply_gate``,
+   gpt-oss's clamped SwiGLU, row by row as the stock forward runs it) and the block's down weights, into
+   its rows of the call's up-projection output (kept for the backward) and output, allocated once.
+3. **Combining**: the pairs are weighted by the router and summed back per token (``combine``).
 
-Each ring is a planned sub-block's ring (``_sub_block.py``), and the backward rotates each ring's weights again with its gradient partials, summed on their way to the
-owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
-projection's ring the input's. A step's weight gradients need no weights (a product's weight gradient
-is its input times its output's gradient, a bias's the sum of its rows), so the ring computes them
-itself (``ExpertStage.weight_gradients``) and the partials travel as a Linear's: from the owner's
-neighbour to the owner in the ring's W-1 exchanges, with no last hop, each rank writing its
-contribution into a partial as it arrives, expert by expert (``mm`` with ``out=``, or ``addmm_``), so
+The backward (``_ExpertsFunction``) is two rings, each a planned sub-block's ring backward
+(``_sub_block.py``) of one projection (``ExpertStage``), in reverse: the down projection's yields the
+activation's gradient; the activation's backward, the activation computed again from the kept
+up-projection output; then the up projection's ring yields the input's. Each rotates its weights again
+with its gradient partials, summed on their way to the owner. A step's weight gradients need no weights
+(a product's weight gradient is its input times its output's gradient, a bias's the sum of its rows), so
+the ring computes them itself (``ExpertStage.weight_gradients``) and the partials travel as a Linear's:
+from the owner's neighbour to the owner in the ring's W-1 exchanges, with no last hop, each rank writing
+its contribution into a partial as it arrives, expert by expert (``mm`` with ``out=``, or ``addmm_``), so
 that no gradient of a block's size exists beside the ring buffers. The input's gradient is the ring's
 own too (``input_gradients``: ``dy @ w^T`` with the weights held), so no step's graph is kept and no
-forward runs again, under activation checkpointing either. Rings of one weight each, rather than one ring of all, make every message
-smaller: the ring buffers hold two messages of the larger ring (in backward: weights and partials),
-about 2/W of the up projection's experts in forward and 4/W in backward (and, as the ring ends, the
-owner's reduced shards copied out, 1/W, its gradient shard). Every
-rank runs all W steps of both rings whatever its routing, so ranks that route differently make the
-same exchanges; a block that got none of a rank's tokens multiplies no rows.
+forward runs again, under activation checkpointing either. One backward ring of both projections would
+not be weights-free: the up projection's weight gradient needs the intermediate's gradient, which needs
+the block's down weights, and a ring's partial of a block reaches each rank one step before that block's
+weights do; its partials would follow the weights with a deferred last hop, in messages of both
+projections' weights and partials. So the backward's ring buffers hold two messages of the larger ring
+(weights and partials), about 4/W of the up projection's experts (and, as the ring ends, the owner's
+reduced shards copied out, 1/W, its gradient shard); the forward's, two blocks of both projections, 2/W
+of the experts. Every rank runs all W steps of every ring whatever its routing, so ranks that route
+differently make the same exchanges; a block that got none of a rank's tokens multiplies no rows.
 
 What each kind says (``ExpertsBlock`` here for Hugging Face, ``GroupedExpertsBlock`` in
-``_grouped_experts.py`` for torchtitan): its two rings' parameters, how a call's tokens are routed and
+``_grouped_experts.py`` for torchtitan): its projections' parameters, how a call's tokens are routed and
 combined, and what a step and the activation compute, as the stock forward computes them. peft's LoRA on
 Hugging Face's experts adds each step's update to the weights it carries (``_expert_lora.py``).
 
@@ -52,9 +57,9 @@ Pitfalls:
 - torch's grouped GEMM takes float32, bfloat16 and float16; other dtypes (float64) run one ``mm`` per
   expert of the block, the same products.
 - Each call reads its per-expert token counts to the host once (a device-to-host copy on a GPU).
-- The backward keeps the experts' activations as the stock experts do (the sorted rows, the
-  intermediate, the activation): where many tokens meet small experts they outweigh the ring buffers'
-  saving; activation checkpointing drops them.
+- The backward keeps the sorted rows and the up projection's output (the stock experts keep the
+  activation's output and saved product too: ``dropped_activation_bytes``, the planner's): where many
+  tokens meet small experts they outweigh the ring buffers' saving; activation checkpointing drops them.
 - On a GPU, torch's grouped GEMM wants 16-byte-aligned strides and addresses: a message lays each block
   of experts out at a multiple of 16 bytes (``_wire.py``), whatever precedes it (a bias, a gradient
   partial); the strides (a row of an expert's matrix) are the model's, which real expert shapes keep
@@ -176,8 +181,8 @@ def expert_product(x: torch.Tensor, w_t: torch.Tensor, groups: Groups, dtype: to
 
 
 class ExpertStage:
-    """One of an experts module's two rings (``ExpertRing.stages``): its parameters, and at each step
-    its ``product`` of the rows routed to the block held. The interface the sub-block ring
+    """One of an experts module's two projections (``ExpertRing.stages``), a ring of its own in backward:
+    its parameters, and at each step its ``product`` of the rows routed to the block held. The interface the sub-block ring
     (``_sub_block.py``) drives: ``param_slots``, ``per_shard``, ``param_transposed``, ``transposed``,
     ``segments``, ``run_step``, and its backward itself (``input_gradients``, ``weight_gradients``;
     with a LoRA update on its weights, autograd through each step computed again: ``_expert_lora.py``)."""
@@ -278,8 +283,8 @@ class ExpertStage:
 
 
 class ExpertRing:
-    """An experts module on two rings (see the module docstring). Subclasses say which parameters each
-    ring carries (``first``, ``second``: names), whether the weights are stored ``[experts, in, out]``
+    """An experts module on its rings (see the module docstring). Subclasses say which parameters each
+    projection has (``first``, ``second``: names), whether the weights are stored ``[experts, in, out]``
     (``stored_transposed``), how a call's arguments are checked (``call_arguments``), routed (``routed``)
     and combined (``combine``), and what a step's products and the activation compute (``first_product``,
     ``second_product``, ``activation``)."""
@@ -406,7 +411,7 @@ class _ExpertsFunction(torch.autograd.Function):
         split = up_parts + up_count
         up_tensors, down_tensors, up_needs, down_needs = tensors[:split], tensors[split:], needs[:split], needs[split:]
         wants_up = needs_rows or any(up_needs)
-        # The activation again, from the kept hidden rows, for its backward between the two rings.
+        # The activation again, from the kept up-projection output, for its backward between the two rings.
         hidden = hidden.detach().requires_grad_(wants_up)
         autocast = torch.autocast(hidden.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
         with torch.enable_grad(), autocast:
@@ -430,7 +435,7 @@ class _ExpertsFunction(torch.autograd.Function):
 
 
 class RingExperts:
-    """Mixed into an experts module (by class swap): its forward runs as its two rings."""
+    """Mixed into an experts module (by class swap): its forward runs on its rings."""
 
     _rsdp_sub_block: ExpertRing
 

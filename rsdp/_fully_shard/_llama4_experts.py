@@ -1,5 +1,5 @@
 """Llama-4's experts (transformers' ``Llama4TextExperts``) on the expert rings (``_experts.py``): blocks of
-whole experts rotate, one ring per projection, the tokens stay.
+whole experts rotate, the tokens stay.
 
 Llama-4 routes densely: its MoE block (``Llama4TextMoe``) repeats every token once per expert, scaled by
 that expert's router score (zero for the experts the token was not routed to), and calls the experts with

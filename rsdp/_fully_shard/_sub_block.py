@@ -1,6 +1,6 @@
 """A whole attention or MLP sub-block as one ring, from a plan in tensor parallelism's vocabulary; the
-same ring runs each of a MoE layer's expert rings in blocks of whole experts (``_experts.py``: a ring
-of experts supplies its step through the interface ``SubBlock`` marks).
+same ring's backward runs each of a MoE layer's backward expert rings in blocks of whole experts
+(``_experts.py``: a projection of experts supplies its step through the interface ``SubBlock`` marks).
 
 Megatron and RTP pair the Linears of a sub-block: q/k/v (or gate/up) split by output rows, "colwise",
 and o (or down) split by input columns, "rowwise". Shard s of the pair — the rows of q/k/v of some
