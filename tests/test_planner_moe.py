@@ -210,9 +210,9 @@ def test_a_published_moe_configs_experts_are_counted_from_its_config(name, tmp_p
 def test_frozen_experts_under_lora_carry_no_gradient_transients(tmp_path):
     """``rsdp plan --model hf:<a Qwen3-MoE config.json> --lora-rank 16`` (peft's adapters on the blocks'
     Linears; the experts, 3-D parameters, frozen), counted on the meta device: no expert gradient is
-    stored, and on 8 ranks rsdp's expert ring holds its weights alone, two blocks of the up projection
-    in forward and backward (no partials, no step gradient), where the same experts trained would hold
-    their partials too."""
+    stored, and on 8 ranks rsdp's expert rings hold their weights alone, two blocks of both projections
+    in forward (their one ring) and of the up projection in backward (no partials, no step gradient),
+    where the same experts trained would hold their partials too."""
     import dataclasses
     import json
 
@@ -233,8 +233,10 @@ def test_frozen_experts_under_lora_carry_no_gradient_transients(tmp_path):
         dataclasses.replace(counted, trainable_experts_bytes=counted.experts_bytes, trainable_up_bytes=counted.up_bytes), Strategy.RSDP, cluster(8)
     )
     block = counted.up_bytes * 2 // 12  # the up projection's 2 experts of 12, in the stored dtype
+    both = counted.experts_bytes * 2 // 12  # both projections' (the forward's one ring)
     assert lora.expert_step == 0
-    assert lora.ring_forward == lora.ring == 2 * block < trained.ring
+    assert lora.ring == 2 * block < trained.ring
+    assert lora.ring_forward == trained.ring_forward == 2 * both > lora.ring
 
 
 def lora_moe_peaks_case() -> list[tuple[str, float, float]]:

@@ -7,13 +7,14 @@ targeted parameter (``mlp.experts`` becomes wrapper(wrapper(experts))). Its forw
 expert (one ``baddbmm`` over the experts), then calls the experts. That cannot run on the rings: the
 parametrization replaces the sharded parameter for the whole call, where a ring holds one block of
 experts per step. So the rings take the outermost wrapper's call instead (its class is swapped, not
-the experts': ``ExpertRing.call_site``), and each step of the ring that carries an adapted weight (the
-up projection's ``gate_up_proj``, the down projection's ``down_proj``) adds the update itself, for the
-block's experts only, to the block's weight before the step's product (``ExpertStage.product``).
+the experts': ``ExpertRing.call_site``), and each ring step's product with an adapted weight (the up
+projection's ``gate_up_proj``, the down projection's ``down_proj``; the forward's one ring, or that
+projection's ring in backward) adds the update itself, for the block's experts only, to the block's
+weight first (``ExpertStage.product``).
 
 The adapters are small (``r`` rows per expert) and used whole at every step, like a planned
 sub-block's LoRA adapters (``_sub_block.py``): gathered, then the step's part of them installed (the
-ring's ``per_shard`` parameters with ``shard_parts``, on the ring of the weight they adapt), their
+``per_shard`` parameters with ``shard_parts`` of the projection whose weight they adapt), their
 gradients summed over the steps and reduced like a norm's. peft lays them out per expert: ``lora_A``
 is ``[experts · r, in]``, expert e's rows ``e·r .. (e+1)·r``; ``lora_B`` is ``[out, r · experts]``,
 expert e's columns ``j·experts + e`` (``reshape(out, r, experts)``). A block's part keeps those

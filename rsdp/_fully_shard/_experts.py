@@ -1,5 +1,5 @@
-"""A mixture-of-experts layer's experts as two rings, one per projection: blocks of whole experts
-rotate, the tokens stay.
+"""A mixture-of-experts layer's experts on rings of blocks of whole experts: one ring of both
+projections forward, one per projection backward; the weights rotate, the tokens stay.
 
 A MoE layer's routed experts are 3-D parameters ``[experts, out, in]`` (Hugging Face's ``gate_up_proj``
 and ``down_proj``, torchtitan's ``w1``/``w3`` and ``w2``; biases ``[experts, out]``). rsdp stores each
@@ -10,32 +10,37 @@ A call runs in three parts, written once here for both kinds of experts module (
 
 1. **Routing** (plain autograd ops): the rank's token-expert pairs sorted by expert (``routed``), each
    expert's count read to the host once, so every block's rows are known (``Routing``).
-2. **The first ring** carries the up projection (``gate_up_proj`` with its bias; torchtitan's ``w1``
-   and ``w3``): at step k the rank multiplies the rows routed to the block it holds by that block's
-   weights, one grouped GEMM per weight over the block's whole experts (``expert_product``); the W
-   steps fill every row of the intermediate. Then the activation (the module's own: ``_apply_gate``,
-   gpt-oss's clamped SwiGLU), as the stock forward runs it.
-3. **The second ring** carries the down projection the same way; the pairs are weighted by the router
-   and summed back per token (``combine``).
+2. **One forward ring** (``_ExpertsForward``) whose message is a block's up projection (``gate_up_proj``
+   with its bias; torchtitan's ``w1`` and ``w3``) then its down projection: at step k the rank takes the
+   rows routed to the block it holds through the block's up weights, one grouped GEMM per weight over
+   the block's whole experts (``expert_product``), the activation (the module's own: ``_apply_gate``,
+   gpt-oss's clamped SwiGLU, row by row as the stock forward runs it) and the block's down weights, into
+   its rows of the call's up-projection output (kept for the backward) and output, allocated once.
+3. **Combining**: the pairs are weighted by the router and summed back per token (``combine``).
 
-Each ring is a planned sub-block's ring (``_sub_block.py``), and the backward rotates each ring's weights again with its gradient partials, summed on their way to the
-owner, in reverse: the down projection's ring yields the intermediate's gradient, then the up
-projection's ring the input's. A step's weight gradients need no weights (a product's weight gradient
-is its input times its output's gradient, a bias's the sum of its rows), so the ring computes them
-itself (``ExpertStage.weight_gradients``) and the partials travel as a Linear's: from the owner's
-neighbour to the owner in the ring's W-1 exchanges, with no last hop, each rank writing its
-contribution into a partial as it arrives, expert by expert (``mm`` with ``out=``, or ``addmm_``), so
+The backward (``_ExpertsFunction``) is two rings, each a planned sub-block's ring backward
+(``_sub_block.py``) of one projection (``ExpertStage``), in reverse: the down projection's yields the
+activation's gradient; the activation's backward, the activation computed again from the kept
+up-projection output; then the up projection's ring yields the input's. Each rotates its weights again
+with its gradient partials, summed on their way to the owner. A step's weight gradients need no weights
+(a product's weight gradient is its input times its output's gradient, a bias's the sum of its rows), so
+the ring computes them itself (``ExpertStage.weight_gradients``) and the partials travel as a Linear's:
+from the owner's neighbour to the owner in the ring's W-1 exchanges, with no last hop, each rank writing
+its contribution into a partial as it arrives, expert by expert (``mm`` with ``out=``, or ``addmm_``), so
 that no gradient of a block's size exists beside the ring buffers. The input's gradient is the ring's
 own too (``input_gradients``: ``dy @ w^T`` with the weights held), so no step's graph is kept and no
-forward runs again, under activation checkpointing either. Rings of one weight each, rather than one ring of all, make every message
-smaller: the ring buffers hold two messages of the larger ring (in backward: weights and partials),
-about 2/W of the up projection's experts in forward and 4/W in backward (and, as the ring ends, the
-owner's reduced shards copied out, 1/W, its gradient shard). Every
-rank runs all W steps of both rings whatever its routing, so ranks that route differently make the
-same exchanges; a block that got none of a rank's tokens multiplies no rows.
+forward runs again, under activation checkpointing either. One backward ring of both projections would
+not be weights-free: the up projection's weight gradient needs the intermediate's gradient, which needs
+the block's down weights, and a ring's partial of a block reaches each rank one step before that block's
+weights do; its partials would follow the weights with a deferred last hop, in messages of both
+projections' weights and partials. So the backward's ring buffers hold two messages of the larger ring
+(weights and partials), about 4/W of the up projection's experts (and, as the ring ends, the owner's
+reduced shards copied out, 1/W, its gradient shard); the forward's, two blocks of both projections, 2/W
+of the experts. Every rank runs all W steps of every ring whatever its routing, so ranks that route
+differently make the same exchanges; a block that got none of a rank's tokens multiplies no rows.
 
 What each kind says (``ExpertsBlock`` here for Hugging Face, ``GroupedExpertsBlock`` in
-``_grouped_experts.py`` for torchtitan): its two rings' parameters, how a call's tokens are routed and
+``_grouped_experts.py`` for torchtitan): its projections' parameters, how a call's tokens are routed and
 combined, and what a step and the activation compute, as the stock forward computes them. peft's LoRA on
 Hugging Face's experts adds each step's update to the weights it carries (``_expert_lora.py``).
 
@@ -52,9 +57,9 @@ Pitfalls:
 - torch's grouped GEMM takes float32, bfloat16 and float16; other dtypes (float64) run one ``mm`` per
   expert of the block, the same products.
 - Each call reads its per-expert token counts to the host once (a device-to-host copy on a GPU).
-- The backward keeps the experts' activations as the stock experts do (the sorted rows, the
-  intermediate, the activation): where many tokens meet small experts they outweigh the ring buffers'
-  saving; activation checkpointing drops them.
+- The backward keeps the sorted rows and the up projection's output (the stock experts keep the
+  activation's output and saved product too: ``dropped_activation_bytes``, the planner's): where many
+  tokens meet small experts they outweigh the ring buffers' saving; activation checkpointing drops them.
 - On a GPU, torch's grouped GEMM wants 16-byte-aligned strides and addresses: a message lays each block
   of experts out at a multiple of 16 bytes (``_wire.py``), whatever precedes it (a bias, a gradient
   partial); the strides (a row of an expert's matrix) are the model's, which real expert shapes keep
@@ -68,9 +73,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._compat import grouped_mm
+from torch.autograd.function import once_differentiable
+
+from .._compat import autocast_dtype, grouped_mm
+from ._checkpoint import kept_or_run
 from ._ring_function import local_shard
-from ._sub_block import _Call, _RingSubBlockFunction
+from ._sub_block import _Call, _SubBlockBackward
 from ._wire import Segment, segment
 
 # The experts implementations Hugging Face dispatches to whose function the ring computes (see the
@@ -173,8 +181,8 @@ def expert_product(x: torch.Tensor, w_t: torch.Tensor, groups: Groups, dtype: to
 
 
 class ExpertStage:
-    """One of an experts module's two rings (``ExpertRing.stages``): its parameters, and at each step
-    its ``product`` of the rows routed to the block held. The interface the sub-block ring
+    """One of an experts module's two projections (``ExpertRing.stages``), a ring of its own in backward:
+    its parameters, and at each step its ``product`` of the rows routed to the block held. The interface the sub-block ring
     (``_sub_block.py``) drives: ``param_slots``, ``per_shard``, ``param_transposed``, ``transposed``,
     ``segments``, ``run_step``, and its backward itself (``input_gradients``, ``weight_gradients``;
     with a LoRA update on its weights, autograd through each step computed again: ``_expert_lora.py``)."""
@@ -205,12 +213,26 @@ class ExpertStage:
             self._segments[key] = tuple(segment(layout, getattr(self.module, name).shape[1:], dtype) for _, name in self.param_slots)
         return self._segments[key]
 
-    def __call__(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """This ring's output for every routed row (``rows``, sorted by expert)."""
+    def call(self, routing: Routing) -> tuple[_Call, list[torch.Tensor], list[torch.Tensor]]:
+        """This ring's part of a call: its ``_Call`` (its one tensor, the routed rows or the activation,
+        given to its steps through ``_Call.arguments``; no step's graph is kept, see
+        ``input_gradients``), its per-shard parameters as installed (gathered) and its parameters' local
+        shards (gradient leaves)."""
+        call = _Call(self, [None, routing], None, [0], None)
+        per_shard = [module._parameters[name] for module, name in self.per_shard]
         params = [local_shard(getattr(module, name), module, name, self.ring) for module, name in self.param_slots]
-        call = _Call(self, [rows, routing], None, [0], None)  # keeps no step's graph: see input_gradients
-        per_shard = [module._parameters[name] for module, name in self.per_shard]  # as installed: gathered
-        return _RingSubBlockFunction.apply(call, rows, *per_shard, *params)
+        return call, per_shard, params
+
+    def block_output(self, call: _Call, rows: torch.Tensor, per_shard: list[torch.Tensor], shard: int, operands: list[torch.Tensor], groups: "Groups") -> torch.Tensor:
+        """The block ``shard``'s product (its parameters ``operands``) on its rows ``rows``, its per-shard
+        parameters (LoRA adapters) installed for the step."""
+        if not self.per_shard:
+            return self.product(rows, operands, groups)
+        installed = call.install(per_shard, shard)
+        try:
+            return self.product(rows, operands, groups)
+        finally:
+            call.restore(installed)
 
     def input_gradients(self, call, dy: torch.Tensor, shard: int, operands: list[torch.Tensor], into: torch.Tensor) -> None:
         """Block ``shard``'s term of the input's gradient, added into its rows of ``into`` (the routed rows',
@@ -261,8 +283,8 @@ class ExpertStage:
 
 
 class ExpertRing:
-    """An experts module on two rings (see the module docstring). Subclasses say which parameters each
-    ring carries (``first``, ``second``: names), whether the weights are stored ``[experts, in, out]``
+    """An experts module on its rings (see the module docstring). Subclasses say which parameters each
+    projection has (``first``, ``second``: names), whether the weights are stored ``[experts, in, out]``
     (``stored_transposed``), how a call's arguments are checked (``call_arguments``), routed (``routed``)
     and combined (``combine``), and what a step's products and the activation compute (``first_product``,
     ``second_product``, ``activation``)."""
@@ -303,15 +325,117 @@ class ExpertRing:
         return list(bound.arguments.values())[1:]
 
     def forward(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The experts' output for a call: routed, both rings, combined."""
+        """The experts' output for a call: routed, one forward ring, combined."""
         rows, counts, restore = self.routed(*self.call_arguments(args, kwargs))
         routing = Routing(counts, self.stages[0].ring.ring.layout(self.experts))
-        hidden = self.stages[0](rows, routing)
-        return self.combine(self.stages[1](self.activation(hidden), routing), restore)
+        (up_call, up_per_shard, up_params), (down_call, down_per_shard, down_params) = (stage.call(routing) for stage in self.stages)
+        sizes = (len(up_per_shard), len(up_params), len(down_per_shard))
+        output = _ExpertsFunction.apply(self, (up_call, down_call, sizes), rows, *up_per_shard, *up_params, *down_per_shard, *down_params)
+        return self.combine(output, restore)
+
+
+class _ExpertsForward:
+    """One forward of an experts call: a ring of both projections' blocks, each step the block's rows up,
+    through the activation and down, into the call's ``hidden`` (the up projection's output, kept for the
+    backward) and ``output``, allocated once per call; rows no expert takes stay zero."""
+
+    def __init__(self, experts: "ExpertRing", calls: tuple, rows: torch.Tensor, tensors: tuple):
+        self.experts = experts
+        (up_call, down_call, (up_parts, up_count, down_parts)) = calls
+        self.up_call, self.down_call = up_call, down_call
+        self.up_per_shard, self.up_params = tensors[:up_parts], tensors[up_parts : up_parts + up_count]
+        self.down_per_shard, self.down_params = tensors[up_parts + up_count : up_parts + up_count + down_parts], tensors[up_parts + up_count + down_parts :]
+        up, down = experts.stages
+        self.layer = up.ring
+        precision, self.ring = self.layer.precision, self.layer.ring
+        # Inputs in the policy's compute dtype (as FSDP2 casts them); the weights in the dtype the
+        # products use, which autocast, where it is on, may lower further.
+        self.input_dtype = precision.compute_dtype(self.up_params[0].dtype)
+        self.dtype = precision.matmul_dtype(self.up_params[0].dtype)
+        self.message = self.ring.buffers.message_of(up.segments(self.dtype, self.ring) + down.segments(self.dtype, self.ring))
+        self.transposed = up.transposed + down.transposed
+        self.up_operands = len(self.up_params)
+        self.rows = rows.to(self.input_dtype) if rows.is_floating_point() else rows
+        self.routing = up_call.leaves[1]
+        self.hidden = self.output = None
+
+    def rotate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the hidden rows, from one ring."""
+        self.layer.driver.forward(self.message, self.during, [*self.up_params, *self.down_params])
+        return self.output, self.hidden
+
+    def during(self, step: int, buffer: torch.Tensor) -> None:
+        """The block held at ``step`` (in ``buffer``) on its rows: up, the activation, down."""
+        shard = self.ring.weight_shard_at(step)
+        routing = self.routing
+        first, end = routing.rows[shard], routing.rows[shard + 1]
+        if first == end:
+            return
+        up, down = self.experts.stages
+        operands, groups, count = self.message.views(buffer, shard, transposed=self.transposed), routing.groups(shard), self.up_operands
+        hidden = up.block_output(self.up_call, self.rows[first:end], self.up_per_shard, shard, operands[:count], groups)
+        activation = self.experts.activation(hidden)
+        activation = activation.to(self.input_dtype) if activation.is_floating_point() else activation  # as a ring's input
+        output = down.block_output(self.down_call, activation, self.down_per_shard, shard, operands[count:], groups)
+        if self.output is None:
+            total = self.rows.shape[0]
+            self.hidden = hidden.new_zeros((total, hidden.shape[1]))
+            self.output = output.new_zeros((total, output.shape[1]))
+        self.hidden[first:end] = hidden
+        self.output[first:end] = output
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """An experts call's rings: forward one ring (``_ExpertsForward``), backward the down projection's
+    ring then the up projection's, each a sub-block ring's backward (``_sub_block._SubBlockBackward``),
+    with the activation's backward between them. Inputs: the experts, the two rings' ``_Call`` and
+    sizes, the routed rows, then per ring its per-shard parameters and its parameters' local shards."""
+
+    @staticmethod
+    def forward(ctx, experts: "ExpertRing", calls: tuple, rows: torch.Tensor, *tensors):
+        forward = _ExpertsForward(experts, calls, rows, tensors)
+        # Under a ring checkpoint region the recomputation takes the kept output and hidden rows.
+        output, hidden = kept_or_run(forward.layer, forward.rotate)
+        ctx.experts, ctx.calls = experts, calls
+        ctx.dtype, ctx.input_dtype = forward.dtype, forward.input_dtype
+        ctx.autocast = autocast_dtype(forward.ring.device.type)  # the activation's backward runs under it too
+        ctx.save_for_backward(rows, hidden, *tensors)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        experts, (up_call, down_call, (up_parts, up_count, _)) = ctx.experts, ctx.calls
+        rows, hidden, *tensors = ctx.saved_tensors
+        needs_rows, needs = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
+        split = up_parts + up_count
+        up_tensors, down_tensors, up_needs, down_needs = tensors[:split], tensors[split:], needs[:split], needs[split:]
+        wants_up = needs_rows or any(up_needs)
+        # The activation again, from the kept up-projection output, for its backward between the two rings.
+        hidden = hidden.detach().requires_grad_(wants_up)
+        autocast = torch.autocast(hidden.device.type, dtype=ctx.autocast, enabled=ctx.autocast is not None)
+        with torch.enable_grad(), autocast:
+            activation = experts.activation(hidden)
+        down = _SubBlockBackward(
+            down_call, (activation.detach(), *down_tensors), (wants_up, *down_needs), ctx.dtype, ctx.input_dtype, None, ctx.autocast, grad_output
+        )
+        grad_activation, *down_parts_grads = down.run()
+        del down  # its ring's memory and the activation's, before the up projection's ring
+        grad_rows, up_parts_grads = None, [None] * up_parts
+        if wants_up:
+            if grad_activation is None:
+                grad_activation = torch.zeros_like(activation)
+            (grad_hidden,) = torch.autograd.grad(activation, hidden, grad_activation)
+            del activation, grad_activation, hidden
+            up = _SubBlockBackward(up_call, (rows, *up_tensors), (needs_rows, *up_needs), ctx.dtype, ctx.input_dtype, None, ctx.autocast, grad_hidden)
+            del grad_hidden  # the up ring holds it, as its output's gradient
+            grad_rows, *up_parts_grads = up.run()
+        # The parameters' gradients went to their leaves (``_SubBlockBackward._deliver``): None here.
+        return (None, None, grad_rows, *up_parts_grads, *[None] * up_count, *down_parts_grads, *[None] * (len(down_tensors) - len(down_parts_grads)))
 
 
 class RingExperts:
-    """Mixed into an experts module (by class swap): its forward runs as its two rings."""
+    """Mixed into an experts module (by class swap): its forward runs on its rings."""
 
     _rsdp_sub_block: ExpertRing
 
@@ -335,6 +459,13 @@ class ExpertsBlock(ExpertRing):
         if module.has_bias:
             return (up, f"{up}_bias"), ("down_proj", "down_proj_bias")
         return (up,), ("down_proj",)
+
+    @staticmethod
+    def dropped_activation_bytes(module: nn.Module, args: tuple) -> int:
+        """What the stock experts keep from forward to backward and the rings do not (the planner's): the
+        activation's output and saved product, two ``[routed rows, inner]`` (SwiGLU's)."""
+        inner = module.down_proj.shape[1 if module.is_transposed else 2]
+        return 2 * args[1].numel() * inner * module.down_proj.element_size()
 
     def call_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """A call's ``(hidden_states, top_k_index, top_k_weights)``, whatever the experts' forward names

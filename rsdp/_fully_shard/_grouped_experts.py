@@ -1,13 +1,13 @@
 """torchtitan's ``GroupedExperts`` on the expert rings (``_experts.py``): blocks of whole experts rotate,
-one ring per projection, the tokens stay.
+the tokens stay.
 
 torchtitan stores a MoE layer's routed experts as 3-D parameters ``[experts, out, in]`` (``w1_EFD``,
 ``w2_EDF``, ``w3_EFD``; gpt-oss's ``GptOssGroupedExperts``: ``mlp1_weight_EGD``, ``mlp2_weight_EDF`` and
 the biases ``mlp1_bias_EG``, ``mlp2_bias_ED``), and calls the module as ``experts(x_RD,
 num_tokens_per_expert_E)`` with its routed tokens sorted by expert (the token dispatcher's argsort):
 expert e's tokens are rows ``offsets[e-1]:offsets[e]`` of ``x_RD``, ``offsets`` the cumulative counts.
-So the routing is torchtitan's: the first ring carries ``w1`` and ``w3`` (gpt-oss: ``mlp1`` and its
-bias), the second ``w2`` (``mlp2`` and its bias), and a step computes its block's rows as the stock
+So the routing is torchtitan's: the up projection is ``w1`` and ``w3`` (gpt-oss: ``mlp1`` and its
+bias), the down projection ``w2`` (``mlp2`` and its bias), and a step computes its block's rows as the stock
 forward computes them: ``torch._grouped_mm`` in bfloat16 whatever the parameters' dtype, SiLU(h1)·h3
 (gpt-oss: torchtitan's ``swiglu`` with the module's clamp), the biases added in bfloat16.
 
@@ -67,6 +67,13 @@ class GroupedExpertsBlock(ExpertRing):
         if hasattr(module, "mlp1_weight_EGD"):  # gpt-oss's
             return ("mlp1_weight_EGD", "mlp1_bias_EG"), ("mlp2_weight_EDF", "mlp2_bias_ED")
         return ("w1_EFD", "w3_EFD"), ("w2_EDF",)
+
+    @staticmethod
+    def dropped_activation_bytes(module: nn.Module, args: tuple) -> int:
+        """What the stock experts keep from forward to backward and the rings do not (the planner's): the
+        activation's output and saved product, two bfloat16 ``[routed rows, inner]`` (SwiGLU's)."""
+        down = getattr(module, GroupedExpertsBlock.ring_parameters(module)[1][0])
+        return 2 * args[0].shape[0] * down.shape[2] * 2
 
     def gradient_term(self, name: str) -> tuple[slice | None, torch.dtype | None]:
         """Weights multiply in bfloat16 (a bias is added in bfloat16 from its own dtype, so its gradient

@@ -1,5 +1,5 @@
 """Llama-4's experts (transformers' ``Llama4TextExperts``) on the expert rings (``_experts.py``): blocks of
-whole experts rotate, one ring per projection, the tokens stay.
+whole experts rotate, the tokens stay.
 
 Llama-4 routes densely: its MoE block (``Llama4TextMoe``) repeats every token once per expert, scaled by
 that expert's router score (zero for the experts the token was not routed to), and calls the experts with
@@ -59,6 +59,13 @@ class Llama4ExpertsBlock(ExpertRing):
     def ring_parameters(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The parameters of the up projection's ring and of the down projection's (the planner's too)."""
         return ("gate_up_proj",), ("down_proj",)
+
+    @staticmethod
+    def dropped_activation_bytes(module: nn.Module, args: tuple) -> int:
+        """What the stock experts keep from forward to backward and the rings do not (the planner's): the
+        activation's output and saved product, two ``[rows, inner]`` (SwiGLU's)."""
+        rows = args[0].numel() // module.hidden_size
+        return 2 * rows * module.down_proj.shape[1] * module.down_proj.element_size()
 
     def call_arguments(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """A call's ``hidden_states``: ``[experts · tokens, hidden]`` rows, checked before the rings start."""

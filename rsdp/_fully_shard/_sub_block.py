@@ -1,6 +1,6 @@
 """A whole attention or MLP sub-block as one ring, from a plan in tensor parallelism's vocabulary; the
-same ring runs each of a MoE layer's expert rings in blocks of whole experts (``_experts.py``: a ring
-of experts supplies its step through the interface ``SubBlock`` marks).
+same ring's backward runs each of a MoE layer's backward expert rings in blocks of whole experts
+(``_experts.py``: a projection of experts supplies its step through the interface ``SubBlock`` marks).
 
 Megatron and RTP pair the Linears of a sub-block: q/k/v (or gate/up) split by output rows, "colwise",
 and o (or down) split by input columns, "rowwise". Shard s of the pair — the rows of q/k/v of some
@@ -433,16 +433,11 @@ class _Call:
         """The block's forward on ``arguments`` (as ``arguments()`` makes them) with shard ``shard``'s
         parameters ``operands`` installed; returns its partial output (a sub-block's rowwise Linear's)."""
         block = self.block
-        # The per-shard parameters as this ring's steps take them (leaves of their own, kept graphs'),
-        # in place of the installed ones, which come back after the step.
-        installed = [module._parameters[name] for module, name in block.per_shard]
-        for (module, name), part, value in zip(block.per_shard, block.shard_parts, arguments.per_shard):
-            module._parameters[name] = value if part is None else part(value, shard)
+        installed = self.install(arguments.per_shard, shard)
         try:
             output, produced = block.run_step(self, arguments, shard, operands)
         finally:
-            for (module, name), value in zip(block.per_shard, installed):
-                module._parameters[name] = value
+            self.restore(installed)
         # A lone tensor, the usual output, needs no pytree.
         out_leaves, self.output_spec = ([output], None) if isinstance(output, torch.Tensor) else tree_flatten(output)
         positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]
@@ -454,6 +449,20 @@ class _Call:
             )
         self.output_position = positions[0]
         return produced
+
+    def install(self, per_shard: list[torch.Tensor], shard: int) -> list[torch.Tensor]:
+        """The per-shard parameters as a step of ``shard`` takes them (``per_shard``: this ring's leaves of
+        them, kept graphs' too, in the block's order; each its shard's part, ``shard_parts``), in place of
+        the installed ones, which are returned for ``restore`` after the step."""
+        block = self.block
+        installed = [module._parameters[name] for module, name in block.per_shard]
+        for (module, name), part, value in zip(block.per_shard, block.shard_parts, per_shard):
+            module._parameters[name] = value if part is None else part(value, shard)
+        return installed
+
+    def restore(self, installed: list[torch.Tensor]) -> None:
+        for (module, name), value in zip(self.block.per_shard, installed):
+            module._parameters[name] = value
 
     def rebuild(self, total: torch.Tensor):
         """The sub-block's output structure with ``total`` where its rowwise output was (Nones elsewhere)."""
@@ -656,12 +665,9 @@ class _RingSubBlockFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total):
-        backward = _SubBlockBackward(ctx, grad_total)
-        if backward.grad_index and backward.gradients.requires_sync:
-            backward.synchronised()
-        else:
-            backward.unsynchronised()
-        return (None, *backward.input_gradients(), *[None] * len(backward.params))
+        saved = ctx.saved_tensors
+        backward = _SubBlockBackward(ctx.call, saved, ctx.needs_input_grad[1:], ctx.dtype, ctx.input_dtype, ctx.graphs, ctx.autocast, grad_total)
+        return (None, *backward.run(), *[None] * len(backward.params))
 
 
 class _SubBlockBackward:
@@ -677,18 +683,23 @@ class _SubBlockBackward:
     only the weights travel, and each rank adds its contributions to every shard into local
     accumulators."""
 
-    def __init__(self, ctx, grad_total: torch.Tensor):
-        self.call: _Call = ctx.call
+    def __init__(
+        self, call: _Call, saved: tuple, needs: tuple[bool, ...], dtype: torch.dtype, input_dtype: torch.dtype,
+        graphs: "_ShardGraphs | None", autocast: torch.dtype | None, grad_total: torch.Tensor,
+    ):
+        """``saved``: the ring function's tensors (the call's, its per-shard parameters, then its
+        parameters' local shards) and ``needs`` whether each wants a gradient; ``dtype`` the weights'
+        (the matmuls') and ``input_dtype`` the inputs' compute dtype; ``graphs`` the forward's kept graphs;
+        ``autocast`` the forward's autocast dtype, under which recomputations run."""
+        self.call = call
         self.block = block = self.call.block
         self.layer = block.ring
         self.gradients, self.ring = self.layer.gradients, self.layer.ring
-        self.graphs, self.input_dtype, self.autocast = ctx.graphs, ctx.input_dtype, ctx.autocast
-        saved = ctx.saved_tensors
+        self.graphs, self.input_dtype, self.autocast = graphs, input_dtype, autocast
         n = self.call.tensor_count
         self.tensors, self.params = saved[:n], saved[n:]
-        dtype = ctx.dtype
-        self.needs_inputs = ctx.needs_input_grad[1 : 1 + n]
-        self.needs_params = [need and p is not None for need, p in zip(ctx.needs_input_grad[1 + n :], self.params)]
+        self.needs_inputs = needs[:n]
+        self.needs_params = [need and p is not None for need, p in zip(needs[n:], self.params)]
         self.present = [i for i, p in enumerate(self.params) if p is not None]
         self.weight_segments = block.segments(dtype, self.ring)
         self.reduce_dtype = self.layer.precision.reduce_dtype(self.params[self.present[0]].dtype)
@@ -713,6 +724,15 @@ class _SubBlockBackward:
         self.dy = grad_total.to(dtype)
         # As laid out in a message: the colwise weights (and biases), then the rowwise weight transposed.
         self.weights = _packed(block, self.params)
+
+    def run(self) -> list[torch.Tensor | None]:
+        """The backward's ring (synchronised where gradients are wanted and synced); returns the
+        gradients of the call's tensors and per-shard parameters (``input_gradients``)."""
+        if self.grad_index and self.gradients.requires_sync:
+            self.synchronised()
+        else:
+            self.unsynchronised()
+        return self.input_gradients()
 
     def input_gradients(self) -> list[torch.Tensor | None]:
         return [None if g is None else g.to(t.dtype) for g, t in zip(self.grad_inputs, self.tensors)]

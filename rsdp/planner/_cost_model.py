@@ -32,11 +32,13 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
   reduce-scatter at the end of the backward. An experts module (``experts_of``) rotates blocks of
-  whole experts on two rings, its up projection's and its down projection's, of which the up one is
-  the larger (``up_bytes``): two of its blocks forward; backward two messages of a block's weights and
-  gradient partials and the owner's contribution (carried), and the block's weight gradients during a
+  whole experts: forward on one ring of both projections (two blocks of all its experts' weights),
+  backward on two rings, the down projection's then the up projection's, of which the up one is the
+  larger (``up_bytes``): two messages of a block's weights and gradient partials and the owner's
+  contribution (carried), and the block's weight gradients during a
   step where its products compute in a dtype other than the partials' (else they are written into the
-  partials); the experts' activations are kept from forward to backward as the stock experts keep them.
+  partials); of the experts' activations the rings keep the routed rows and the up projection's output
+  from forward to backward, where the stock experts also keep the activation's (``dropped_activation_bytes``).
 
 Mixed precision (``CostModel.param_dtype``, ``reduce_dtype``): the step is counted with the parameters
 cast to ``param_dtype`` (activations in it, as FSDP2's and rsdp's compute makes them); sharded
@@ -116,7 +118,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import flop_registry
 
-from .._compat import TorchDispatchMode, in_backward, tree_leaves
+from .._compat import TorchDispatchMode, in_backward, saved_tensors_hooks_active, tree_leaves
 from .._fully_shard._checkpoint import in_ring_checkpoint_forward
 from .._fully_shard._experts import ExpertsBlock, is_experts_module
 from .._fully_shard._grouped_experts import GroupedExpertsBlock, is_grouped_experts
@@ -381,14 +383,19 @@ class PartCounts:
     embedding_rings: int = 0
     embedding_bytes: int = 0
     # Its largest experts module (a MoE layer's ``[experts, ...]`` parameters, ``experts_of``): its
-    # parameter bytes in the stored dtype, of them those that train, those of its larger ring (the up
-    # projection's: ``_fully_shard/_experts.py`` rotates them in blocks of whole experts, one ring per
-    # projection) and of them those that train, and its number of experts.
+    # parameter bytes in the stored dtype, of them those that train, those of its larger backward ring
+    # (the up projection's: ``_fully_shard/_experts.py`` rotates them in blocks of whole experts, one
+    # ring of both projections forward, one per projection backward) and of them those that train, and
+    # its number of experts. ``expert_rings``: its experts modules on expert rings, each a ring more in
+    # a backward than in a forward (``ring_traffic``).
     experts_bytes: int = 0
     trainable_experts_bytes: int = 0
     up_bytes: int = 0
     trainable_up_bytes: int = 0
     experts: int = 0
+    expert_rings: int = 0
+    # What its expert rings' forwards keep less than the stock experts' (``dropped_activation_bytes``).
+    dropped_expert_activation_bytes: int = 0
     layers: int = 0
     forward_flops: int = 0
     recomputed_flops: int = 0  # what activation checkpointing runs again in its backward
@@ -403,6 +410,7 @@ class PartCounts:
         holds the identities of the original model's parameters, which moving to meta does not keep)."""
         originals = getattr(module, "_rsdp_original_params", {})
         up_ring = up_ring_of(module)
+        self.expert_rings += on_expert_rings(module)
         layer_bytes = trainable_bytes = up_bytes = trainable_up_bytes = 0
         for name, param in module.named_parameters(recurse=False):
             identity, itemsize = originals.get(name, (id(param), param.element_size()))
@@ -440,12 +448,29 @@ def experts_of(module: nn.Module) -> int:
     return params[0].shape[0]
 
 
+_EXPERT_RING_KINDS = ((is_experts_module, ExpertsBlock), (is_grouped_experts, GroupedExpertsBlock), (is_llama4_experts, Llama4ExpertsBlock))
+
+
+def on_expert_rings(module: nn.Module) -> bool:
+    """Whether rsdp rotates ``module`` on expert rings (``_fully_shard/_experts.py``)."""
+    return any(recognised(module) for recognised, _ in _EXPERT_RING_KINDS)
+
+
+def dropped_activation_bytes(module: nn.Module, args: tuple) -> int:
+    """What the stock experts ``module`` keep from a call's forward to its backward that rsdp's expert
+    rings do not (``_fully_shard/_experts.py``: they keep the routed rows and the up projection's output,
+    and compute the activation again in backward); 0 for any other module."""
+    for recognised, block in _EXPERT_RING_KINDS:
+        if recognised(module):
+            return block.dropped_activation_bytes(module, args)
+    return 0
+
+
 def up_ring_of(module: nn.Module) -> tuple[str, ...]:
-    """The parameters of ``module``'s larger expert ring (the up projection's) if rsdp rotates it on
-    expert rings (``_fully_shard/_experts.py``), or all its parameters if it is another experts module
+    """The parameters of ``module``'s larger backward expert ring (the up projection's) if rsdp rotates it
+    on expert rings (``_fully_shard/_experts.py``), or all its parameters if it is another experts module
     (``experts_of``), else none."""
-    kinds = ((is_experts_module, ExpertsBlock), (is_grouped_experts, GroupedExpertsBlock), (is_llama4_experts, Llama4ExpertsBlock))
-    for recognised, block in kinds:
+    for recognised, block in _EXPERT_RING_KINDS:
         if recognised(module):
             return block.ring_parameters(module)[0]
     return tuple(name for name, _ in module.named_parameters(recurse=False)) if experts_of(module) else ()
@@ -750,6 +775,8 @@ class _StepCounter:
                 handles.append(module.register_forward_pre_hook(self.note_embedding))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 handles.append(module.register_forward_hook(self.note_ring_output))
+            if on_expert_rings(module):
+                handles.append(module.register_forward_pre_hook(self.note_experts))
         # What runs after the model's forward returned is the loss's (``Work``).
         handles.append(self.meta.register_forward_hook(lambda m, args, out: setattr(self.storages, "in_loss", True)))
         handles += [param.register_post_accumulate_grad_hook(self.drop_gradient) for param in self.meta.parameters() if param.requires_grad]
@@ -803,6 +830,11 @@ class _StepCounter:
             section.largest_layer_bytes = max(section.largest_layer_bytes, _weight_bytes(module))
             if module.weight.requires_grad:
                 section.largest_trainable_layer_bytes = max(section.largest_trainable_layer_bytes, _weight_bytes(module))
+
+    def note_experts(self, module: nn.Module, args) -> None:
+        # Under activation checkpointing (saved-tensor hooks) the stock experts keep nothing either.
+        if self.forward and not saved_tensors_hooks_active():
+            self.section.dropped_expert_activation_bytes += dropped_activation_bytes(module, args)
 
     def note_ring_output(self, module: nn.Module, args, output) -> None:
         if self.forward and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
@@ -906,10 +938,10 @@ class _Parallelism:
         held = 2 if self.ring_group_size == 1 else 2 + self.ring_group_size
         partials_held = 3 if self.ring_group_size == 1 else held
         rsdp = strategy is Strategy.RSDP
-        # The up projection's expert ring, the larger: a block is ceil(experts / W) whole experts
-        # (torch.chunk rows), its weights in param_dtype and its gradient partials in reduce_dtype
-        # (``_fully_shard/_sub_block.py``). Forward: two blocks. Backward: two messages of [partials |
-        # weights], and as the ring ends the owner's reduced shards copied out of them, which become the
+        # An expert ring: a block is ceil(experts / W) whole experts (torch.chunk rows), its weights in
+        # param_dtype and its gradient partials in reduce_dtype (``_fully_shard/_sub_block.py``).
+        # Forward, one ring of both projections: two blocks of all the experts' weights. Backward, the up
+        # projection's ring, the larger: two messages of [partials | weights], and as the ring ends the owner's reduced shards copied out of them, which become the
         # rank's gradient shard (counted with the part's gradients). A step writes its weight gradients
         # into the partial expert by expert (``_experts.ExpertStage.weight_gradients``), where it
         # computes in their dtype with no copy, else through one expert's product (param_dtype).
@@ -919,7 +951,8 @@ class _Parallelism:
         written_into_partials = self.compute_ratio == self.reduce_ratio
         one_expert = counts.trainable_up_bytes / counts.experts if counts.experts else 0.0
         self.expert_step = int(one_expert * self.compute_ratio) if rsdp and not written_into_partials else 0
-        self.ring_forward = int(max(held * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
+        all_expert_weights = counts.experts_bytes * block * self.compute_ratio
+        self.ring_forward = int(max(held * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * all_expert_weights)) if rsdp else 0
         ring = max(
             shard(counts.largest_linear_bytes) * held * self.compute_ratio
             + shard(counts.largest_trainable_linear_bytes) * partials_held * self.reduce_ratio,
@@ -942,12 +975,13 @@ class _Parallelism:
         model's first ring), so a pass that starts with another ring makes one exchange more. Within
         the group (g > 1), per step: the all-gather of the block's g - 1 other shards, in backward
         (but not an Embedding's, which needs no weights) and, where the weights train, the
-        reduce-scatter of its partials."""
+        reduce-scatter of its partials. An experts module's forward is one ring, its backward two (the
+        down projection's, then the up projection's), which together send its weights and partials once."""
         if self.strategy is not Strategy.RSDP or self.cost.world_size == 1 or self.counts.param_bytes == 0:
             return RingTraffic()
         counts, world, group = self.counts, self.cost.world_size, self.ring_group_size
         calls = max(counts.calls, 1)
-        rings = max(counts.layers, 1) * calls
+        rings = (max(counts.layers, 1) + (counts.expert_rings if backward else 0)) * calls
         steps, embedding_rings = world // group, counts.embedding_rings * calls
         own = steps - 1  # exchanges per ring: each step's block but the first arrives from the group before
         # The bytes each exchange's worth of shards moves, summed over the part's rings.
@@ -1075,9 +1109,11 @@ class _Parallelism:
             # recomputation, which takes them instead of running the ring again.
             # An expert ring's step may hold one expert's weight gradient. The experts run last in a block's
             # forward, so first in its backward: before any gradient of the part.
-            kept = counts.checkpointed_ring_output_bytes
+            # The expert rings keep less of the experts' activations than the stock experts, whose count
+            # this is (``dropped_activation_bytes``): the forward leaves that less, the backward frees it less.
+            kept = counts.checkpointed_ring_output_bytes - counts.dropped_expert_activation_bytes
             expert_step = self.expert_step
-            forward_bytes = (vectors + kept, 3 * vectors + kept)
+            forward_bytes = (vectors + kept, 3 * vectors + kept + counts.dropped_expert_activation_bytes)
             backward_bytes = (gradients + vector_gradients - kept, max(gradients + 2 * vector_gradients, expert_step))
             carried = Carried(ring=self.ring, ringed=below_ring_root or self.ring > 0, ring_forward=self.ring_forward)
         backward_peak = backward.peak + backward_bytes[1]
