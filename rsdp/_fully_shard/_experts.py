@@ -366,7 +366,7 @@ class _ExpertsForward:
 
     def during(self, step: int, buffer: torch.Tensor) -> None:
         """The block held at ``step`` (in ``buffer``) on its rows: up, the activation, down."""
-        shard = self.ring.weight_shard_at(step)
+        shard = self.ring.weight_shards[step]
         routing = self.routing
         first, end = routing.rows[shard], routing.rows[shard + 1]
         if first == end:
