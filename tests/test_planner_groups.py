@@ -24,7 +24,7 @@ WORLD, PER_NODE = 16, 8
 # Two rings of 1 MB of weights each (fp32), 1e9 FLOPs: communication-bound at the speeds below.
 PART = PartCounts(param_bytes=2 * 2**20 * WORLD, largest_layer_bytes=2**20 * WORLD, largest_linear_bytes=2**20 * WORLD,
                   largest_trainable_layer_bytes=2**20 * WORLD, largest_trainable_linear_bytes=2**20 * WORLD,
-                  layers=2, forward_flops=1e9, linear_flops=1e9, itemsize=4)
+                  layers=2, rings=2, ring_weight_bytes=2 * 2**20 * WORLD, forward_flops=1e9, linear_flops=1e9, itemsize=4)
 SHARD = PART.param_bytes / PART.layers / WORLD  # one rank's shard of one ring's weights
 
 

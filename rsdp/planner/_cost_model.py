@@ -34,7 +34,8 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   reduce-scatter at the end of the backward. An experts module (``experts_of``) rotates blocks of
   whole experts on two rings, its up projection's and its down projection's, of which the up one is
   the larger (``up_bytes``): two of its blocks forward; backward two messages of a block's weights and
-  gradient partials and the owner's contribution (carried), and the block's weight gradients during a
+  gradient partials and the owner's contribution (carried); on a ring of groups of g, two member
+  messages and the group's block of g blocks, of the weights and in backward of the partials alike, and the block's weight gradients during a
   step where its products compute in a dtype other than the partials' (else they are written into the
   partials); the experts' activations are kept from forward to backward as the stock experts keep them.
 
@@ -65,7 +66,8 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
 - FSDP: a unit's all-gather (in backward: its re-gather and its reduce-scatter, back to back)
   overlaps the unit's compute (FSDP2 prefetches the next unit's gather during this one's compute), so a
   phase takes the longer of the two;
-- RSDP: per ring (one per counted layer) and phase, W steps each computing 1/W of the layer's work, its
+- RSDP: per ring (as the engine forms them, ``PartCounts.rings``: the Linears called on one input share
+  one, an Embedding has one, an experts module one per projection) and phase, W steps each computing 1/W of the layer's work, its
   Linears' GEMM time (at ``gemm_flops_per_s``) divided by ``partial_gemm_efficiency`` (a 1/W-row GEMM's
   rate relative to a whole one: RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
@@ -380,6 +382,12 @@ class PartCounts:
     # its backward moves gradient partials alone (``ring_traffic``).
     embedding_rings: int = 0
     embedding_bytes: int = 0
+    # The rings rsdp runs in one forward call of the part, as the engine forms them (the Linears called
+    # on one input share one, an Embedding has one, an experts module one per projection:
+    # ``expert_rings_of``; norms and other vectors ride them), and the weights they rotate (stored
+    # dtype, once per ring that uses them): what ``ring_traffic`` counts messages and backward bytes by.
+    rings: int = 0
+    ring_weight_bytes: int = 0
     # Its largest experts module (a MoE layer's ``[experts, ...]`` parameters, ``experts_of``): its
     # parameter bytes in the stored dtype, of them those that train, those of its larger ring (the up
     # projection's: ``_fully_shard/_experts.py`` rotates them in blocks of whole experts, one ring per
@@ -440,15 +448,26 @@ def experts_of(module: nn.Module) -> int:
     return params[0].shape[0]
 
 
+def expert_rings_of(module: nn.Module) -> int:
+    """The rings rsdp runs for ``module`` if it is an experts module (``experts_of``): one per projection
+    where it rotates it on expert rings (``_fully_shard/_experts.py``), else one. Else 0."""
+    for recognised, block in _EXPERT_KINDS:
+        if recognised(module):
+            return len(block.ring_parameters(module))
+    return 1 if experts_of(module) else 0
+
+
 def up_ring_of(module: nn.Module) -> tuple[str, ...]:
     """The parameters of ``module``'s larger expert ring (the up projection's) if rsdp rotates it on
     expert rings (``_fully_shard/_experts.py``), or all its parameters if it is another experts module
     (``experts_of``), else none."""
-    kinds = ((is_experts_module, ExpertsBlock), (is_grouped_experts, GroupedExpertsBlock), (is_llama4_experts, Llama4ExpertsBlock))
-    for recognised, block in kinds:
+    for recognised, block in _EXPERT_KINDS:
         if recognised(module):
             return block.ring_parameters(module)[0]
     return tuple(name for name, _ in module.named_parameters(recurse=False)) if experts_of(module) else ()
+
+
+_EXPERT_KINDS = ((is_experts_module, ExpertsBlock), (is_grouped_experts, GroupedExpertsBlock), (is_llama4_experts, Llama4ExpertsBlock))
 
 
 @dataclasses.dataclass
@@ -676,6 +695,7 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, 
         for handle in handles:
             handle.remove()
     timeline.relevel(counter.storages.levels(counter.gradients))
+    counter.per_call()
     events = _allocator_events(counter.storages.log, counter.gradients, timeline.order)
     if whole_step is not None:
         events = whole_step(events)
@@ -748,6 +768,8 @@ class _StepCounter:
                 handles.append(module.register_forward_pre_hook(self.note_linear))
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_pre_hook(self.note_embedding))
+            if expert_rings_of(module):
+                handles.append(module.register_forward_pre_hook(self.note_experts))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 handles.append(module.register_forward_hook(self.note_ring_output))
         # What runs after the model's forward returned is the loss's (``Work``).
@@ -785,6 +807,9 @@ class _StepCounter:
             self.serial_of[id(tensor)] = next(self.serials)
             weakref.finalize(tensor, self.serial_of.pop, id(tensor), None)
         key = (id(part), self.serial_of[id(tensor)])
+        if key not in self.shared_input:  # the first Linear called on this input starts a ring
+            part.rings += 1
+        part.ring_weight_bytes += _weight_bytes(module)
         weights, trainable = self.shared_input[key]  # a bias is a vector: gathered whole, not rotated
         weights += _weight_bytes(module)
         trainable += _weight_bytes(module) if module.weight.requires_grad else 0
@@ -800,9 +825,23 @@ class _StepCounter:
             section = self.section
             section.embedding_rings += 1
             section.embedding_bytes += _weight_bytes(module)
+            section.rings += 1
+            section.ring_weight_bytes += _weight_bytes(module)
             section.largest_layer_bytes = max(section.largest_layer_bytes, _weight_bytes(module))
             if module.weight.requires_grad:
                 section.largest_trainable_layer_bytes = max(section.largest_trainable_layer_bytes, _weight_bytes(module))
+
+    def note_experts(self, module: nn.Module, args) -> None:
+        if self.forward:
+            self.section.rings += expert_rings_of(module)
+            self.section.ring_weight_bytes += sum(p.numel() * itemsize for p, itemsize in _stored(module))
+
+    def per_call(self) -> None:
+        """Rings and their weights per forward call of each part (counted over all of a step's calls),
+        as ``layers`` are."""
+        for part in (*self.per_unit.values(), self.before, self.after):
+            calls = max(part.calls, 1)
+            part.rings, part.ring_weight_bytes = part.rings // calls, part.ring_weight_bytes // calls
 
     def note_ring_output(self, module: nn.Module, args, output) -> None:
         if self.forward and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
@@ -833,6 +872,12 @@ class _StepCounter:
     def drop_gradient(self, param: nn.Parameter) -> None:
         self.gradients.add(self.storages.allocation_of[id(param.grad.untyped_storage())])
         param.grad = None
+
+
+def _stored(module: nn.Module) -> list[tuple[nn.Parameter, int]]:
+    """``module``'s own parameters with their stored itemsize (the meta copy may be cast)."""
+    originals = getattr(module, "_rsdp_original_params", {})
+    return [(p, originals.get(name, (None, p.element_size()))[1]) for name, p in module.named_parameters(recurse=False)]
 
 
 def _weight_bytes(module: nn.Module) -> int:
@@ -919,12 +964,12 @@ class _Parallelism:
         written_into_partials = self.compute_ratio == self.reduce_ratio
         one_expert = counts.trainable_up_bytes / counts.experts if counts.experts else 0.0
         self.expert_step = int(one_expert * self.compute_ratio) if rsdp and not written_into_partials else 0
-        self.ring_forward = int(max(held * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * expert_weights)) if rsdp else 0
+        self.ring_forward = int(max(held * shard(counts.largest_layer_bytes) * self.compute_ratio, held * expert_weights)) if rsdp else 0
         ring = max(
             shard(counts.largest_linear_bytes) * held * self.compute_ratio
             + shard(counts.largest_trainable_linear_bytes) * partials_held * self.reduce_ratio,
             shard(counts.largest_trainable_layer_bytes) * held * self.reduce_ratio,
-            2 * expert_weights + 3 * expert_partials,
+            held * expert_weights + partials_held * expert_partials,
         )
         self.ring = int(ring) if rsdp else 0
         self.vectors = int(counts.vector_bytes * self.compute_ratio)  # gathered whole under rsdp
@@ -932,9 +977,12 @@ class _Parallelism:
 
     def ring_traffic(self, backward: bool) -> RingTraffic:
         """What this part's rings send on one rank in a forward (or ``backward``) pass under rsdp, as
-        ``rsdp.memory.CommCounter`` counts it (nothing under another strategy). A ring of groups of g
-        makes W/g steps; between them W/g - 1 exchanges, of one shard of its weights in forward and in
-        backward of a gradient partial beside it (an Embedding's backward: the partial alone). Forward,
+        ``rsdp.memory.CommCounter`` counts it (nothing under another strategy), ring by ring as the
+        engine forms them (``PartCounts.rings``). A ring of groups of g makes W/g steps; between them
+        W/g - 1 exchanges, of one shard of its weights in forward (the part's vectors and matrices with
+        no ring of their own ride them: all its parameters) and in backward of its ring weights (the
+        vectors stay from the forward) with a gradient partial of every trainable parameter beside
+        them (an Embedding's backward: the partial alone). Forward,
         every ring but an Embedding's is prefetched: its first message rides the last exchange of the
         ring before (``_fully_shard/_prefetch.py``), so it makes one exchange fewer; a ring left with
         none (W/g = 2) carries nothing, so there every other ring is prefetched. The pass's first ring
@@ -947,12 +995,14 @@ class _Parallelism:
             return RingTraffic()
         counts, world, group = self.counts, self.cost.world_size, self.ring_group_size
         calls = max(counts.calls, 1)
-        rings = max(counts.layers, 1) * calls
+        rings = counts.rings * calls
+        if not rings:  # vectors only: gathered whole, no ring of its own
+            return RingTraffic()
         steps, embedding_rings = world // group, counts.embedding_rings * calls
         own = steps - 1  # exchanges per ring: each step's block but the first arrives from the group before
         # The bytes each exchange's worth of shards moves, summed over the part's rings.
         if backward:
-            weights = (self.compute - counts.embedding_bytes * self.compute_ratio) * calls / world
+            weights = (counts.ring_weight_bytes - counts.embedding_bytes) * self.compute_ratio * calls / world
             moved = weights + self.reduced * calls / world
         else:
             weights = moved = self.compute * calls / world
@@ -997,8 +1047,8 @@ class _Parallelism:
         overlap = max if cost.host_overlaps_compute else operator.add
         across = cost.spans_machines
         if self.strategy is Strategy.RSDP:
-            layers = max(counts.layers, 1)
-            rings = layers * max(counts.calls, 1)  # a chunked loss's head rotates its weights once per chunk
+            per_call = max(counts.rings, 1)  # a part with no ring (vectors only): one step's worth of time
+            rings = per_call * max(counts.calls, 1)  # a chunked loss's head rotates its weights once per chunk
             group = self.ring_group_size
             steps = world // group
             # The shards' penalty is on the Linears' GEMM time alone (at the whole GEMMs' rate): attention
@@ -1025,9 +1075,9 @@ class _Parallelism:
             # one all-gather beside the layer's compute).
             gathering, in_group = 0.0, cost.spans_more_than_a_machine(group)
             if group > 1:
-                gathering = cost.link("all_gather", in_group).seconds((group - 1) * self.compute / layers / world, group - 1)
+                gathering = cost.link("all_gather", in_group).seconds((group - 1) * self.compute / per_call / world, group - 1)
                 if backward:
-                    gathering += cost.link("reduce_scatter", in_group).seconds((group - 1) * self.reduced / layers / world, group - 1)
+                    gathering += cost.link("reduce_scatter", in_group).seconds((group - 1) * self.reduced / per_call / world, group - 1)
             return rings * ((steps - exchanges) * overlap(step, gathering) + exchanges * overlap(step, exchange + gathering))
         if self.strategy is Strategy.FSDP:
             compute += self.params * cost.fsdp_overhead_s_per_byte[backward]
@@ -1112,8 +1162,7 @@ class _Parallelism:
 def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, cost: CostModel,
                    ring_group_size: int = 1) -> dict[str, UnitCost]:
     """Every unit's cost under ``strategy`` (rsdp: in rings of groups of ``ring_group_size``), below a root
-    under ``root_strategy``. Units with experts take groups of 1 alone (their expert ring's terms are a
-    flat ring's): with a larger group they are left out."""
+    under ``root_strategy``; units with experts run their expert rings in the same groups."""
     phases, below_ring_root = counts.activations, root_strategy is Strategy.RSDP
     return {
         name: _reserved(
@@ -1123,7 +1172,6 @@ def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, 
             cost, counts,
         )
         for name, part in counts.units.items()
-        if ring_group_size == 1 or not part.experts
     }
 
 
@@ -1160,7 +1208,8 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_grou
     embedding, head = (_Parallelism(part, strategy, cost, ring_group_size) for part in (counts.before, counts.after))
     pair = (counts.before, counts.after)
     whole = PartCounts(
-        **{name: sum(getattr(part, name) for part in pair) for name in ("param_bytes", "vector_bytes", "frozen_bytes", "frozen_vector_bytes")},
+        **{name: sum(getattr(part, name) for part in pair)
+           for name in ("param_bytes", "vector_bytes", "frozen_bytes", "frozen_vector_bytes", "rings", "ring_weight_bytes")},
         **{
             name: max(getattr(part, name) for part in pair)
             for name in ("largest_trainable_param_bytes", "largest_layer_bytes", "largest_linear_bytes",
