@@ -81,7 +81,7 @@ def test_expert_rings_of_groups_send_and_hold_what_the_planner_counts(world, gro
     the Embedding and the head; W/g = 2 leaves one exchange a ring, where every other prefetched ring
     carries one: the model's half of an odd count is rounded down by the pass), the bytes but for
     the 16-byte alignment of what rides behind a message, and the peak within the dense tests'
-    tolerance (last run at W=4: g=1 0.863, g=2 0.909, g=4 0.920; 1.152 at g=4 when an expert ring
+    tolerance (last run at W=4: g=1 0.863, g=2 0.906, g=4 0.915; 1.152 at g=4 when an expert ring
     of groups was counted as a flat one)."""
     from rsdp import CostModel
     from rsdp.memory import CommCounter
@@ -279,7 +279,8 @@ def test_frozen_experts_under_lora_carry_no_gradient_transients(tmp_path):
     )
     block = counted.up_bytes * 2 // 12  # the up projection's 2 experts of 12, in the stored dtype
     assert lora.expert_step == 0
-    assert lora.ring_forward == lora.ring == 2 * block < trained.ring
+    rider = -(-counted.model_vector_bytes // 8)  # the model's vectors' shard rides behind a message
+    assert lora.ring_forward == lora.ring == 2 * (block + rider) < trained.ring
 
 
 def lora_moe_peaks_case() -> list[tuple[str, float, float]]:

@@ -25,10 +25,15 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
 - rsdp: the ring's two messages of a weight shard of the part's largest ring in forward; in backward
   two messages of a weight shard and a gradient partial and the scratch of the next contribution for
   a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: two
-  member messages and the group's block, 2 + g shards of the weights, and in backward of the partials
-  too); carried for the rest of the
-  pass (a part with no ring, norms only, holds none; an rsdp root's forward frees them before the
-  loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
+  member messages, and in the scratch the group's block of g shards of the weights, in backward of
+  the partials too, and behind it g staged shards for a message of several segments or the one the
+  model's vectors ride). The message pair and the scratch are buffers of their own, each sized by the
+  largest request, so a plan holds its largest pair and its largest scratch; carried for the rest of
+  the pass, in backward to its end (a backward that left its pass's record trims nothing: the first
+  steps, and the one after the Linears on one input started sharing a ring); a part with no ring,
+  norms only, holds none; an rsdp root's forward frees them before the loss. An Embedding ring's
+  rows (tokens x row: the selected rows in forward, the masked output gradient in backward) beside
+  them; its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
   reduce-scatter at the end of the backward. An experts module (``experts_of``) rotates blocks of
@@ -373,6 +378,16 @@ class PartCounts:
     # Linears' called on one input; a frozen ring's backward carries its weights alone, or nothing).
     largest_trainable_layer_bytes: int = 0
     largest_trainable_linear_bytes: int = 0
+    # An Embedding ring's own temporaries: a buffer of the looked-up rows (forward: the selected rows,
+    # in param_dtype; backward: the masked output gradient, in reduce_dtype), counted in elements of
+    # its largest call's output times the stored itemsize.
+    embedding_rows_bytes: int = 0
+    # Of them its largest ring of several Linears (weights, stored dtype): a ring of groups gathers and
+    # reduces their shards in a staging area behind the block (``_wire.BlockRegions``).
+    largest_shared_linear_bytes: int = 0
+    # The model's vectors (every part's, stored dtype): their collectives ride one ring of a pass behind
+    # its message (``_fully_shard/_collectives.py``), which may be any part's.
+    model_vector_bytes: int = 0
     # The outputs of its rings (Linears, Embeddings) inside a ``ring_checkpoint_context`` region, which
     # saves nothing else: rsdp keeps them from the forward for the recomputation (``_fully_shard/_checkpoint.py``).
     # (Another selective policy saves matmul outputs itself, which the count holds already.)
@@ -396,6 +411,7 @@ class PartCounts:
     trainable_experts_bytes: int = 0
     up_bytes: int = 0
     trainable_up_bytes: int = 0
+    up_parameters: int = 0  # how many parameters its up ring rotates (several: staged on a ring of groups)
     experts: int = 0
     layers: int = 0
     forward_flops: int = 0
@@ -435,7 +451,7 @@ class PartCounts:
         experts = experts_of(module)
         if experts and layer_bytes > self.experts_bytes:
             self.experts_bytes, self.trainable_experts_bytes, self.experts = layer_bytes, trainable_bytes, experts
-            self.up_bytes, self.trainable_up_bytes = up_bytes, trainable_up_bytes
+            self.up_bytes, self.trainable_up_bytes, self.up_parameters = up_bytes, trainable_up_bytes, len(up_ring)
 
 
 def experts_of(module: nn.Module) -> int:
@@ -639,8 +655,18 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
         except Exception:  # a forward that needs every block (indexes its stack): counted whole below
             counted = None
         if counted is not None and all(_alike(counted, *pair) for pair in repeated.compared):
-            return _with_every_block(counted, units, repeated.representative)
+            return _with_model_vectors(_with_every_block(counted, units, repeated.representative))
     return count_step(meta_copy(model, param_dtype), units, batch, loss_fn)
+
+
+def _with_model_vectors(counts: Counts) -> Counts:
+    """``counts`` with every part knowing the model's vectors (``PartCounts.model_vector_bytes``): a
+    cut count's (``_with_every_block``) are its whole stack's."""
+    parts = (*counts.units.values(), counts.before, counts.after)
+    vectors = sum(part.vector_bytes for part in parts)
+    for part in parts:
+        part.model_vector_bytes = vectors
+    return counts
 
 
 def meta_copy(model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
@@ -700,7 +726,7 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, 
     if whole_step is not None:
         events = whole_step(events)
     reserved = tuple(_allocator_factor(events, expandable) for expandable in (False, True))
-    return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved)
+    return _with_model_vectors(Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved))
 
 
 def _allocator_events(log: list[tuple], skipped: set[int], marks: list[str]) -> list[tuple]:
@@ -807,7 +833,8 @@ class _StepCounter:
             self.serial_of[id(tensor)] = next(self.serials)
             weakref.finalize(tensor, self.serial_of.pop, id(tensor), None)
         key = (id(part), self.serial_of[id(tensor)])
-        if key not in self.shared_input:  # the first Linear called on this input starts a ring
+        shared = key in self.shared_input  # the first Linear called on this input starts a ring
+        if not shared:
             part.rings += 1
         part.ring_weight_bytes += _weight_bytes(module)
         weights, trainable = self.shared_input[key]  # a bias is a vector: gathered whole, not rotated
@@ -818,6 +845,8 @@ class _StepCounter:
         part.largest_linear_bytes = max(part.largest_linear_bytes, weights)
         part.largest_trainable_layer_bytes = max(part.largest_trainable_layer_bytes, trainable)
         part.largest_trainable_linear_bytes = max(part.largest_trainable_linear_bytes, trainable)
+        if shared:
+            part.largest_shared_linear_bytes = max(part.largest_shared_linear_bytes, weights)
         part.linear_flops += 2 * tensor.numel() * module.out_features
 
     def note_embedding(self, module: nn.Embedding, args) -> None:
@@ -828,6 +857,8 @@ class _StepCounter:
             section.rings += 1
             section.ring_weight_bytes += _weight_bytes(module)
             section.largest_layer_bytes = max(section.largest_layer_bytes, _weight_bytes(module))
+            rows = args[0].numel() * module.weight.shape[1] * _weight_bytes(module) // module.weight.numel()
+            section.embedding_rows_bytes = max(section.embedding_rows_bytes, rows)
             if module.weight.requires_grad:
                 section.largest_trainable_layer_bytes = max(section.largest_trainable_layer_bytes, _weight_bytes(module))
 
@@ -936,44 +967,77 @@ class _Parallelism:
         self.compute = int(self.params * self.compute_ratio)  # a gathered copy
         self.compute_gradients = int(trainable * self.compute_ratio)  # its gradient
         self.reduced = int(trainable * self.reduce_ratio)  # the gradient as it is reduced
-        # The ring's buffers: in forward two messages of a weight shard of its largest ring; in backward
-        # two messages of a weight shard and a gradient partial and the scratch of the next contribution
-        # for a Linear ring (partials and scratch of its trainable weights alone), two of a partial for an
-        # Embedding's (its gradient needs no weights, and its sparse contribution is added into the
-        # arrived partial). A ring of groups of g holds two member messages (this rank's shards, as a
-        # ring of ranks' messages) and the block of g shards its group assembles from them: 2 + g
-        # shards of the weights in forward (about 2(g+1)/W of a layer with a Linear group's staging,
-        # which is left out), and in backward of the weights and of the partials alike (the block's
-        # contributions, reduce-scattered into the piece that travels on; no scratch).
+        # The ring's buffers (``_fully_shard/_buffers.py``), one set per process: a pair of message
+        # buffers (``ring``, ``ring_forward``), each as large as the largest message of a pass, and a
+        # scratch (``ring_scratch``, ``ring_forward_scratch``) as large as its largest request; the two
+        # are sized apart, so a plan holds the largest pair and the largest scratch of its rings. Flat
+        # ring: in forward two messages of a weight shard of its largest ring; in backward two messages
+        # of a weight shard and a gradient partial for a Linear ring (partials of its trainable weights
+        # alone) and a scratch of the next contribution, two of a partial for an Embedding's (its
+        # gradient needs no weights, and its sparse contribution is added into the arrived partial). A
+        # ring of groups of g holds two member messages (this rank's shards, as a ring of ranks' messages)
+        # and in the scratch the block of g shards its group assembles from them, of the weights in
+        # forward and in backward of the weights and the partials alike (the block's contributions,
+        # reduce-scattered into the piece that travels on), and behind the block the staging area of the
+        # collectives within the group, g member messages of the weights or of the partials, for a
+        # message of several segments (Linears on one input, an up ring of several parameters, an
+        # Embedding's rows and flag) and for the one the model's vectors ride (``_ring._WithinGroup``),
+        # taken to be an Embedding's where the part has one (the backward's last ring, the forward's
+        # first). The vectors' shard rides behind a message.
         def shard(nbytes: int) -> int:
             return math.ceil(nbytes / world)
 
-        held = 2 if self.ring_group_size == 1 else 2 + self.ring_group_size
-        partials_held = 3 if self.ring_group_size == 1 else held
+        group = self.ring_group_size
         rsdp = strategy is Strategy.RSDP
         # The up projection's expert ring, the larger: a block is ceil(experts / W) whole experts
         # (torch.chunk rows), its weights in param_dtype and its gradient partials in reduce_dtype
         # (``_fully_shard/_sub_block.py``). Forward: two blocks. Backward: two messages of [partials |
         # weights], and as the ring ends the owner's reduced shards copied out of them, which become the
-        # rank's gradient shard (counted with the part's gradients). A step writes its weight gradients
-        # into the partial expert by expert (``_experts.ExpertStage.weight_gradients``), where it
-        # computes in their dtype with no copy, else through one expert's product (param_dtype).
+        # rank's gradient shard (counted with the part's gradients); a ring of groups holds the group's
+        # block of g blocks beside them, and stages an up ring of several parameters. A step writes its
+        # weight gradients into the partial expert by expert (``_experts.ExpertStage.weight_gradients``),
+        # where it computes in their dtype with no copy, else through one expert's product (param_dtype).
         block = math.ceil(counts.experts / world) / counts.experts if counts.experts else 0.0
         expert_weights = counts.up_bytes * block * self.compute_ratio
         expert_partials = counts.trainable_up_bytes * block * self.reduce_ratio
         written_into_partials = self.compute_ratio == self.reduce_ratio
         one_expert = counts.trainable_up_bytes / counts.experts if counts.experts else 0.0
         self.expert_step = int(one_expert * self.compute_ratio) if rsdp and not written_into_partials else 0
-        self.ring_forward = int(max(held * shard(counts.largest_layer_bytes) * self.compute_ratio, held * expert_weights)) if rsdp else 0
-        ring = max(
-            shard(counts.largest_linear_bytes) * held * self.compute_ratio
-            + shard(counts.largest_trainable_linear_bytes) * partials_held * self.reduce_ratio,
-            shard(counts.largest_trainable_layer_bytes) * held * self.reduce_ratio,
-            held * expert_weights + partials_held * expert_partials,
-        )
-        self.ring = int(ring) if rsdp else 0
+        rider = shard(counts.model_vector_bytes) * self.compute_ratio
+        table = counts.embedding_bytes / counts.embedding_rings if counts.embedding_rings else 0
+        weights = max(shard(counts.largest_layer_bytes) * self.compute_ratio, expert_weights) + rider
+        linear_weights = shard(counts.largest_linear_bytes) * self.compute_ratio
+        linear_partials = shard(counts.largest_trainable_linear_bytes) * self.reduce_ratio
+        layer_partials = shard(counts.largest_trainable_layer_bytes) * self.reduce_ratio
+        if group == 1:
+            forward_scratch = 0.0
+            scratch = max(linear_partials, expert_partials)
+        else:
+            staged_forward = max(
+                shard(counts.largest_shared_linear_bytes) * self.compute_ratio,
+                shard(table) * self.compute_ratio,
+                expert_weights if counts.up_parameters > 1 else 0.0,
+            )
+            forward_scratch = group * (weights + staged_forward)
+            shared = shard(counts.largest_shared_linear_bytes) * max(self.compute_ratio, self.reduce_ratio)
+            staged = max(shared, min(shard(table) * self.reduce_ratio, layer_partials), max(expert_weights, expert_partials) if counts.up_parameters > 1 else 0.0)
+            scratch = group * (max(linear_weights + linear_partials, layer_partials, expert_weights + expert_partials) + staged + rider)
+        rings = rsdp and bool(counts.largest_layer_bytes or counts.experts)  # a part of vectors alone has none
+        self.ring_forward = int(2 * weights) if rings else 0
+        self.ring_forward_scratch = int(forward_scratch) if rings else 0
+        self.ring = int(2 * (max(linear_weights + linear_partials, layer_partials, expert_weights + expert_partials) + rider)) if rings else 0
+        self.ring_scratch = int(scratch) if rings else 0
+        # An Embedding ring's rows (``_fully_shard/_embedding.py``): the forward's selected rows, the
+        # backward's masked output gradient.
+        self.embedding_rows = (int(counts.embedding_rows_bytes * self.compute_ratio), int(counts.embedding_rows_bytes * self.reduce_ratio))
         self.vectors = int(counts.vector_bytes * self.compute_ratio)  # gathered whole under rsdp
         self.vector_gradients = int((counts.vector_bytes - counts.frozen_vector_bytes) * self.compute_ratio)
+
+    def ring_buffers(self, ringed: bool) -> Carried:
+        """The ring's buffers this part asks for, carried into every phase that holds them (``ringed``:
+        its own, or every part's below an rsdp root)."""
+        return Carried(ring=self.ring, ringed=ringed, ring_forward=self.ring_forward, ring_scratch=self.ring_scratch,
+                       ring_forward_scratch=self.ring_forward_scratch)
 
     def ring_traffic(self, backward: bool) -> RingTraffic:
         """What this part's rings send on one rank in a forward (or ``backward``) pass under rsdp, as
@@ -1127,9 +1191,10 @@ class _Parallelism:
             # forward, so first in its backward: before any gradient of the part.
             kept = counts.checkpointed_ring_output_bytes
             expert_step = self.expert_step
-            forward_bytes = (vectors + kept, 3 * vectors + kept)
-            backward_bytes = (gradients + vector_gradients - kept, max(gradients + 2 * vector_gradients, expert_step))
-            carried = Carried(ring=self.ring, ringed=below_ring_root or self.ring > 0, ring_forward=self.ring_forward)
+            rows_forward, rows_backward = self.embedding_rows
+            forward_bytes = (vectors + kept, 3 * vectors + kept + rows_forward)
+            backward_bytes = (gradients + vector_gradients - kept, max(gradients + 2 * vector_gradients, expert_step) + rows_backward)
+            carried = self.ring_buffers(ringed=below_ring_root or self.ring > 0)
         backward_peak = backward.peak + backward_bytes[1]
         if self.strategy is Strategy.REPLICATE:
             backward_peak = max(backward_peak, reducing)
@@ -1151,11 +1216,11 @@ class _Parallelism:
         chunk's backward ends (with its reduction, or the ring's buffers freed) before the next chunk.
         The ring's buffers are the forward's during a call (which the search adds to every ringed
         forward phase) and the backward's during its backward: the difference is counted here."""
-        ring = max(self.ring - self.ring_forward, 0)
+        ring = max(self.ring + self.ring_scratch - self.ring_forward - self.ring_forward_scratch, 0)
         added = max(forward_bytes[1], forward_bytes[0] + backward_bytes[1] + ring)
         phase = Phase(activations.delta + forward_bytes[0] + backward_bytes[0], activations.peak + added, forward_seconds)
         # The loss runs after the root's forward: only the head's own ring holds buffers in it.
-        kept = Carried(ringed=self.strategy is Strategy.RSDP, ring_forward=carried.ring_forward)
+        kept = Carried(ringed=self.strategy is Strategy.RSDP, ring_forward=carried.ring_forward, ring_forward_scratch=carried.ring_forward_scratch)
         return phase, Phase(0, 0, backward_seconds), kept
 
 
@@ -1190,7 +1255,7 @@ def _reserved(estimate, cost: CostModel, counts: Counts):
         if isinstance(value, Phase):
             return dataclasses.replace(value, delta=round(value.delta * factor), peak=round(value.peak * factor))
         if isinstance(value, Carried):
-            return dataclasses.replace(value, **{f: round(getattr(value, f) * factor) for f in ("gather", "reduce", "ring", "ring_forward")})
+            return dataclasses.replace(value, **{f: round(getattr(value, f) * factor) for f in Carried.BYTES})
         return value
 
     changes = {field.name: scaled(getattr(estimate, field.name)) for field in dataclasses.fields(estimate)}
@@ -1213,7 +1278,8 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_grou
         **{
             name: max(getattr(part, name) for part in pair)
             for name in ("largest_trainable_param_bytes", "largest_layer_bytes", "largest_linear_bytes",
-                         "largest_trainable_layer_bytes", "largest_trainable_linear_bytes", "itemsize")
+                         "largest_trainable_layer_bytes", "largest_trainable_linear_bytes",
+                         "embedding_rows_bytes", "largest_shared_linear_bytes", "model_vector_bytes", "itemsize")
         },
     )
     root = _Parallelism(whole, strategy, cost, ring_group_size)
@@ -1223,10 +1289,11 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_grou
     before, middle, after = counts.activations.before, counts.activations.middle, counts.activations.after
     if strategy is Strategy.RSDP:
         # Vectors as in units, the head's gradient shards from its backward on; the ring's buffers carried.
-        before_bytes = (vectors, 3 * vectors)
+        rows_forward, rows_backward = embedding.embedding_rows
+        before_bytes = (vectors, 3 * vectors + rows_forward)
         middle_bytes = (head_gradients, head_gradients + 2 * vector_gradients)
-        after_bytes = (gradients - head_gradients - vectors, gradients + 2 * vector_gradients)
-        carried = Carried(ring=root.ring, ringed=True, ring_forward=root.ring_forward)
+        after_bytes = (gradients - head_gradients - vectors, gradients + 2 * vector_gradients + rows_backward)
+        carried = root.ring_buffers(ringed=True)
     else:
         # FSDP2 does not reshard its root after forward and replicate keeps its copy: the parameters are
         # whole from the first forward to the end of the backward, the head's gradient from the head's
