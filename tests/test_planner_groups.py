@@ -15,16 +15,17 @@ from rsdp import CostModel, Strategy, parallelize, rsdp_shard
 from rsdp.memory import CommCounter
 from rsdp.planner import _hardware
 from rsdp.planner._calibrate import _fake_group, machines_of_ranks, measure_levels
-from rsdp.planner._cost_model import Link, PartCounts, RingTraffic, _Parallelism
+from rsdp.planner._cost_model import Link, PartCounts, RingTraffic, _Parallelism, count
 from rsdp.planner import measure_peak
-from rsdp.planner._plan import _next_token_loss, plan_from_counts, predict_uniform
+from rsdp.planner._plan import _next_token_loss, plan_from_counts, predict_policy, predict_uniform
+from rsdp.planner._profile import find_units
 from test_planner import TOLERANCE, counted, untied_lm
 
 WORLD, PER_NODE = 16, 8
 # Two rings of 1 MB of weights each (fp32), 1e9 FLOPs: communication-bound at the speeds below.
 PART = PartCounts(param_bytes=2 * 2**20 * WORLD, largest_layer_bytes=2**20 * WORLD, largest_linear_bytes=2**20 * WORLD,
                   largest_trainable_layer_bytes=2**20 * WORLD, largest_trainable_linear_bytes=2**20 * WORLD,
-                  layers=2, forward_flops=1e9, linear_flops=1e9, itemsize=4)
+                  layers=2, rings=2, ring_weight_bytes=2 * 2**20 * WORLD, forward_flops=1e9, linear_flops=1e9, itemsize=4)
 SHARD = PART.param_bytes / PART.layers / WORLD  # one rank's shard of one ring's weights
 
 
@@ -116,20 +117,29 @@ def test_a_ring_of_groups_exchanges_w_over_g_minus_1_shards_between_groups_and_g
 
 
 def test_a_ring_of_groups_holds_its_block_beside_two_member_messages():
+    """The pair of message buffers and the scratch, sized apart (``_fully_shard/_buffers.py``): a flat
+    ring's backward scratch is the next contribution; a ring of groups' scratch holds the block of g
+    shards and, for a ring of several Linears, the staging area of g shards behind it."""
     cost = two_levels(Link(0.0, 1e12), Link(0.0, 1e11))
+    shared = dataclasses.replace(PART, largest_shared_linear_bytes=PART.largest_linear_bytes // 2)
     flat = _Parallelism(PART, Strategy.RSDP, cost, 1)
-    assert (flat.ring_forward, flat.ring) == (2 * SHARD, 5 * SHARD)  # two messages; backward's partials and scratch
+    # Two messages of a weight shard; backward of a weight shard and a partial, and a partial's scratch.
+    assert (flat.ring_forward, flat.ring_forward_scratch, flat.ring, flat.ring_scratch) == (2 * SHARD, 0, 4 * SHARD, SHARD)
+    assert _Parallelism(shared, Strategy.RSDP, cost, 1).ring_scratch == SHARD  # a flat ring stages nothing
     for group in (2, 4, 8):
         grouped = _Parallelism(PART, Strategy.RSDP, cost, group)
-        assert grouped.ring_forward == (2 + group) * SHARD  # two member messages and the block of g
-        assert grouped.ring == 2 * (2 + group) * SHARD  # backward: weights and partials alike, no scratch
+        # Two member messages, and the block of g beside them: weights, and in backward partials alike.
+        assert (grouped.ring_forward, grouped.ring_forward_scratch) == (2 * SHARD, group * SHARD)
+        assert (grouped.ring, grouped.ring_scratch) == (4 * SHARD, 2 * group * SHARD)
         assert grouped.static == flat.static  # parameters stay Shard(0) over all W ranks
+        staged = _Parallelism(shared, Strategy.RSDP, cost, group)
+        assert (staged.ring_forward_scratch, staged.ring_scratch) == (1.5 * group * SHARD, 2.5 * group * SHARD)
 
 
 def test_a_ring_of_groups_peak_is_within_the_tolerance_of_the_measured_one():
     """rsdp everywhere on 4 ranks of the fake process group (its allocations are a real run's; it
     moves no bytes), in one group of 4: the predicted peak within ``TOLERANCE`` of the measured one
-    (last run: 0.995, and 0.994 with groups of 2; 0.749 and 0.905 when a ring of groups was counted as
+    (last run: 0.962, and 0.955 with groups of 2; 0.749 and 0.905 when a ring of groups was counted as
     g times a ring of ranks' buffers)."""
     group = 4
     model, tokens = untied_lm(vocab=4096, dim=128, hidden=256, layers=2), torch.randint(0, 4096, (2, 32))
@@ -140,6 +150,45 @@ def test_a_ring_of_groups_peak_is_within_the_tolerance_of_the_measured_one():
         policy = dict.fromkeys(["", *units], Strategy.RSDP)
         measured = measure_peak(parallelize(model, policy, mesh=mesh, ring_group_size=group), tokens, _next_token_loss)
     assert 1 - TOLERANCE <= measured / predicted <= 1 + TOLERANCE, (measured, predicted)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_second_steps_peak_holds_the_ring_buffers_to_the_backwards_end(group):
+    """A Hugging Face Llama (q/k/v and gate/up share a ring from the second step on), its embedding and
+    blocks under rsdp beside FSDP's root and head, on 2 ranks of the fake process group: the second
+    step's backward runs off the first's record (its rings differ), so it trims no ring buffer, and
+    holds the Embedding's message pair beside the Linears' scratch (g = 1), or a ring of groups' block
+    with its staging (g = 2), through the Embedding's backward to the backward's end. The prediction
+    bounds that step's peak (last run: 1.000 of it at g = 1 and at g = 2, 4 kB to spare; before the
+    pair and the scratch were sized apart and held to the end, 1.016 and 1.112: underestimates)."""
+    transformers = pytest.importorskip("transformers")
+    from rsdp.planner._models import next_token_loss
+    from rsdp.planner._profile import parameter_and_optimizer_bytes, without_cyclic_gc
+    from rsdp.memory import MemoryTracker
+    from test_planner_training import cluster, counted_as_planned
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=4, max_position_embeddings=64, use_cache=False, attn_implementation="sdpa")
+    model, tokens = transformers.LlamaForCausalLM(config), torch.randint(3, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
+    units = find_units(model)
+    counts = count(counted_as_planned(model), units, tokens, next_token_loss)
+    policy = {"": Strategy.FSDP, **dict.fromkeys(units, Strategy.RSDP), "lm_head": Strategy.FSDP}
+    predicted = predict_policy(counts, units, policy, cluster(2), {name: group for name in policy})[0]
+    with _fake_group(2, "the second step's peak") as mesh:
+        sharded = parallelize(model, policy, mesh=mesh, ring_group_size=group)
+        optimizer = torch.optim.AdamW(sharded.parameters())
+
+        def step():
+            next_token_loss(sharded, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()
+        with without_cyclic_gc(), MemoryTracker() as tracker:
+            step()
+    measured = parameter_and_optimizer_bytes(list(sharded.parameters()), optimizer) + tracker.peak_bytes
+    assert 1 - TOLERANCE <= measured / predicted <= 1, (measured, predicted)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from rsdp.planner._cost_model import Link, PartCounts, _Parallelism
 from rsdp.planner._profile import Phase
 
 WORLD = 4
-PART = PartCounts(param_bytes=4_000_000, largest_layer_bytes=2_000_000, layers=2, forward_flops=8e9, linear_flops=6e9,
+PART = PartCounts(param_bytes=4_000_000, largest_layer_bytes=2_000_000, layers=2, rings=2, ring_weight_bytes=4_000_000, forward_flops=8e9, linear_flops=6e9,
                   itemsize=4)
 
 

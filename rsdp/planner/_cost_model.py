@@ -25,17 +25,23 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
 - rsdp: the ring's two messages of a weight shard of the part's largest ring in forward; in backward
   two messages of a weight shard and a gradient partial and the scratch of the next contribution for
   a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: two
-  member messages and the group's block, 2 + g shards of the weights, and in backward of the partials
-  too); carried for the rest of the
-  pass (a part with no ring, norms only, holds none; an rsdp root's forward frees them before the
-  loss); its vectors (norm weights, biases; V bytes) gathered whole and kept
+  member messages, and in the scratch the group's block of g shards of the weights, in backward of
+  the partials too, and behind it g staged shards for a message of several segments or the one the
+  model's vectors ride). The message pair and the scratch are buffers of their own, each sized by the
+  largest request, so a plan holds its largest pair and its largest scratch; carried for the rest of
+  the pass, in backward to its end (a backward that left its pass's record trims nothing: the first
+  steps, and the one after the Linears on one input started sharing a ring); a part with no ring,
+  norms only, holds none; an rsdp root's forward frees them before the loss. An Embedding ring's
+  rows (tokens x row: the selected rows in forward, the masked output gradient in backward) beside
+  them; its vectors (norm weights, biases; V bytes) gathered whole and kept
   from forward to backward, with a send and a receive buffer, and reduce-scattered from V of
   gradients and V of contributions, which wait (with their concatenation: 2V) for the one
   reduce-scatter at the end of the backward. An experts module (``experts_of``) rotates blocks of
   whole experts: forward on one ring of both projections (two blocks of all its experts' weights),
   backward on two rings, the down projection's then the up projection's, of which the up one is the
   larger (``up_bytes``): two messages of a block's weights and gradient partials and the owner's
-  contribution (carried), and the block's weight gradients during a
+  contribution (carried); on a ring of groups of g, two member messages and the group's block of g
+  blocks, of the weights and in backward of the partials alike, and the block's weight gradients during a
   step where its products compute in a dtype other than the partials' (else they are written into the
   partials); of the experts' activations the rings keep the routed rows and the up projection's output
   from forward to backward, where the stock experts also keep the activation's (``dropped_activation_bytes``).
@@ -67,7 +73,8 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
 - FSDP: a unit's all-gather (in backward: its re-gather and its reduce-scatter, back to back)
   overlaps the unit's compute (FSDP2 prefetches the next unit's gather during this one's compute), so a
   phase takes the longer of the two;
-- RSDP: per ring (one per counted layer) and phase, W steps each computing 1/W of the layer's work, its
+- RSDP: per ring (as the engine forms them, ``PartCounts.rings``: the Linears called on one input share
+  one, an Embedding has one, an experts module one per projection) and phase, W steps each computing 1/W of the layer's work, its
   Linears' GEMM time (at ``gemm_flops_per_s``) divided by ``partial_gemm_efficiency`` (a 1/W-row GEMM's
   rate relative to a whole one: RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
@@ -373,6 +380,16 @@ class PartCounts:
     # Linears' called on one input; a frozen ring's backward carries its weights alone, or nothing).
     largest_trainable_layer_bytes: int = 0
     largest_trainable_linear_bytes: int = 0
+    # An Embedding ring's own temporaries: a buffer of the looked-up rows (forward: the selected rows,
+    # in param_dtype; backward: the masked output gradient, in reduce_dtype), counted in elements of
+    # its largest call's output times the stored itemsize.
+    embedding_rows_bytes: int = 0
+    # Of them its largest ring of several Linears (weights, stored dtype): a ring of groups gathers and
+    # reduces their shards in a staging area behind the block (``_wire.BlockRegions``).
+    largest_shared_linear_bytes: int = 0
+    # The model's vectors (every part's, stored dtype): their collectives ride one ring of a pass behind
+    # its message (``_fully_shard/_collectives.py``), which may be any part's.
+    model_vector_bytes: int = 0
     # The outputs of its rings (Linears, Embeddings) inside a ``ring_checkpoint_context`` region, which
     # saves nothing else: rsdp keeps them from the forward for the recomputation (``_fully_shard/_checkpoint.py``).
     # (Another selective policy saves matmul outputs itself, which the count holds already.)
@@ -382,6 +399,12 @@ class PartCounts:
     # its backward moves gradient partials alone (``ring_traffic``).
     embedding_rings: int = 0
     embedding_bytes: int = 0
+    # The rings rsdp runs in one forward call of the part, as the engine forms them (the Linears called
+    # on one input share one, an Embedding has one, an experts module one per projection:
+    # ``expert_rings_of``; norms and other vectors ride them), and the weights they rotate (stored
+    # dtype, once per ring that uses them): what ``ring_traffic`` counts messages and backward bytes by.
+    rings: int = 0
+    ring_weight_bytes: int = 0
     # Its largest experts module (a MoE layer's ``[experts, ...]`` parameters, ``experts_of``): its
     # parameter bytes in the stored dtype, of them those that train, those of its larger backward ring
     # (the up projection's: ``_fully_shard/_experts.py`` rotates them in blocks of whole experts, one
@@ -392,6 +415,7 @@ class PartCounts:
     trainable_experts_bytes: int = 0
     up_bytes: int = 0
     trainable_up_bytes: int = 0
+    up_parameters: int = 0  # how many parameters its up ring rotates (several: staged on a ring of groups)
     experts: int = 0
     expert_rings: int = 0
     # What its expert rings' forwards keep less than the stock experts' (``dropped_activation_bytes``).
@@ -435,7 +459,7 @@ class PartCounts:
         experts = experts_of(module)
         if experts and layer_bytes > self.experts_bytes:
             self.experts_bytes, self.trainable_experts_bytes, self.experts = layer_bytes, trainable_bytes, experts
-            self.up_bytes, self.trainable_up_bytes = up_bytes, trainable_up_bytes
+            self.up_bytes, self.trainable_up_bytes, self.up_parameters = up_bytes, trainable_up_bytes, len(up_ring)
 
 
 def experts_of(module: nn.Module) -> int:
@@ -464,6 +488,14 @@ def dropped_activation_bytes(module: nn.Module, args: tuple) -> int:
         if recognised(module):
             return block.dropped_activation_bytes(module, args)
     return 0
+
+
+def expert_rings_of(module: nn.Module) -> int:
+    """The rings rsdp runs in a forward call of ``module`` if it is an experts module (``experts_of``):
+    one (on expert rings both projections ride one forward ring, ``_fully_shard/_experts.py``; another
+    experts module is one parameterised module's ring). Else 0. The backward runs one more on expert
+    rings (``PartCounts.expert_rings``)."""
+    return 1 if on_expert_rings(module) or experts_of(module) else 0
 
 
 def up_ring_of(module: nn.Module) -> tuple[str, ...]:
@@ -645,8 +677,18 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
         except Exception:  # a forward that needs every block (indexes its stack): counted whole below
             counted = None
         if counted is not None and all(_alike(counted, *pair) for pair in repeated.compared):
-            return _with_every_block(counted, units, repeated.representative)
+            return _with_model_vectors(_with_every_block(counted, units, repeated.representative))
     return count_step(meta_copy(model, param_dtype), units, batch, loss_fn)
+
+
+def _with_model_vectors(counts: Counts) -> Counts:
+    """``counts`` with every part knowing the model's vectors (``PartCounts.model_vector_bytes``): a
+    cut count's (``_with_every_block``) are its whole stack's."""
+    parts = (*counts.units.values(), counts.before, counts.after)
+    vectors = sum(part.vector_bytes for part in parts)
+    for part in parts:
+        part.model_vector_bytes = vectors
+    return counts
 
 
 def meta_copy(model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
@@ -701,11 +743,12 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, 
         for handle in handles:
             handle.remove()
     timeline.relevel(counter.storages.levels(counter.gradients))
+    counter.per_call()
     events = _allocator_events(counter.storages.log, counter.gradients, timeline.order)
     if whole_step is not None:
         events = whole_step(events)
     reserved = tuple(_allocator_factor(events, expandable) for expandable in (False, True))
-    return Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved)
+    return _with_model_vectors(Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved))
 
 
 def _allocator_events(log: list[tuple], skipped: set[int], marks: list[str]) -> list[tuple]:
@@ -773,10 +816,10 @@ class _StepCounter:
                 handles.append(module.register_forward_pre_hook(self.note_linear))
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_pre_hook(self.note_embedding))
+            if expert_rings_of(module):
+                handles.append(module.register_forward_pre_hook(self.note_experts))
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 handles.append(module.register_forward_hook(self.note_ring_output))
-            if on_expert_rings(module):
-                handles.append(module.register_forward_pre_hook(self.note_experts))
         # What runs after the model's forward returned is the loss's (``Work``).
         handles.append(self.meta.register_forward_hook(lambda m, args, out: setattr(self.storages, "in_loss", True)))
         handles += [param.register_post_accumulate_grad_hook(self.drop_gradient) for param in self.meta.parameters() if param.requires_grad]
@@ -812,6 +855,10 @@ class _StepCounter:
             self.serial_of[id(tensor)] = next(self.serials)
             weakref.finalize(tensor, self.serial_of.pop, id(tensor), None)
         key = (id(part), self.serial_of[id(tensor)])
+        shared = key in self.shared_input  # the first Linear called on this input starts a ring
+        if not shared:
+            part.rings += 1
+        part.ring_weight_bytes += _weight_bytes(module)
         weights, trainable = self.shared_input[key]  # a bias is a vector: gathered whole, not rotated
         weights += _weight_bytes(module)
         trainable += _weight_bytes(module) if module.weight.requires_grad else 0
@@ -820,6 +867,8 @@ class _StepCounter:
         part.largest_linear_bytes = max(part.largest_linear_bytes, weights)
         part.largest_trainable_layer_bytes = max(part.largest_trainable_layer_bytes, trainable)
         part.largest_trainable_linear_bytes = max(part.largest_trainable_linear_bytes, trainable)
+        if shared:
+            part.largest_shared_linear_bytes = max(part.largest_shared_linear_bytes, weights)
         part.linear_flops += 2 * tensor.numel() * module.out_features
 
     def note_embedding(self, module: nn.Embedding, args) -> None:
@@ -827,14 +876,29 @@ class _StepCounter:
             section = self.section
             section.embedding_rings += 1
             section.embedding_bytes += _weight_bytes(module)
+            section.rings += 1
+            section.ring_weight_bytes += _weight_bytes(module)
             section.largest_layer_bytes = max(section.largest_layer_bytes, _weight_bytes(module))
+            rows = args[0].numel() * module.weight.shape[1] * _weight_bytes(module) // module.weight.numel()
+            section.embedding_rows_bytes = max(section.embedding_rows_bytes, rows)
             if module.weight.requires_grad:
                 section.largest_trainable_layer_bytes = max(section.largest_trainable_layer_bytes, _weight_bytes(module))
 
     def note_experts(self, module: nn.Module, args) -> None:
+        if not self.forward:
+            return
+        self.section.rings += expert_rings_of(module)
+        self.section.ring_weight_bytes += sum(p.numel() * itemsize for p, itemsize in _stored(module))
         # Under activation checkpointing (saved-tensor hooks) the stock experts keep nothing either.
-        if self.forward and not saved_tensors_hooks_active():
+        if not saved_tensors_hooks_active():
             self.section.dropped_expert_activation_bytes += dropped_activation_bytes(module, args)
+
+    def per_call(self) -> None:
+        """Rings and their weights per forward call of each part (counted over all of a step's calls),
+        as ``layers`` are."""
+        for part in (*self.per_unit.values(), self.before, self.after):
+            calls = max(part.calls, 1)
+            part.rings, part.ring_weight_bytes = part.rings // calls, part.ring_weight_bytes // calls
 
     def note_ring_output(self, module: nn.Module, args, output) -> None:
         if self.forward and isinstance(output, torch.Tensor) and in_ring_checkpoint_forward():
@@ -865,6 +929,12 @@ class _StepCounter:
     def drop_gradient(self, param: nn.Parameter) -> None:
         self.gradients.add(self.storages.allocation_of[id(param.grad.untyped_storage())])
         param.grad = None
+
+
+def _stored(module: nn.Module) -> list[tuple[nn.Parameter, int]]:
+    """``module``'s own parameters with their stored itemsize (the meta copy may be cast)."""
+    originals = getattr(module, "_rsdp_original_params", {})
+    return [(p, originals.get(name, (None, p.element_size()))[1]) for name, p in module.named_parameters(recurse=False)]
 
 
 def _weight_bytes(module: nn.Module) -> int:
@@ -923,28 +993,37 @@ class _Parallelism:
         self.compute = int(self.params * self.compute_ratio)  # a gathered copy
         self.compute_gradients = int(trainable * self.compute_ratio)  # its gradient
         self.reduced = int(trainable * self.reduce_ratio)  # the gradient as it is reduced
-        # The ring's buffers: in forward two messages of a weight shard of its largest ring; in backward
-        # two messages of a weight shard and a gradient partial and the scratch of the next contribution
-        # for a Linear ring (partials and scratch of its trainable weights alone), two of a partial for an
-        # Embedding's (its gradient needs no weights, and its sparse contribution is added into the
-        # arrived partial). A ring of groups of g holds two member messages (this rank's shards, as a
-        # ring of ranks' messages) and the block of g shards its group assembles from them: 2 + g
-        # shards of the weights in forward (about 2(g+1)/W of a layer with a Linear group's staging,
-        # which is left out), and in backward of the weights and of the partials alike (the block's
-        # contributions, reduce-scattered into the piece that travels on; no scratch).
+        # The ring's buffers (``_fully_shard/_buffers.py``), one set per process: a pair of message
+        # buffers (``ring``, ``ring_forward``), each as large as the largest message of a pass, and a
+        # scratch (``ring_scratch``, ``ring_forward_scratch``) as large as its largest request; the two
+        # are sized apart, so a plan holds the largest pair and the largest scratch of its rings. Flat
+        # ring: in forward two messages of a weight shard of its largest ring; in backward two messages
+        # of a weight shard and a gradient partial for a Linear ring (partials of its trainable weights
+        # alone) and a scratch of the next contribution, two of a partial for an Embedding's (its
+        # gradient needs no weights, and its sparse contribution is added into the arrived partial). A
+        # ring of groups of g holds two member messages (this rank's shards, as a ring of ranks' messages)
+        # and in the scratch the block of g shards its group assembles from them, of the weights in
+        # forward and in backward of the weights and the partials alike (the block's contributions,
+        # reduce-scattered into the piece that travels on), and behind the block the staging area of the
+        # collectives within the group, g member messages of the weights or of the partials, for a
+        # message of several segments (Linears on one input, an up ring of several parameters, an
+        # Embedding's rows and flag) and for the one the model's vectors ride (``_ring._WithinGroup``),
+        # taken to be an Embedding's where the part has one (the backward's last ring, the forward's
+        # first). The vectors' shard rides behind a message.
         def shard(nbytes: int) -> int:
             return math.ceil(nbytes / world)
 
-        held = 2 if self.ring_group_size == 1 else 2 + self.ring_group_size
-        partials_held = 3 if self.ring_group_size == 1 else held
+        group = self.ring_group_size
         rsdp = strategy is Strategy.RSDP
         # An expert ring: a block is ceil(experts / W) whole experts (torch.chunk rows), its weights in
         # param_dtype and its gradient partials in reduce_dtype (``_fully_shard/_sub_block.py``).
-        # Forward, one ring of both projections: two blocks of all the experts' weights. Backward, the up
-        # projection's ring, the larger: two messages of [partials | weights], and as the ring ends the owner's reduced shards copied out of them, which become the
-        # rank's gradient shard (counted with the part's gradients). A step writes its weight gradients
-        # into the partial expert by expert (``_experts.ExpertStage.weight_gradients``), where it
-        # computes in their dtype with no copy, else through one expert's product (param_dtype).
+        # Forward, one ring of both projections: two blocks of all the experts' weights, staged on a ring
+        # of groups (several parameters). Backward, the up projection's ring, the larger: two messages of
+        # [partials | weights], and as the ring ends the owner's reduced shards copied out of them, which become the
+        # rank's gradient shard (counted with the part's gradients); a ring of groups holds the group's
+        # block of g blocks beside them, and stages an up ring of several parameters. A step writes its
+        # weight gradients into the partial expert by expert (``_experts.ExpertStage.weight_gradients``),
+        # where it computes in their dtype with no copy, else through one expert's product (param_dtype).
         block = math.ceil(counts.experts / world) / counts.experts if counts.experts else 0.0
         expert_weights = counts.up_bytes * block * self.compute_ratio
         expert_partials = counts.trainable_up_bytes * block * self.reduce_ratio
@@ -952,22 +1031,50 @@ class _Parallelism:
         one_expert = counts.trainable_up_bytes / counts.experts if counts.experts else 0.0
         self.expert_step = int(one_expert * self.compute_ratio) if rsdp and not written_into_partials else 0
         all_expert_weights = counts.experts_bytes * block * self.compute_ratio
-        self.ring_forward = int(max(held * shard(counts.largest_layer_bytes) * self.compute_ratio, 2 * all_expert_weights)) if rsdp else 0
-        ring = max(
-            shard(counts.largest_linear_bytes) * held * self.compute_ratio
-            + shard(counts.largest_trainable_linear_bytes) * partials_held * self.reduce_ratio,
-            shard(counts.largest_trainable_layer_bytes) * held * self.reduce_ratio,
-            2 * expert_weights + 3 * expert_partials,
-        )
-        self.ring = int(ring) if rsdp else 0
+        rider = shard(counts.model_vector_bytes) * self.compute_ratio
+        table = counts.embedding_bytes / counts.embedding_rings if counts.embedding_rings else 0
+        weights = max(shard(counts.largest_layer_bytes) * self.compute_ratio, all_expert_weights) + rider
+        linear_weights = shard(counts.largest_linear_bytes) * self.compute_ratio
+        linear_partials = shard(counts.largest_trainable_linear_bytes) * self.reduce_ratio
+        layer_partials = shard(counts.largest_trainable_layer_bytes) * self.reduce_ratio
+        if group == 1:
+            forward_scratch = 0.0
+            scratch = max(linear_partials, expert_partials)
+        else:
+            staged_forward = max(
+                shard(counts.largest_shared_linear_bytes) * self.compute_ratio,
+                shard(table) * self.compute_ratio,
+                all_expert_weights,
+            )
+            forward_scratch = group * (weights + staged_forward)
+            shared = shard(counts.largest_shared_linear_bytes) * max(self.compute_ratio, self.reduce_ratio)
+            staged = max(shared, min(shard(table) * self.reduce_ratio, layer_partials), max(expert_weights, expert_partials) if counts.up_parameters > 1 else 0.0)
+            scratch = group * (max(linear_weights + linear_partials, layer_partials, expert_weights + expert_partials) + staged + rider)
+        rings = rsdp and bool(counts.largest_layer_bytes or counts.experts)  # a part of vectors alone has none
+        self.ring_forward = int(2 * weights) if rings else 0
+        self.ring_forward_scratch = int(forward_scratch) if rings else 0
+        self.ring = int(2 * (max(linear_weights + linear_partials, layer_partials, expert_weights + expert_partials) + rider)) if rings else 0
+        self.ring_scratch = int(scratch) if rings else 0
+        # An Embedding ring's rows (``_fully_shard/_embedding.py``): the forward's selected rows, the
+        # backward's masked output gradient.
+        self.embedding_rows = (int(counts.embedding_rows_bytes * self.compute_ratio), int(counts.embedding_rows_bytes * self.reduce_ratio))
         self.vectors = int(counts.vector_bytes * self.compute_ratio)  # gathered whole under rsdp
         self.vector_gradients = int((counts.vector_bytes - counts.frozen_vector_bytes) * self.compute_ratio)
 
+    def ring_buffers(self, ringed: bool) -> Carried:
+        """The ring's buffers this part asks for, carried into every phase that holds them (``ringed``:
+        its own, or every part's below an rsdp root)."""
+        return Carried(ring=self.ring, ringed=ringed, ring_forward=self.ring_forward, ring_scratch=self.ring_scratch,
+                       ring_forward_scratch=self.ring_forward_scratch)
+
     def ring_traffic(self, backward: bool) -> RingTraffic:
         """What this part's rings send on one rank in a forward (or ``backward``) pass under rsdp, as
-        ``rsdp.memory.CommCounter`` counts it (nothing under another strategy). A ring of groups of g
-        makes W/g steps; between them W/g - 1 exchanges, of one shard of its weights in forward and in
-        backward of a gradient partial beside it (an Embedding's backward: the partial alone). Forward,
+        ``rsdp.memory.CommCounter`` counts it (nothing under another strategy), ring by ring as the
+        engine forms them (``PartCounts.rings``). A ring of groups of g makes W/g steps; between them
+        W/g - 1 exchanges, of one shard of its weights in forward (the part's vectors and matrices with
+        no ring of their own ride them: all its parameters) and in backward of its ring weights (the
+        vectors stay from the forward) with a gradient partial of every trainable parameter beside
+        them (an Embedding's backward: the partial alone). Forward,
         every ring but an Embedding's is prefetched: its first message rides the last exchange of the
         ring before (``_fully_shard/_prefetch.py``), so it makes one exchange fewer; a ring left with
         none (W/g = 2) carries nothing, so there every other ring is prefetched. The pass's first ring
@@ -981,12 +1088,14 @@ class _Parallelism:
             return RingTraffic()
         counts, world, group = self.counts, self.cost.world_size, self.ring_group_size
         calls = max(counts.calls, 1)
-        rings = (max(counts.layers, 1) + (counts.expert_rings if backward else 0)) * calls
+        rings = (counts.rings + (counts.expert_rings if backward else 0)) * calls
+        if not rings:  # vectors only: gathered whole, no ring of its own
+            return RingTraffic()
         steps, embedding_rings = world // group, counts.embedding_rings * calls
         own = steps - 1  # exchanges per ring: each step's block but the first arrives from the group before
         # The bytes each exchange's worth of shards moves, summed over the part's rings.
         if backward:
-            weights = (self.compute - counts.embedding_bytes * self.compute_ratio) * calls / world
+            weights = (counts.ring_weight_bytes - counts.embedding_bytes) * self.compute_ratio * calls / world
             moved = weights + self.reduced * calls / world
         else:
             weights = moved = self.compute * calls / world
@@ -1031,8 +1140,8 @@ class _Parallelism:
         overlap = max if cost.host_overlaps_compute else operator.add
         across = cost.spans_machines
         if self.strategy is Strategy.RSDP:
-            layers = max(counts.layers, 1)
-            rings = layers * max(counts.calls, 1)  # a chunked loss's head rotates its weights once per chunk
+            per_call = max(counts.rings, 1)  # a part with no ring (vectors only): one step's worth of time
+            rings = per_call * max(counts.calls, 1)  # a chunked loss's head rotates its weights once per chunk
             group = self.ring_group_size
             steps = world // group
             # The shards' penalty is on the Linears' GEMM time alone (at the whole GEMMs' rate): attention
@@ -1059,9 +1168,9 @@ class _Parallelism:
             # one all-gather beside the layer's compute).
             gathering, in_group = 0.0, cost.spans_more_than_a_machine(group)
             if group > 1:
-                gathering = cost.link("all_gather", in_group).seconds((group - 1) * self.compute / layers / world, group - 1)
+                gathering = cost.link("all_gather", in_group).seconds((group - 1) * self.compute / per_call / world, group - 1)
                 if backward:
-                    gathering += cost.link("reduce_scatter", in_group).seconds((group - 1) * self.reduced / layers / world, group - 1)
+                    gathering += cost.link("reduce_scatter", in_group).seconds((group - 1) * self.reduced / per_call / world, group - 1)
             return rings * ((steps - exchanges) * overlap(step, gathering) + exchanges * overlap(step, exchange + gathering))
         if self.strategy is Strategy.FSDP:
             compute += self.params * cost.fsdp_overhead_s_per_byte[backward]
@@ -1113,9 +1222,10 @@ class _Parallelism:
             # this is (``dropped_activation_bytes``): the forward leaves that less, the backward frees it less.
             kept = counts.checkpointed_ring_output_bytes - counts.dropped_expert_activation_bytes
             expert_step = self.expert_step
-            forward_bytes = (vectors + kept, 3 * vectors + kept + counts.dropped_expert_activation_bytes)
-            backward_bytes = (gradients + vector_gradients - kept, max(gradients + 2 * vector_gradients, expert_step))
-            carried = Carried(ring=self.ring, ringed=below_ring_root or self.ring > 0, ring_forward=self.ring_forward)
+            rows_forward, rows_backward = self.embedding_rows
+            forward_bytes = (vectors + kept, 3 * vectors + kept + counts.dropped_expert_activation_bytes + rows_forward)
+            backward_bytes = (gradients + vector_gradients - kept, max(gradients + 2 * vector_gradients, expert_step) + rows_backward)
+            carried = self.ring_buffers(ringed=below_ring_root or self.ring > 0)
         backward_peak = backward.peak + backward_bytes[1]
         if self.strategy is Strategy.REPLICATE:
             backward_peak = max(backward_peak, reducing)
@@ -1137,19 +1247,18 @@ class _Parallelism:
         chunk's backward ends (with its reduction, or the ring's buffers freed) before the next chunk.
         The ring's buffers are the forward's during a call (which the search adds to every ringed
         forward phase) and the backward's during its backward: the difference is counted here."""
-        ring = max(self.ring - self.ring_forward, 0)
+        ring = max(self.ring + self.ring_scratch - self.ring_forward - self.ring_forward_scratch, 0)
         added = max(forward_bytes[1], forward_bytes[0] + backward_bytes[1] + ring)
         phase = Phase(activations.delta + forward_bytes[0] + backward_bytes[0], activations.peak + added, forward_seconds)
         # The loss runs after the root's forward: only the head's own ring holds buffers in it.
-        kept = Carried(ringed=self.strategy is Strategy.RSDP, ring_forward=carried.ring_forward)
+        kept = Carried(ringed=self.strategy is Strategy.RSDP, ring_forward=carried.ring_forward, ring_forward_scratch=carried.ring_forward_scratch)
         return phase, Phase(0, 0, backward_seconds), kept
 
 
 def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, cost: CostModel,
                    ring_group_size: int = 1) -> dict[str, UnitCost]:
     """Every unit's cost under ``strategy`` (rsdp: in rings of groups of ``ring_group_size``), below a root
-    under ``root_strategy``. Units with experts take groups of 1 alone (their expert ring's terms are a
-    flat ring's): with a larger group they are left out."""
+    under ``root_strategy``; units with experts run their expert rings in the same groups."""
     phases, below_ring_root = counts.activations, root_strategy is Strategy.RSDP
     return {
         name: _reserved(
@@ -1159,7 +1268,6 @@ def estimate_units(counts: Counts, strategy: Strategy, root_strategy: Strategy, 
             cost, counts,
         )
         for name, part in counts.units.items()
-        if ring_group_size == 1 or not part.experts
     }
 
 
@@ -1178,7 +1286,7 @@ def _reserved(estimate, cost: CostModel, counts: Counts):
         if isinstance(value, Phase):
             return dataclasses.replace(value, delta=round(value.delta * factor), peak=round(value.peak * factor))
         if isinstance(value, Carried):
-            return dataclasses.replace(value, **{f: round(getattr(value, f) * factor) for f in ("gather", "reduce", "ring", "ring_forward")})
+            return dataclasses.replace(value, **{f: round(getattr(value, f) * factor) for f in Carried.BYTES})
         return value
 
     changes = {field.name: scaled(getattr(estimate, field.name)) for field in dataclasses.fields(estimate)}
@@ -1196,11 +1304,13 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_grou
     embedding, head = (_Parallelism(part, strategy, cost, ring_group_size) for part in (counts.before, counts.after))
     pair = (counts.before, counts.after)
     whole = PartCounts(
-        **{name: sum(getattr(part, name) for part in pair) for name in ("param_bytes", "vector_bytes", "frozen_bytes", "frozen_vector_bytes")},
+        **{name: sum(getattr(part, name) for part in pair)
+           for name in ("param_bytes", "vector_bytes", "frozen_bytes", "frozen_vector_bytes", "rings", "ring_weight_bytes")},
         **{
             name: max(getattr(part, name) for part in pair)
             for name in ("largest_trainable_param_bytes", "largest_layer_bytes", "largest_linear_bytes",
-                         "largest_trainable_layer_bytes", "largest_trainable_linear_bytes", "itemsize")
+                         "largest_trainable_layer_bytes", "largest_trainable_linear_bytes",
+                         "embedding_rows_bytes", "largest_shared_linear_bytes", "model_vector_bytes", "itemsize")
         },
     )
     root = _Parallelism(whole, strategy, cost, ring_group_size)
@@ -1210,10 +1320,11 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_grou
     before, middle, after = counts.activations.before, counts.activations.middle, counts.activations.after
     if strategy is Strategy.RSDP:
         # Vectors as in units, the head's gradient shards from its backward on; the ring's buffers carried.
-        before_bytes = (vectors, 3 * vectors)
+        rows_forward, rows_backward = embedding.embedding_rows
+        before_bytes = (vectors, 3 * vectors + rows_forward)
         middle_bytes = (head_gradients, head_gradients + 2 * vector_gradients)
-        after_bytes = (gradients - head_gradients - vectors, gradients + 2 * vector_gradients)
-        carried = Carried(ring=root.ring, ringed=True, ring_forward=root.ring_forward)
+        after_bytes = (gradients - head_gradients - vectors, gradients + 2 * vector_gradients + rows_backward)
+        carried = root.ring_buffers(ringed=True)
     else:
         # FSDP2 does not reshard its root after forward and replicate keeps its copy: the parameters are
         # whole from the first forward to the end of the backward, the head's gradient from the head's

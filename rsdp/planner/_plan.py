@@ -362,7 +362,7 @@ def _candidates(units: list[str], batch_sizes, choices: Sequence[Choice], costs:
     for batch_size in batch_sizes:
         for root_choice in choices:
             by_choice, root = costs(batch_size, root_choice)
-            unit_costs = [{c: by_choice[c][name] for c in choices if name in by_choice[c]} for name in units]
+            unit_costs = [{c: by_choice[c][name] for c in choices} for name in units]
             searched = tuple(tuple(options.items()) for options in unit_costs)
             if searched not in frontiers:
                 frontiers[searched] = _search(unit_costs)
@@ -409,7 +409,7 @@ def plan_from_counts(
 def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel,
                     ring_group_size: int = 1) -> tuple[float, float]:
     """Predicted peak bytes per device and step seconds of ``strategy`` everywhere, root included (rsdp:
-    in rings of groups of ``ring_group_size``, where a unit can take it: else flat)."""
+    in rings of groups of ``ring_group_size``)."""
     names = ["", *units]
     return predict_policy(counts, units, dict.fromkeys(names, strategy), cost_model, dict.fromkeys(names, ring_group_size))
 
@@ -418,14 +418,13 @@ def predict_policy(counts: Counts, units: list[str], policy: dict[str, Strategy]
                    ring_group_sizes: dict[str, int] | None = None) -> tuple[float, float]:
     """Predicted peak bytes per device and step seconds of one plan (``policy``: a strategy per unit and
     for the root ``""``; ``ring_group_sizes``: rsdp's group size per unit, default 1), walked unit by unit
-    from the cost model's exact figures, as the search reports it. A unit that cannot take its group
-    (experts) takes the flat ring."""
+    from the cost model's exact figures, as the search reports it."""
     sizes = ring_group_sizes or {}
     chosen = {name: Choice(strategy, sizes.get(name, 1) if strategy is Strategy.RSDP else 1) for name, strategy in policy.items()}
-    by_choice, root = _estimated_costs(counts, tuple(set(chosen.values()) | {Choice(Strategy.RSDP)}), chosen[""], cost_model)
+    by_choice, root = _estimated_costs(counts, tuple(set(chosen.values())), chosen[""], cost_model)
     partial = EMPTY
     for name in reversed(units):
-        partial = partial.extend(by_choice[chosen[name]].get(name) or by_choice[Choice(chosen[name].strategy)][name])
+        partial = partial.extend(by_choice[chosen[name]][name])
     return predicted_peak(partial, root).item(), partial.seconds.item() + root.seconds
 
 

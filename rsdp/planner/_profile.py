@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -64,18 +65,26 @@ class Carried:
       module's backward (prefetch);
     - ``reduce``: FSDP2 (and the FSDP-based ``replicate``) keeps a module's reduce-scatter input until
       the next such module's reduce, or the backward's end;
-    - ``ring``, ``ring_forward``: the ring's message buffers in backward and in forward (weight shards
-      alone), one set per process, given the largest message of the pass when it runs its first ring:
-      a plan's largest, in every phase that runs with them (``ringed``: an rsdp part's that has a ring,
-      and every part's below an rsdp root, whose forward holds them throughout), and in every
-      backward phase after the first that does.
+    - ``ring``, ``ring_forward``: the ring's pair of message buffers in backward and in forward
+      (weight shards alone), and ``ring_scratch``, ``ring_forward_scratch`` its scratch (a Linear's
+      next contribution, a ring of groups' block): one set per process, each buffer sized apart, so a
+      plan's largest pair and largest scratch, in every phase that runs with them (``ringed``: an rsdp
+      part's that has a ring, and every part's below an rsdp root, whose forward holds them
+      throughout), and in every backward phase after the first that does, to the backward's end: a
+      backward that follows its pass's record trims them to what the rest of it needs, but one that
+      left it (the first ones, and the one after Linears on one input started sharing a ring) keeps
+      the largest it was asked for (``_fully_shard/_schedule.py``).
     """
+
+    BYTES: ClassVar[tuple[str, ...]] = ("gather", "reduce", "ring", "ring_forward", "ring_scratch", "ring_forward_scratch")
 
     gather: int = 0
     reduce: int = 0
     ring: int = 0
     ringed: bool = False
     ring_forward: int = 0
+    ring_scratch: int = 0
+    ring_forward_scratch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,12 +26,11 @@ cost model's; measured phases contain them already and carry nothing), where the
   previous FSDP module ahead of time (FSDP2's prefetch), which that all-gather output lives through
   (``since_gathering_ringed``: among those that hold the ring's buffers);
 - ``ringed_forward``, ``ringed_backward``: the highest levels among the phases that hold the ring's
-  buffers (forwards of rsdp units or below an rsdp root; backwards from the first such on), and
-  ``ring_forward``, ``ring``: the largest buffers of a forward and of a backward, which they may hold;
-  ``ringed_backward_with_ring``: the highest of those backward levels with the ring buffers the
-  backward still holds there, the largest of its own ring and of the units after it in backward (a
-  backward ring trims the buffers to what the rest of the backward needs, ``RingBuffers.trim``: the
-  head's, the first and largest, are gone when the gradients have piled up at the backward's end);
+  buffers (forwards of rsdp units or below an rsdp root; backwards from the first such on, to the
+  backward's end), and ``ring_forward``, ``ring``: the largest message pairs of a forward and of a
+  backward, ``ring_forward_scratch``, ``ring_scratch``: the largest scratches, which they may hold (the
+  buffers are sized apart, and a backward that left its pass's record trims none of them:
+  ``_profile.Carried``);
 - ``optimizer_step``: what the optimizer step allocates for their parameters (a foreach optimizer), and
   ``optimizer_step_floor``: the most it allocates for one of them (a for-loop one: the largest).
 
@@ -95,9 +94,10 @@ class Partial(NamedTuple):
     since_gathering: torch.Tensor
     since_gathering_ringed: torch.Tensor
     ringed_backward: torch.Tensor
-    ringed_backward_with_ring: torch.Tensor
     ring: torch.Tensor
     ring_forward: torch.Tensor
+    ring_scratch: torch.Tensor
+    ring_forward_scratch: torch.Tensor
     static: torch.Tensor
     optimizer_step: torch.Tensor
     optimizer_step_floor: torch.Tensor
@@ -138,10 +138,10 @@ class Partial(NamedTuple):
             phase_peak if reduces else _max(self.since_gathering, phase_peak),
             ringed_peak if reduces else _max(self.since_gathering_ringed, ringed_peak),
             ringed_backward,
-            # The walked units' backwards run before this one's, whose ring the buffers keep until it.
-            _max(self.ringed_backward_with_ring, ringed_backward + carried.ring),
             _max(self.ring, carried.ring),
             _max(self.ring_forward, carried.ring_forward),
+            _max(self.ring_scratch, carried.ring_scratch),
+            _max(self.ring_forward_scratch, carried.ring_forward_scratch),
             self.static + cost.static_bytes,
             self.optimizer_step + cost.optimizer_step_bytes,
             _max(self.optimizer_step_floor, cost.optimizer_step_floor_bytes),
@@ -162,7 +162,7 @@ def _concatenated(partials: list[Partial]) -> Partial:
 
 def _empty() -> Partial:
     none, zero = torch.tensor([_NONE], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
-    return Partial(none, none, zero, none, zero, none, zero, zero, none, none, none, none, zero, zero, zero, zero, zero, zero)
+    return Partial(none, none, zero, none, zero, none, zero, zero, none, none, none, zero, zero, zero, zero, zero, zero, zero, zero)
 
 
 EMPTY = _empty()  # the plan of no unit
@@ -172,16 +172,17 @@ def predicted_peak(partial: Partial, root: RootCost) -> torch.Tensor:
     """Peak bytes of whole plans (one per row): the highest of the step's phases, each with the buffers
     carried into it, plus parameters and optimizer state."""
     carried = root.carried
-    ring = _max(partial.ring, carried.ring)
-    ring_forward = _max(partial.ring_forward, carried.ring_forward)
+    # The largest pair and the largest scratch of the plan's rings, sized apart.
+    ring = _max(partial.ring, carried.ring) + _max(partial.ring_scratch, carried.ring_scratch)
+    ring_forward = _max(partial.ring_forward, carried.ring_forward) + _max(partial.ring_forward_scratch, carried.ring_forward_scratch)
     # Below an rsdp root every unit's phases hold the ring's buffers, and the root's own do too; its
     # forward's end frees them, so the loss runs without them, the root's own head (a ring of its own:
     # ``carried.ring``) with the backward's, which its backward begins.
     root_ring = ring_forward if carried.ringed else 0
     middle_ring = _max(ring, root_ring) if carried.ring else root_ring
-    # After the units' backwards the ring buffers hold what the rest needs (``RingBuffers.trim``): the
-    # root's own ring (its embedding's, the backward's last), none where the root has none.
-    backward_ring = carried.ring
+    # After the units' backwards the ring buffers are held to the backward's end: through the root's
+    # own backward (its embedding's, the last), none where the root has no ring.
+    backward_ring = ring if carried.ring else 0
     start = root.before.delta
     after_forward = start + partial.activations
     before_backward = after_forward + root.middle.delta
@@ -189,9 +190,9 @@ def predicted_peak(partial: Partial, root: RootCost) -> torch.Tensor:
     return root.static_bytes + partial.static + _max(
         start + _max(partial.forward_peak, partial.until_gathering + carried.gather, partial.ringed_forward + ring_forward),
         after_forward + root.middle.peak + _max(partial.gather, carried.gather) + middle_ring,
-        # The root's ring (its head's and its embedding's, the first and the last of the backward) held
-        # by every unit's backward, as if the embedding's were the larger.
-        before_backward + _max(partial.backward_peak, partial.ringed_backward_with_ring, partial.ringed_backward + carried.ring),
+        # The plan's largest backward buffers (the root's head's and embedding's rings among them, the
+        # first and the last of the backward) held by every unit's backward from the first ring on.
+        before_backward + _max(partial.backward_peak, partial.ringed_backward + ring),
         end_of_backward + root.after.peak + partial.retained + backward_ring,
         end_of_backward + root.after.delta + _max(partial.optimizer_step + root.optimizer_step_bytes, partial.optimizer_step_floor, root.optimizer_step_floor_bytes),
         root.before.peak + root_ring,
