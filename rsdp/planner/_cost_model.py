@@ -74,7 +74,7 @@ on CPU ranks, it runs the transfers and its own work too, so every "longer of" b
   overlaps the unit's compute (FSDP2 prefetches the next unit's gather during this one's compute), so a
   phase takes the longer of the two;
 - RSDP: per ring (as the engine forms them, ``PartCounts.rings``: the Linears called on one input share
-  one, an Embedding has one, an experts module one per projection) and phase, W steps each computing 1/W of the layer's work, its
+  one, an Embedding has one, an experts module one forward and one per projection backward) and phase, W steps each computing 1/W of the layer's work, its
   Linears' GEMM time (at ``gemm_flops_per_s``) divided by ``partial_gemm_efficiency`` (a 1/W-row GEMM's
   rate relative to a whole one: RSDP's per-shard penalty) beside ``ring_step_host_s`` of host work (the longer of the two); each of the
   ring's W-1 exchanges (one message: a weight shard forward, a shard and a gradient partial backward)
@@ -400,8 +400,8 @@ class PartCounts:
     embedding_rings: int = 0
     embedding_bytes: int = 0
     # The rings rsdp runs in one forward call of the part, as the engine forms them (the Linears called
-    # on one input share one, an Embedding has one, an experts module one per projection:
-    # ``expert_rings_of``; norms and other vectors ride them), and the weights they rotate (stored
+    # on one input share one, an Embedding has one, an experts module one of both projections:
+    # ``expert_rings_of``, and one more backward: ``expert_rings``; norms and other vectors ride them), and the weights they rotate (stored
     # dtype, once per ring that uses them): what ``ring_traffic`` counts messages and backward bytes by.
     rings: int = 0
     ring_weight_bytes: int = 0
