@@ -524,11 +524,14 @@ class ChunkableLM(TinyLM):
         return x if self._skip_lm_head else self.lm_head(x)
 
 
-# Plans torchtitan can run under its chunked loss (a replicated head is not one: torchtitan asks it for
-# FSDP's reshard controls, and rsdp.torchtitan moves it into the root).
+# Plans torchtitan can run under its chunked loss. A replicated head is not one (torchtitan asks it for
+# FSDP's reshard controls): rsdp.torchtitan applies it inside a replicate root (``None``: no unit), as the
+# planner counts it (``replicated_in_root``: the step counted without the head as a unit).
 CHUNKED_PLANS = [
     ("fsdp", {}), ("rsdp", {}), ("rsdp, head fsdp", {"lm_head": Strategy.FSDP}),
     ("replicate, head fsdp", {"lm_head": Strategy.FSDP}),
+    ("replicate, head in the root", {"lm_head": None}),
+    ("rsdp, head in a replicate root", {"": Strategy.REPLICATE, "lm_head": None}),
 ]
 
 
@@ -540,14 +543,17 @@ def chunked_loss_case() -> list[tuple[str, float, float, float]]:
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     tokens = torch.randint(0, 8192, (2, 65))
     chunked = chunked_next_token_loss(4)
-    names = ["", *find_units(model)]
-    counts = counted(model, tokens, loss_fn=chunked)
+    units = find_units(model)
+    counts = {True: (count(model, units, tokens, chunked), units)}
+    kept = [name for name in units if name != "lm_head"]
+    counts[False] = (count(model, kept, tokens, chunked), kept)
     results = []
     for label, exceptions in CHUNKED_PLANS:
-        policy = {**dict.fromkeys(names, Strategy(label.split(",")[0])), **exceptions}
+        policy = {**dict.fromkeys(["", *units], Strategy(label.split(",")[0])), **exceptions}
+        policy = {name: strategy for name, strategy in policy.items() if strategy is not None}
         measured = measure_peak(parallelize(copy.deepcopy(model), policy), tokens, chunked)
         whole = measure_peak(parallelize(copy.deepcopy(model), policy), tokens, _shifted_loss)
-        predicted = cost_model_peak(counts, policy, dist.get_world_size())
+        predicted = cost_model_peak(counts["lm_head" in policy], policy, dist.get_world_size())
         results.append((label, predicted, measured, whole))
     return results
 

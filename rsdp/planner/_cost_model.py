@@ -1328,13 +1328,18 @@ def estimate_root(counts: Counts, strategy: Strategy, cost: CostModel, ring_grou
     else:
         # FSDP2 does not reshard its root after forward and replicate keeps its copy: the parameters are
         # whole from the first forward to the end of the backward, the head's gradient from the head's
-        # backward; all gradients are reduced at the end, when the parameters are freed (FSDP: beside
-        # the gradients the reduce-scatter input and the reduced shard; replicate: the reduce-scatter
-        # input, its divided copy and the reduced gradient).
+        # backward; all gradients are reduced at the end, in FSDP2's root post-backward (FSDP: the
+        # parameters, beside the gradients the reduce-scatter input and the reduced shard). Replicate's
+        # post-backward frees the copy first, then copies the gradients (the head's, and those its own
+        # backward made: the embedding's) into the reduce-scatter input, frees them, and reduces into
+        # an output of its own, which becomes the gradient.
         gathering = params if strategy is Strategy.FSDP else 0  # the all-gather output, beside the copy-out
         before_bytes = (params, params + gathering)
         middle_bytes = (head.compute_gradients, head.compute_gradients)
-        reducing = params + gradients if strategy is Strategy.FSDP else params + 2 * reduced
+        if strategy is Strategy.FSDP:
+            reducing = params + gradients
+        else:
+            reducing = embedding.compute_gradients + max(0, reduced - params, 2 * reduced - params - root.compute_gradients)
         after_bytes = (gradients - params - head.compute_gradients, reducing)
         carried = Carried(gather=gathering)
     # The for-loop optimizer's temporaries of the root's largest trainable parameter on one rank (a

@@ -56,6 +56,8 @@ class PlanRow:
     activation_bytes: int  # what its forward leaves alive for backward
     seconds: float  # forward, backward and its share of the optimizer step
     ring_group_size: int = 1  # rsdp's ring in groups of this many ranks (1: the flat ring)
+    # Applied inside the root (``Planner``'s ``replicated_in_root``): its figures are the root's row's.
+    in_root: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +99,9 @@ class Plan:
             "| --- | --- | --- | --- | --- |",
         ]
         for row in self.rows:
+            if row.in_root:
+                lines.append(f"| {row.module} | {row.strategy.value}, in the root | (the root's) | (the root's) | (the root's) |")
+                continue
             lines.append(
                 f"| {row.module or '(root)'} | {Choice(row.strategy, row.ring_group_size)} | {row.static_bytes / MiB:.1f} MiB | "
                 f"{row.activation_bytes / MiB:.1f} MiB | {row.seconds * 1e3:.1f} ms |"
@@ -198,6 +203,12 @@ class Planner:
         mp_policy: the mixed precision policy the plan trains with.
         strategies: the strategies a module may take.
         cost_model: estimate for another cluster instead of measuring on this one.
+        replicated_in_root: units that are applied inside the root when they are replicated, as
+            ``rsdp.torchtitan`` applies a replicated ``lm_head`` (torchtitan's chunked loss cannot call a
+            replicate module). Such a plan is counted as it runs: the unit's parameters in a replicate
+            root's group, copied when the step starts and their gradients held to the backward's end,
+            where the root reduces them (``_cost_model.estimate_root``); its row says it is in the root.
+            Cost model only.
     """
 
     def __init__(
@@ -212,6 +223,7 @@ class Planner:
         mp_policy: MixedPrecisionPolicy | None = None,
         strategies: Sequence[Strategy] = tuple(Strategy),
         cost_model: CostModel | None = None,
+        replicated_in_root: Sequence[str] = (),
     ):
         batch_sizes = _checked_batch_sizes(batch_sizes, sample_input)
         if loss_fn is _next_token_loss:
@@ -219,12 +231,17 @@ class Planner:
         units = find_units(model)
         if not units:
             raise ValueError(f"rsdp.plan: {type(model).__name__} has no submodule with parameters to plan for.")
+        in_root = _checked_in_root(replicated_in_root, units, cost_model)
         if cost_model is not None:
-            counted = {
-                size: count(model, units, _resize_batch(sample_input, size), loss_fn, cost_model.param_dtype)
-                for size in batch_sizes
-            }
-            self._choice = _EstimatedChoice(counted, units, cost_model, strategies)
+            def counted_with(counted_units: list[str]) -> dict[int, Counts]:
+                return {
+                    size: count(model, counted_units, _resize_batch(sample_input, size), loss_fn, cost_model.param_dtype)
+                    for size in batch_sizes
+                }
+
+            # A unit replicated inside the root is the root's part of the step: counted without it as a unit.
+            folded = counted_with([name for name in units if name not in in_root]) if in_root and Strategy.REPLICATE in strategies else None
+            self._choice = _EstimatedChoice(counted_with(units), units, cost_model, strategies, in_root, folded)
             return
         mesh = mesh or _default_mesh()
 
@@ -238,6 +255,15 @@ class Planner:
         """The fastest plan per sample whose peak memory per rank fits ``memory_budget`` bytes (see
         :func:`plan`)."""
         return dataclasses.replace(self._choice.choose(memory_budget), memory_budget=memory_budget)
+
+
+def _checked_in_root(names: Sequence[str], units: list[str], cost_model: CostModel | None) -> tuple[str, ...]:
+    if names and cost_model is None:
+        raise ValueError("rsdp.plan: replicated_in_root is counted by the cost model; pass cost_model= or drop replicated_in_root.")
+    unknown = [name for name in names if name not in units]
+    if unknown:
+        raise ValueError(f"rsdp.plan: replicated_in_root names {', '.join(unknown)}, which are not units ({', '.join(units)}); name units.")
+    return tuple(names)
 
 
 def _checked_batch_sizes(batch_sizes: Sequence[int] | None, sample_input: torch.Tensor) -> list[int]:
@@ -263,16 +289,26 @@ class _Candidate:
 
 class _EstimatedChoice:
     """Plans from the cost model's estimates: the fastest predicted to fit is chosen, unverified. rsdp is
-    tried in rings of every group size the cost model allows."""
+    tried in rings of every group size the cost model allows. A unit of ``in_root`` is never a replicate
+    unit: replicated, it is part of a replicate root, whose plans are counted from ``folded`` (the step
+    counted without those units)."""
 
-    def __init__(self, counted: dict[int, Counts], units: list[str], cost_model: CostModel, strategies: Sequence[Strategy]):
+    def __init__(self, counted: dict[int, Counts], units: list[str], cost_model: CostModel, strategies: Sequence[Strategy],
+                 in_root: tuple[str, ...] = (), folded: dict[int, Counts] | None = None):
         self._peak_is_reserved = cost_model.peak_is_reserved
         choices = choices_of(strategies, cost_model.ring_group_sizes())
-        self._candidates = _candidates(
-            units, list(counted), choices,
-            lambda size, root: _estimated_costs(counted[size], choices, root, cost_model),
-            cost_model.world_size,
+        world = cost_model.world_size
+        found = _found(
+            units, list(counted), choices, lambda size, root: _estimated_costs(counted[size], choices, root, cost_model), world,
+            not_replicated=in_root,
         )
+        if folded is not None:
+            kept = [name for name in units if name not in in_root]
+            found += _found(
+                kept, list(folded), choices, lambda size, root: _estimated_costs(folded[size], choices, root, cost_model), world,
+                roots=(Choice(Strategy.REPLICATE),), in_root=in_root,
+            )
+        self._candidates = _useful(found, units)
 
     def choose(self, memory_budget: int) -> Plan:
         fitting = [c for c in self._candidates if c.peak <= memory_budget]
@@ -304,7 +340,7 @@ class _MeasuredChoice:
             self._uniform.append(Plan(rows, batch_size, world, peak, seconds, 0, verified_peak_bytes=peak, verified_step_seconds=seconds))
             return {Choice(s): runs[s][0] for s in strategies}, root_cost
 
-        self._candidates = _candidates(units, batch_sizes, choices_of(strategies), costs, world)
+        self._candidates = _useful(_found(units, batch_sizes, choices_of(strategies), costs, world), units)
 
     def choose(self, memory_budget: int) -> Plan:
         fitting = [c.plan for c in sorted(self._candidates, key=lambda c: (c.seconds_per_sample, c.peak)) if c.peak <= memory_budget]
@@ -351,18 +387,26 @@ def _estimated_costs(counts: Counts, choices: Sequence[Choice], root: Choice, co
     )
 
 
-def _candidates(units: list[str], batch_sizes, choices: Sequence[Choice], costs: Callable, world: int) -> list[_Candidate]:
-    """The plans worth considering: the search's plans and the uniform ones per (batch size, root
-    choice), with their exact peaks, then only those faster per sample than every plan of smaller or
-    equal peak."""
+def _found(
+    units: list[str], batch_sizes, choices: Sequence[Choice], costs: Callable, world: int, *,
+    roots: Sequence[Choice] | None = None, not_replicated: Sequence[str] = (), in_root: tuple[str, ...] = (),
+) -> list["_Found"]:
+    """The search's plans and the uniform ones per (batch size, root choice: each of ``roots``, default
+    every choice), with their exact peaks; the units of ``not_replicated`` take every choice but
+    replicate, and those of ``in_root`` (not among ``units``) are the root's."""
     found = []
     # The units' costs depend on the root's strategy only through whether it rotates (the cost model's
     # FSDP and replicate roots give the same ones): a search already made is reused.
     frontiers: dict[tuple, Frontier] = {}
     for batch_size in batch_sizes:
-        for root_choice in choices:
+        for root_choice in roots or choices:
             by_choice, root = costs(batch_size, root_choice)
-            unit_costs = [{c: by_choice[c][name] for c in choices} for name in units]
+            unit_costs = [
+                {c: by_choice[c][name] for c in choices if not (name in not_replicated and c.strategy is Strategy.REPLICATE)}
+                for name in units
+            ]
+            if not all(unit_costs):  # a unit with no choice left (replicate alone, and it must not be)
+                continue
             searched = tuple(tuple(options.items()) for options in unit_costs)
             if searched not in frontiers:
                 frontiers[searched] = _search(unit_costs)
@@ -370,16 +414,23 @@ def _candidates(units: list[str], batch_sizes, choices: Sequence[Choice], costs:
             peaks = predicted_peak(frontier.partial, root).tolist()
             per_sample = ((frontier.partial.seconds + root.seconds) / (batch_size * world)).tolist()
             found += [
-                _Found(seconds, peak, frontier, row, root_choice, root, batch_size, unit_costs)
+                _Found(seconds, peak, frontier, row, root_choice, root, batch_size, units, unit_costs, in_root, world)
                 for row, (seconds, peak) in enumerate(zip(per_sample, peaks))
             ]
+    return found
+
+
+def _useful(found: list["_Found"], units: list[str]) -> list[_Candidate]:
+    """Of the plans ``found``, those faster per sample than every plan of smaller or equal peak, each
+    with its rows in the order of ``units``."""
     useful, fastest = [], math.inf
     for f in sorted(found, key=lambda f: (f.peak, f.seconds_per_sample)):
         if f.seconds_per_sample < fastest:
             chosen = f.frontier.assignment(f.row)
-            assignments = [(name, s, costs[s]) for name, s, costs in zip(units, chosen, f.unit_costs)]
-            rows = _rows(f.root_choice, f.root, assignments)
-            useful.append(_Candidate(f.seconds_per_sample, f.peak, Plan(rows, f.batch_size, world, int(f.peak), f.seconds_per_sample * f.batch_size * world, 0)))
+            assignments = [(name, s, costs[s]) for name, s, costs in zip(f.units, chosen, f.unit_costs)]
+            rows = _rows(f.root_choice, f.root, assignments, f.in_root, units)
+            plan_ = Plan(rows, f.batch_size, f.world, int(f.peak), f.seconds_per_sample * f.batch_size * f.world, 0)
+            useful.append(_Candidate(f.seconds_per_sample, f.peak, plan_))
             fastest = f.seconds_per_sample
     return useful
 
@@ -394,7 +445,10 @@ class _Found(NamedTuple):
     root_choice: Choice
     root: RootCost
     batch_size: int
+    units: list[str]  # the units searched (``unit_costs``' order)
     unit_costs: list[dict[Choice, UnitCost]]
+    in_root: tuple[str, ...]  # units replicated inside the root
+    world: int
 
 
 def plan_from_counts(
@@ -477,9 +531,14 @@ def _search(unit_costs: list[dict[Choice, UnitCost]]) -> Frontier:
     return pareto_plans(unit_costs, max(1, smallest // SEARCH_GRID_STEPS)).joined(uniform_plans(unit_costs))
 
 
-def _rows(root_choice: Choice, root: RootCost, assignments: list[tuple[str, Choice, UnitCost]]) -> tuple[PlanRow, ...]:
-    rows = [PlanRow("", root_choice.strategy, root.static_bytes, root.before.delta + root.middle.delta, root.seconds,
-                    root_choice.ring_group_size)]
-    rows += [PlanRow(name, c.strategy, cost.static_bytes, cost.forward.delta, cost.seconds, c.ring_group_size)
-             for name, c, cost in assignments]
-    return tuple(rows)
+def _rows(root_choice: Choice, root: RootCost, assignments: list[tuple[str, Choice, UnitCost]], in_root: tuple[str, ...] = (),
+          units: list[str] | None = None) -> tuple[PlanRow, ...]:
+    """The root's row, then the units' in the order of ``units`` (default: ``assignments``'), those of
+    ``in_root`` replicated inside the root."""
+    rows = [PlanRow(name, c.strategy, cost.static_bytes, cost.forward.delta, cost.seconds, c.ring_group_size)
+            for name, c, cost in assignments]
+    rows += [PlanRow(name, Strategy.REPLICATE, 0, 0, 0.0, in_root=True) for name in in_root]
+    order = {name: index for index, name in enumerate(units or [row.module for row in rows])}
+    root_row = PlanRow("", root_choice.strategy, root.static_bytes, root.before.delta + root.middle.delta, root.seconds,
+                       root_choice.ring_group_size)
+    return (root_row, *sorted(rows, key=lambda row: order[row.module]))

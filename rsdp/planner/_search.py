@@ -180,9 +180,6 @@ def predicted_peak(partial: Partial, root: RootCost) -> torch.Tensor:
     # ``carried.ring``) with the backward's, which its backward begins.
     root_ring = ring_forward if carried.ringed else 0
     middle_ring = _max(ring, root_ring) if carried.ring else root_ring
-    # After the units' backwards the ring buffers are held to the backward's end: through the root's
-    # own backward (its embedding's, the last), none where the root has no ring.
-    backward_ring = ring if carried.ring else 0
     start = root.before.delta
     after_forward = start + partial.activations
     before_backward = after_forward + root.middle.delta
@@ -193,7 +190,11 @@ def predicted_peak(partial: Partial, root: RootCost) -> torch.Tensor:
         # The plan's largest backward buffers (the root's head's and embedding's rings among them, the
         # first and the last of the backward) held by every unit's backward from the first ring on.
         before_backward + _max(partial.backward_peak, partial.ringed_backward + ring),
-        end_of_backward + root.after.peak + partial.retained + backward_ring,
+        # After the units' backwards the ring buffers are held to the backward's end: through the root's
+        # own backward (its embedding's, the last) and its reduction, which an FSDP or replicate root
+        # runs first (FSDP2 queues its root's post-backward as the backward begins, before any rsdp
+        # module asks for its end of backward, which frees them).
+        end_of_backward + root.after.peak + partial.retained + ring,
         end_of_backward + root.after.delta + _max(partial.optimizer_step + root.optimizer_step_bytes, partial.optimizer_step_floor, root.optimizer_step_floor_bytes),
         root.before.peak + root_ring,
     )

@@ -154,6 +154,7 @@ def _plan(
     return plan(
         counted, memory_budget=parallelism.memory_budget_bytes(), sample_input=sample, cost_model=cost_model,
         loss_fn=chunked_next_token_loss(parallelism.dp_loss_chunks) if parallelism.dp_loss_chunks > 1 else next_token_loss,
+        replicated_in_root=("lm_head",),  # as data_parallel_rules applies a replicated head
     )
 
 
