@@ -21,7 +21,9 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
 - replicate: an unsharded copy of the parameters (P) from its forward to its backward (the FSDP-based
   ``replicate`` all-gathers over one rank into a buffer of its own), and in backward the gradients
   beside it; FSDP2's post-backward then frees the copy, copies the gradients into the reduce-scatter
-  input (carried) and frees them, and reduces into the gradient;
+  input (carried) and frees them, and reduces into the gradient; a root's copy lives from the step's
+  start to the end of the backward, where its post-backward does the same (a unit replicated inside
+  the root, ``Planner``'s ``replicated_in_root``, is the root's);
 - rsdp: the ring's two messages of a weight shard of the part's largest ring in forward; in backward
   two messages of a weight shard and a gradient partial and the scratch of the next contribution for
   a Linear ring (5 shards), two messages of a partial for an Embedding's (a ring of groups of g: two
@@ -30,7 +32,9 @@ torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on
   model's vectors ride). The message pair and the scratch are buffers of their own, each sized by the
   largest request, so a plan holds its largest pair and its largest scratch; carried for the rest of
   the pass, in backward to its end (a backward that left its pass's record trims nothing: the first
-  steps, and the one after the Linears on one input started sharing a ring); a part with no ring,
+  steps, and the one after the Linears on one input started sharing a ring), through an FSDP or
+  replicate root's reduction (FSDP2 queues its root's post-backward as the backward begins, before
+  rsdp's end of backward that frees them); a part with no ring,
   norms only, holds none; an rsdp root's forward frees them before the loss. An Embedding ring's
   rows (tokens x row: the selected rows in forward, the masked output gradient in backward) beside
   them; its vectors (norm weights, biases; V bytes) gathered whole and kept
