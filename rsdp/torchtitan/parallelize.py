@@ -86,7 +86,8 @@ def data_parallel_rules(
     ``set_reshard_after_forward``/``unshard`` on it when it is an FSDP module, which torch's replicate
     module is but does not implement. So a replicated ``lm_head`` joins the root, as does a tied one
     (it must stay with its embedding; torchtitan groups them too), and the root takes the head's
-    strategy: only FSDP's and replicate's root parameters stay usable after the forward.
+    strategy: only FSDP's and replicate's root parameters stay usable after the forward. ``auto`` plans
+    a replicated head so (``rsdp.plan``'s ``replicated_in_root``: a replicate root, counted holding it).
     """
     if parallelism.dp_strategy == "auto":
         chosen = _plan(model, parallel_dims, training, parallelism, ac_config, dump_folder)
