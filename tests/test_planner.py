@@ -370,12 +370,15 @@ def test_planned_peaks_fit_budgets_and_an_infeasible_one_names_the_smallest_on_4
 
 
 def planned_training_case():
-    """A plan is a policy: the planned model trains like the single-process reference, and larger
-    batches are considered."""
+    """A plan is a policy: the planned model trains like the single-process reference; larger batches
+    are considered, and only the strategies asked for (two: a profile is a run per root and unit
+    strategy, 4 per batch size instead of 9; the budgets test searches all three)."""
     model = TinyLM(vocab=31, dim=8, heads=2, hidden=12, layers=3).double()
     reference = twin(model)
-    chosen = plan(model, memory_budget=64 * MiB, sample_input=torch.randint(0, 31, (1, 6)), batch_sizes=[1, 2])
+    strategies = (Strategy.RSDP, Strategy.FSDP)
+    chosen = plan(model, memory_budget=64 * MiB, sample_input=torch.randint(0, 31, (1, 6)), batch_sizes=[1, 2], strategies=strategies)
     assert set(chosen.strategies) == {"", "layers.0", "layers.1", "layers.2", "norm"}
+    assert set(chosen.strategies.values()) <= set(strategies)
     assert chosen.batch_size in (1, 2) and "(root)" in str(chosen)
     train_and_compare(parallelize(model, chosen), reference, steps=2, rows=1, seq=5)
 

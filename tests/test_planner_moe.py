@@ -46,14 +46,31 @@ def tiny_moe(family: str):
     return getattr(transformers, model_name)(config)
 
 
-def moe_peaks_case() -> list[tuple[str, float, float]]:
+def moe_tokens() -> torch.Tensor:
+    """The batch every test here runs: 2 rows of 65 tokens."""
+    return torch.randint(3, SHAPE["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def moe_counts():
+    """Each family's count: made on the meta device, whatever the world size or plan, so once here
+    rather than on every rank of every world size."""
+    tokens = moe_tokens()
+    counted = {}
+    for family in FAMILIES:
+        model = tiny_moe(family)
+        counted[family] = count(counted_as_planned(model), find_units(model), tokens, next_token_loss)
+    return counted
+
+
+def moe_peaks_case(counted: dict) -> list[tuple[str, float, float]]:
     """Every family, FSDP and rsdp everywhere: (label, predicted, measured) on this world size."""
     results = []
-    tokens = torch.randint(3, SHAPE["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(0))
+    tokens = moe_tokens()
     for family in FAMILIES:
         model = tiny_moe(family)
         names = ["", *find_units(model)]
-        counts = count(counted_as_planned(model), names[1:], tokens, next_token_loss)
+        counts = counted[family]
         for strategy in (Strategy.FSDP, Strategy.RSDP):
             policy = dict.fromkeys(names, strategy)
             with warnings.catch_warnings():
@@ -64,17 +81,17 @@ def moe_peaks_case() -> list[tuple[str, float, float]]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_moe_peak_is_within_15_percent_of_the_measured_peak(ranks, world):
+def test_moe_peak_is_within_15_percent_of_the_measured_peak(ranks, moe_counts, world):
     """Tiny Mixtral, Qwen3-MoE and gpt-oss (grouped_mm experts), FSDP2 and rsdp everywhere: the cost
     model's peak against the measured one (parameters, AdamW state and the step's peak; the most of any
     rank), within the dense tests' tolerance."""
-    for label, prediction, measured in ranks.run(world, moe_peaks_case)[0]:
+    for label, prediction, measured in ranks.run(world, moe_peaks_case, moe_counts)[0]:
         print(f"{world} ranks, {label}: predicted {prediction / MiB:.3f} MiB, measured {measured / MiB:.3f} MiB ({measured / prediction:.3f})")
         assert 1 - TOLERANCE <= measured / prediction <= 1 + TOLERANCE, f"{world} ranks, {label}: {measured} vs {prediction}"
 
 
 @pytest.mark.parametrize("world,group", [(4, 1), (4, 2), (4, 4)])
-def test_expert_rings_of_groups_send_and_hold_what_the_planner_counts(world, group):
+def test_expert_rings_of_groups_send_and_hold_what_the_planner_counts(moe_counts, world, group):
     """Tiny Mixtral (16 experts a layer, rsdp everywhere) on the fake process group, its expert rings on
     rings of groups as the rest: the exchanges between groups and collectives within them per pass are
     what the cost model counts (a block's attention 2 rings, its experts 1 forward, both projections
@@ -89,9 +106,8 @@ def test_expert_rings_of_groups_send_and_hold_what_the_planner_counts(world, gro
     from rsdp.planner._cost_model import RingTraffic, _Parallelism
     from rsdp.planner._plan import predict_uniform
 
-    model, tokens = tiny_moe("mixtral"), torch.randint(3, SHAPE["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(0))
+    model, tokens, counts = tiny_moe("mixtral"), moe_tokens(), moe_counts["mixtral"]
     units = find_units(model)
-    counts = count(counted_as_planned(model), units, tokens, next_token_loss)
     cost = CostModel(world, flops_per_s=1e12, bandwidth_bytes_per_s=1e10, latency_s=1e-5, gpus_per_node=world)
     predicted_peak = predict_uniform(counts, units, Strategy.RSDP, cost, group)[0]
     parts = [counts.before, *counts.units.values(), counts.after]
@@ -290,7 +306,7 @@ def lora_moe_peaks_case() -> list[tuple[str, float, float]]:
     (label, predicted, measured), AdamW over the adapters."""
     from rsdp.planner._training import with_lora
 
-    tokens = torch.randint(3, SHAPE["vocab_size"], (2, 65), generator=torch.Generator().manual_seed(0))
+    tokens = moe_tokens()
     model = with_lora(tiny_moe("qwen3_moe"), 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
     names = ["", *find_units(model)]
     counts = count(counted_as_planned(model), names[1:], tokens, next_token_loss)

@@ -168,9 +168,10 @@ def plan(model: nn.Module, *, memory_budget: int, **planner_args) -> Plan:
        latency, for a cluster of ``cost_model.world_size`` devices; no process group is needed.
     2. Search: a mixed plan is predicted by replaying the measured phases; the search over plans is
        exact for that prediction (see ``_search``), and minimises step time per sample.
-    3. Verify (measured plans only): the chosen plan itself is run once. Parallelisms interact at module
-       boundaries in ways a replay of uniform runs does not see (FSDP2 frees a module's all-gather
-       buffers at the next module's unshard), so the fastest plans (up to 8) are run: the first that
+    3. Verify (measured plans only): the chosen plan itself is run once (a uniform plan was, in step 1).
+       Parallelisms interact at module boundaries in ways a replay of uniform runs does not see (FSDP2
+       frees a module's all-gather buffers at the next module's unshard), so the fastest plans (up to
+       8) are run: the first that
        fits and whose measured peak is within 10% of its prediction is returned; failing that, the
        first that fits (its table shows prediction and measurement); failing that, the plan predicted
        smallest.
@@ -323,7 +324,8 @@ class _EstimatedChoice:
 
 class _MeasuredChoice:
     """Plans from uniform runs measured on the ranks, the chosen one verified by running it (steps 1, 3
-    and 4 of :func:`plan`). Verification runs are kept, so a second budget reruns no plan."""
+    and 4 of :func:`plan`). Verification runs are kept, so a second budget reruns no plan; a uniform
+    plan's verification is its profile run (the same plan, batch and step), so it is not run again."""
 
     def __init__(self, measure: Callable, units: list[str], batch_sizes: list[int], strategies: Sequence[Strategy], world: int):
         self._measure = measure
@@ -337,7 +339,9 @@ class _MeasuredChoice:
             unit_costs, root_cost, peak = runs[root.strategy]
             seconds = sum(c.seconds for c in unit_costs.values()) + root_cost.seconds
             rows = _rows(root, root_cost, [(name, root, cost) for name, cost in unit_costs.items()])
-            self._uniform.append(Plan(rows, batch_size, world, peak, seconds, 0, verified_peak_bytes=peak, verified_step_seconds=seconds))
+            uniform = Plan(rows, batch_size, world, peak, seconds, 0, verified_peak_bytes=peak, verified_step_seconds=seconds)
+            self._uniform.append(uniform)
+            self._runs[_key(uniform)] = (peak, seconds)
             return {Choice(s): runs[s][0] for s in strategies}, root_cost
 
         self._candidates = _useful(_found(units, batch_sizes, choices_of(strategies), costs, world), units)
