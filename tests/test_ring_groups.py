@@ -267,12 +267,14 @@ def test_bad_group_size_errors_on_every_rank(ranks, size, hsdp, kwargs, expected
     assert all(error is not None and expected in error for error in errors), errors
 
 
-def group_step_copies_case():
-    """One steady-state training step of a SwiGLU MLP (gate/up share a ring, down is alone) on a ring
-    of groups of 2: its aten copies, its reduce-scatters within the group, and the copies one such
-    reduce-scatter makes itself (gloo copies its result out at ``wait()``)."""
+def group_step_copies_case(biased):
+    """One steady-state training step of a SwiGLU MLP (gate/up share a ring, down is alone; gate/up
+    ``biased`` or not) on a ring of groups of 2: its aten copies, its reduce-scatters within the group,
+    and the copies one such reduce-scatter makes itself (gloo copies its result out at ``wait()``)."""
     torch.manual_seed(0)
     model = MLP(8, 12)
+    if biased:
+        model.gate_proj, model.up_proj = nn.Linear(8, 12), nn.Linear(8, 12)
     rsdp_shard(model, ring_group_size=2)
     x = torch.randn(3, 8, requires_grad=True)
     for _ in range(3):  # the ring buffers' sizes and the views cached of them settle
@@ -286,14 +288,17 @@ def group_step_copies_case():
     return ops.by_op["aten.copy_"], reduce_scatters, one.by_op.get("aten.copy_", 0)
 
 
-def test_a_group_step_copies_once_per_run_of_equal_segments(ranks):
-    """A step more per ring (6 ranks in groups of 2 against 4) costs gate/up's ring 3 copies between
-    the block and the collectives' staging area, one per run of equal-width segments (gate and up
-    together): the forward's and the backward's all-gathered weights, and the backward's contributions
-    before their reduce-scatter. Down's ring, one segment, gathers and reduces in place and copies
-    nothing per step. Each copy is a host dispatch, a kernel launch on a GPU."""
-    (copies4, reduces4, per_reduce), (copies6, reduces6, _) = (ranks.run(world, group_step_copies_case)[0] for world in (4, 6))
-    assert copies6 - copies4 - (reduces6 - reduces4) * per_reduce == 3, (copies4, copies6, reduces4, reduces6, per_reduce)
+@pytest.mark.parametrize("biased,copies_per_step", [(False, 0), (True, 6)])
+def test_a_group_step_copies_only_where_its_block_is_laid_out_by_segment(ranks, biased, copies_per_step):
+    """A step more per ring (6 ranks in groups of 2 against 4) costs gate/up's ring no copy where its
+    block is rank-major (weights alone: the all-gather writes the matrix the GEMM reads, the GEMM the
+    contributions the reduce-scatter reads), and with biases (a block laid out by segment) one copy
+    between the block and the collectives' staging area per run of equal-width segments: the forward's
+    weights and biases, the backward's weights, and its weight and bias contributions before their
+    reduce-scatter (and the bias gradients' sums copied into their contributions). Down's ring, one
+    segment, copies nothing per step. Each copy is a host dispatch, a kernel launch on a GPU."""
+    (copies4, reduces4, per_reduce), (copies6, reduces6, _) = (ranks.run(world, group_step_copies_case, biased)[0] for world in (4, 6))
+    assert copies6 - copies4 - (reduces6 - reduces4) * per_reduce == copies_per_step, (copies4, copies6, reduces4, reduces6, per_reduce)
 
 
 def planned_block_case(seed, group, checkpointing):

@@ -138,7 +138,7 @@ class RingLinearFunction(torch.autograd.Function):
         x2d, *weights = ctx.saved_tensors
         group = _GroupBackward(ctx, x2d, weights, grad_outs)
         reduced = ring_backward(ctx.layer, group.message, group.weight_segments, group.keys,
-                                RingWeights(group.pack_weights, group.use_weights), DenseContribution(group.contribute))
+                                RingWeights(group.pack_weights, group.use_weights), DenseContribution(group.contribute), group.rank_major)
         return group.x_gradient(), None, None, *group.parameter_gradients(reduced)
 
 
@@ -148,7 +148,13 @@ class _ForwardLayout:
     ``layouts``, the message's ``order`` of parameters (every member's weight, then the biases there
     are: the weights of one shard are then adjacent in the message, one [sum of chunks, in] matrix that
     a group multiplies in one GEMM), their ``segments`` and ``slot`` in it, the group's ``stacked``
-    weights (``_Stacked``; None for a lone Linear), and whether every member has a bias."""
+    weights (``_Stacked``; None for a lone Linear), and whether every member has a bias.
+
+    A group of weights alone (no bias) reads a ring of groups' block ``rank_major``
+    (``_wire.BlockRegions``): its g places' messages back to back, each its stacked weights, are one
+    ``[g * width, in]`` matrix as the all-gather writes it, with no staging copy; its products are the
+    columns of g consecutive rank shards, laid out by rank shard (``outputs``: the members' layouts).
+    Otherwise ``outputs`` is ``stacked``, by owner."""
 
     def __init__(self, ring, out_features: tuple[int, ...], has_bias: tuple[bool, ...], in_features: int, dtype: torch.dtype):
         self.layouts = layouts = [ring.layout(rows) for rows in out_features]
@@ -160,6 +166,8 @@ class _ForwardLayout:
         self.slot = {index: position for position, index in enumerate(order)}
         self.stacked = _stacked(tuple(layouts)) if len(out_features) > 1 else None
         self.all_biases = all(has_bias)
+        self.rank_major = self.stacked is not None and not any(has_bias)
+        self.outputs = _stacked(tuple([layout.members for layout in layouts])) if self.rank_major else self.stacked
 
 
 class _GroupForward:
@@ -179,7 +187,7 @@ class _GroupForward:
         if known is None:
             known = layer.by_shape[key] = _ForwardLayout(ring, out_features, has_bias, x.shape[-1], dtype)
         self.layouts, self.order, self.slot = known.layouts, known.order, known.slot
-        self.stacked, self.all_biases = known.stacked, known.all_biases
+        self.stacked, self.all_biases, self.outputs, self.rank_major = known.stacked, known.all_biases, known.outputs, known.rank_major
         self.message = ring.buffers.message_of(known.segments)
         self.x2d = x.reshape(-1, x.shape[-1]).to(dtype)
 
@@ -192,12 +200,14 @@ class _GroupForward:
             out = x2d.new_empty(*self.x_shape[:-1], rows)
             self.columns = out.view(-1, rows).split_with_sizes(self.layouts[0].sizes, 1)
         else:
-            products = x2d.new_empty(x2d.shape[0], ring.owners, stacked.width)
-            self.columns = products.unbind(1)
-        layer.driver.forward(self.message, self.during, [self.params[index] for index in self.order])
+            outputs = self.outputs
+            products = x2d.new_empty(x2d.shape[0], outputs.layouts[0].world, outputs.width)
+            # An owner's columns: on a ring of groups laid out rank-major, its g rank shards'.
+            self.columns = (products if outputs is stacked else products.view(x2d.shape[0], ring.owners, stacked.width)).unbind(1)
+        layer.driver.forward(self.message, self.during, [self.params[index] for index in self.order], rank_major=self.rank_major)
         if stacked is None:
             return (out,)
-        return tuple([stacked.member_output(products, member, self.x_shape[:-1]) for member in range(len(self.out_features))])
+        return tuple([self.outputs.member_output(products, member, self.x_shape[:-1]) for member in range(len(self.out_features))])
 
     def during(self, step: int, buffer: torch.Tensor) -> None:
         """The products of the shard held at ``step`` (in ``buffer``), into their output columns."""
@@ -235,7 +245,9 @@ class _BackwardLayout:
     (``stacked_input``: only without padding rows, which hold stale bytes of earlier messages that a
     zero column of the gradient would not cancel, 0 × NaN); which splits of the output gradients the
     steps use; the message's segments (the weights when the input gradient is wanted, then the
-    gradients) and the gradients' sync-off ``keys``."""
+    gradients) and the gradients' sync-off ``keys``. Where the GEMMs are stacked and no bias travels,
+    a ring of groups' block is read ``rank_major`` (``_ForwardLayout``), the output gradients' columns
+    laid out by rank shard (``outputs``)."""
 
     def __init__(self, ctx, in_features: int, dtype: torch.dtype, reduce_dtype: torch.dtype):
         ring = ctx.layer.ring
@@ -261,6 +273,8 @@ class _BackwardLayout:
         self.segments = tuple(weight_segments + grad_segments)
         self.weight_segments = len(weight_segments)
         self.keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
+        self.rank_major = stacked and not any(is_bias for _, is_bias in wanted) and (not need_x or self.stacked_input)
+        self.outputs = _stacked(tuple([layout.members for layout in layouts])) if self.rank_major else group
 
 
 class _GroupBackward:
@@ -289,10 +303,18 @@ class _GroupBackward:
         self.weight_segments, self.keys = known.weight_segments, known.keys
         self.message = layer.ring.buffers.message_of(known.segments)
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
+        # Rank-major only on a ring of groups (a ring of ranks' block is one shard: the layouts agree)
+        # and where the partials are the contributions alone: what backwards without synchronisation
+        # kept is added by segment (``_ring_function.ring_backward``).
+        self.rank_major = rank_major = known.outputs is not known.group and layer.gradients.synced_alone
         # Each shard's columns of the output gradients (and, transposed, as the weight gradient's GEMM
-        # takes them), split once (an op or two) rather than sliced and transposed at every step.
+        # takes them), split once (an op or two) rather than sliced and transposed at every step; read
+        # rank-major, an owner's are its g rank shards' (``_ForwardLayout``).
         if known.stacked or known.stacked_input:
-            dy_stacked = known.group.spread(dys)
+            outputs = known.outputs if rank_major else known.group
+            dy_stacked = outputs.spread(dys)
+            if outputs is not known.group:
+                dy_stacked = dy_stacked.view(dy_stacked.shape[0], layer.ring.owners, known.group.width)
             self.dy_shards, self.dy_shards_t = dy_stacked.unbind(1), dy_stacked.permute(1, 2, 0).unbind(0)
         if known.splits_dy:
             self.dys_split = [dy.split_with_sizes(layout.sizes, 1) for dy, layout in zip(dys, known.layouts)]

@@ -83,9 +83,17 @@ class BlockRegions:
     between staging and block (``_ring._block_and_staged``; ``weights``: block and member byte slices,
     the member's from ``weights_start``; ``partials``: block, member slices from ``partials_start``,
     dtype). The staging area starts at ``staging_at`` in the scratch buffer, whose size with the block
-    before it is ``scratch_nbytes``."""
+    before it is ``scratch_nbytes``.
 
-    def __init__(self, message: "Message", gathered: range):
+    ``rank_major``: the block holds the weights and the partials each as the collectives move them, g
+    member regions in rank order (``[place 0's weights | place 1's | ...]`` where the weights start,
+    likewise the partials where theirs start), so the all-gather writes the block and the
+    reduce-scatter reads it with no staging copy whatever the segments (a ring layer that reads such a
+    block: a Linear group's stacked weights, ``_linear.py``). Each run then counts as one segment; the
+    partials must share one dtype, and each run of segments must lie in the members' message with no
+    gap (segments of one dtype)."""
+
+    def __init__(self, message: "Message", gathered: range, rank_major: bool = False):
         members, group = message.members, message.segments[0].layout.group if message.segments else 1
         self.weights, self.partials = [], []
         partial_at = [index for index in range(len(message.segments)) if index not in gathered]
@@ -106,6 +114,11 @@ class BlockRegions:
         # The dtype a reduce-scatter rider must have to be summed with the partials (``_ring._WithinGroup``):
         # theirs, None (any) with no partials, False where they have several.
         self.rider_dtype = False if len(dtypes) > 1 else self.partial_dtype
+        if rank_major:
+            if len(dtypes) > 1:
+                raise AssertionError("a rank-major block needs partials of one dtype")
+            self.weights = [_whole_run(self.weights, group)] if self.weights else []
+            self.partials = [(*_whole_run(self.partials, group), self.partial_dtype)] if self.partials else []
         self.staging_at = -(-message.nbytes // 16) * 16
         staged = max(
             self.weights_end - self.weights_start if len(self.weights) > 1 else 0,
@@ -113,6 +126,15 @@ class BlockRegions:
         )
         self.scratch_nbytes = self.staging_at + group * staged
         self.collectives: dict = {}  # the ring's collectives over these regions, per buffer (``_ring._WithinGroup``)
+
+
+def _whole_run(regions: list, group: int) -> tuple[slice, slice]:
+    """A run of segments as one (``BlockRegions``' ``rank_major``): its block region from its first
+    segment's offset, ``group`` times its bytes in the members' message, which must have no gap."""
+    width = regions[-1][1].stop
+    if width != sum(region[1].stop - region[1].start for region in regions):
+        raise AssertionError("a rank-major block needs its runs of segments with no gap in the members' message")
+    return slice(regions[0][0].start, regions[0][0].start + group * width), slice(0, width)
 
 
 class Views(list):
@@ -173,7 +195,7 @@ class Message:
         self._ring_views: dict[tuple, Views | torch.Tensor] = {}
         self._generation = buffers.generation
         self._flat_dtypes: dict[int, torch.dtype | None] = {}  # first -> the one dtype of segments first:
-        self._block_regions: dict[range, BlockRegions] = {}  # gathered -> ``block_regions(gathered)``
+        self._block_regions: dict[tuple[range, bool], BlockRegions] = {}  # (gathered, rank_major) -> ``block_regions``
 
     @functools.cached_property
     def members(self) -> "Message":
@@ -183,12 +205,14 @@ class Message:
             return self
         return self._buffers.message_of(tuple(segment(s.layout.members, s.trailing, s.dtype) for s in self.segments))
 
-    def block_regions(self, gathered: range) -> "BlockRegions":
+    def block_regions(self, gathered: range, rank_major: bool = False) -> "BlockRegions":
         """Where this block message's segments lie in it and in ``members``' (see ``BlockRegions``):
-        segments ``gathered`` all-gathered within a group, the others partials, reduce-scattered."""
-        regions = self._block_regions.get(gathered)
+        segments ``gathered`` all-gathered within a group, the others partials, reduce-scattered; laid
+        out by segment, or ``rank_major``."""
+        key = (gathered, rank_major)
+        regions = self._block_regions.get(key)
         if regions is None:
-            regions = self._block_regions[gathered] = BlockRegions(self, gathered)
+            regions = self._block_regions[key] = BlockRegions(self, gathered, rank_major)
         return regions
 
     def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> Views:
