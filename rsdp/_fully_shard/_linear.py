@@ -56,6 +56,9 @@ class _Stacked:
         self.offsets = list(itertools.accumulate((layout.chunk for layout in layouts), initial=0))
         self.width = self.offsets[-1]
         self.unpadded = all(layout.chunk * layout.world == layout.rows for layout in layouts)
+        # The keys ``rows_of(views, 0)`` keeps its value under (transposed or not) in ``Views.known``: a
+        # ring step reads them there itself, a call less each step.
+        self.weights_key, self.weights_key_t = ("stacked", 0, self.width), ("stacked.t", 0, self.width)
 
     def rows(self, first: torch.Tensor) -> torch.Tensor:
         """``[width, trailing]`` from the first member's view of one shard (its real rows only)."""
@@ -219,7 +222,10 @@ class _GroupForward:
             if self.all_biases:  # adjacent too, right after the weights
                 torch.addmm(stacked.rows_of(views, len(self.layouts)), x2d, stacked.rows_of(views, 0, transposed=True), out=product)
                 return
-            torch.mm(x2d, stacked.rows_of(views, 0, transposed=True), out=product)
+            weights_t = views.known.get(stacked.weights_key_t)
+            if weights_t is None:
+                weights_t = stacked.rows_of(views, 0, transposed=True)
+            torch.mm(x2d, weights_t, out=product)
             for member, layout in enumerate(self.layouts):
                 if 2 * member + 1 in self.slot and layout.sizes[shard]:
                     start = stacked.offsets[member]
@@ -322,14 +328,13 @@ class _GroupBackward:
             self.dys_split_t = [dy.t().split_with_sizes(layout.sizes, 0) for dy, layout in zip(dys, known.layouts)]
         self.grad_x = torch.zeros_like(x2d) if ctx.needs_input_grad[0] else None
         self.in_place = dtype == reduce_dtype  # the weight gradient's GEMM writes the partials' dtype
-
-    def pack_weights(self, views: list[torch.Tensor]) -> None:
-        for view, weight in zip(views, self.weights):
-            view.copy_(weight)
+        # The weights into a message's views, with no call of its own (one a backward ring).
+        self.pack_weights = functools.partial(Views.write, tensors=weights)
 
     def use_weights(self, shard: int, views: Views) -> None:
         if self.stacked_input:
-            self.grad_x.addmm_(self.dy_shards[shard], self.group.rows_of(views, 0))
+            rows = views.known.get(self.group.weights_key)
+            self.grad_x.addmm_(self.dy_shards[shard], self.group.rows_of(views, 0) if rows is None else rows)
             return
         for layout, dy, weight in zip(self.layouts, self.dys_split, views):
             if layout.sizes[shard]:
@@ -337,7 +342,9 @@ class _GroupBackward:
 
     def contribute(self, shard: int, views: Views) -> None:
         if self.stacked:
-            rows = self.group.rows_of(views, 0)
+            rows = views.known.get(self.group.weights_key)
+            if rows is None:
+                rows = self.group.rows_of(views, 0)
             if self.in_place:  # the GEMM writes the partials' dtype: ``write_product``'s case, with no call of it
                 torch.mm(self.dy_shards_t[shard], self.x2d, out=rows)
             else:

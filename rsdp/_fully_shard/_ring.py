@@ -494,7 +494,7 @@ class _RingPass:
         be host time at every step of every ring (``benchmarks/host_overhead.py`` counts them)."""
         ring, hops, tag, within, region, boarding_at = self.ring, self.hops, self.tag, self.within, self.region, self.boarding_at
         group, down, up, kept = ring.group, ring._down, ring._up, ring.context.waited_works
-        all_gather = ring.within_collectives[0] if within is not None else None
+        all_gather, sum_scatter = ring.within_collectives if within is not None else (None, None)
         buffers, block, fill, own, partial_shards = self.buffers, self.block, self.fill, self.own, ring.partial_shards
         for step in range(ring.owners):
             # Send: the exchange of ``step``, the message held (its ``region``, and what boards it) down,
@@ -558,7 +558,12 @@ class _RingPass:
                     side.reduce(step > 0, None, step + 1)  # none came with the first: step 0 sent the weights alone
                     arrival = None
                 elif self.reduces:
-                    side.reduce(True, self.reduce_rider, step + 1)
+                    if side.stage or self.reduce_rider is not None:
+                        side.reduce(True, self.reduce_rider, step + 1)
+                    else:  # ``side.reduce(True, None, ...)`` with nothing staged, written out (a call less a step)
+                        for into, summed, mine in side.reductions:
+                            mine.add_(into)
+                            sum_scatter(into, summed).wait()
             if arrival is not None:
                 arrival(step + 1, current)
             if self.arriving_rider is not None:

@@ -137,6 +137,24 @@ def _whole_run(regions: list, group: int) -> tuple[slice, slice]:
     return slice(regions[0][0].start, regions[0][0].start + group * width), slice(0, width)
 
 
+_JOINED = "joined"  # the key of ``_joined``'s value in ``Views.known``
+
+
+def _joined(views: "Views") -> torch.Tensor | bool:
+    """Views that lie back to back in one buffer (one dtype and row shape, each contiguous) as one
+    tensor of all their rows, or False (fewer than two, or a gap: a padded shard, an aligned segment)."""
+    first = views[0] if len(views) > 1 else None
+    if first is None or not first.is_contiguous():
+        return False
+    end = first.storage_offset() + first.numel()
+    for view in views[1:]:
+        if view.dtype != first.dtype or view.shape[1:] != first.shape[1:] or view.storage_offset() != end or not view.is_contiguous():
+            return False
+        end += view.numel()
+    shape = (sum(view.shape[0] for view in views), *first.shape[1:])
+    return first.as_strided(shape, tuple(math.prod(shape[index + 1 :]) for index in range(len(shape))), first.storage_offset())
+
+
 class Views(list):
     """The views of one shard's segments (a list), and what callers derive from them: a ring step's
     GEMM often wants a transposed or stacked view of a segment, and making it again at every step costs
@@ -151,6 +169,19 @@ class Views(list):
         super().__init__(views)
         self.known: dict = {}
         self._cached = cached
+
+    def write(self, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` into these views (one per view): one ``cat`` where the views lie back to back
+        as one tensor (one dtype and row shape, each but the last whole: a group's weights), which is
+        one host dispatch (a kernel on a GPU) rather than one per view; else a copy each."""
+        joined = self.known.get(_JOINED)
+        if joined is None:
+            joined = self.derived(_JOINED, _joined)
+        if joined is False:
+            for view, tensor in zip(self, tensors):
+                view.copy_(tensor)
+        else:
+            torch.cat(tensors, out=joined)
 
     def derived(self, key, make: "typing.Callable[[Views], torch.Tensor]") -> torch.Tensor:
         """``make(self)``, made once per ``key`` for these views (``key`` names what ``make`` derives)."""
@@ -277,9 +308,8 @@ class Message:
         return self._buffers.message_of(self.segments[first:])
 
     def pack(self, buffer: torch.Tensor, shard: int, tensors: list[torch.Tensor], first: int = 0) -> None:
-        """Write ``tensors`` (shard ``shard`` of segments ``first:``) into ``buffer``."""
-        for view, tensor in zip(self.views(buffer, shard, first), tensors):
-            view.copy_(tensor)
+        """Write ``tensors`` (shard ``shard`` of segments ``first:``) into ``buffer`` (``Views.write``)."""
+        self.views(buffer, shard, first).write(tensors)
 
     def as_is(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
         """``tensors`` themselves as the message, with no copy, when a single tensor is exactly one
