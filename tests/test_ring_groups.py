@@ -445,8 +445,10 @@ def test_a_group_ring_step_costs_few_python_calls(ranks):
     collectives within the group were called with no Python frame of their own
     (``_compat.group_collectives``); 12.75 (772 calls) until a ring pass ran its steps, the
     all-gather within the group among them, in one loop (``_RingPass.run``) and a Linear's backward
-    contributed with no frames of its own (674 and 699 now: 6.25, in a fresh rank pool; a clean-clone
-    CI's reused one once counted 701, before the garbage of earlier tests was collected ahead of the
-    count, hence the bound's half call of room); a regression shows here."""
+    contributed with no frames of its own (674 and 699: 6.25); 6.25 until a stacked Linear step read
+    its weights' matrix from ``Views.known`` itself and a step reduce-scattered with nothing staged
+    inline (668 and 688 now: 5.0, in a fresh rank pool; a clean-clone CI's reused one once counted
+    two more, before the garbage of earlier tests was collected ahead of the count, hence the bound's
+    half call of room); a regression shows here."""
     calls4, calls6 = (ranks.run(world, group_step_calls_case)[0] for world in (4, 6))
-    assert (calls6 - calls4) / 4 <= 6.75, (calls4, calls6)
+    assert (calls6 - calls4) / 4 <= 5.5, (calls4, calls6)
