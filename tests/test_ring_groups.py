@@ -65,6 +65,17 @@ def test_trajectory_for_every_group_size(ranks, world, group):
     ranks.run(world, trajectory_case, world + group, group, layers=1, final_norm=False)
 
 
+@pytest.mark.parametrize("world,dim,micro_batches,checkpointing", [(4, 8, 1, False), (4, 8, 2, True), (8, 6, 1, False)])
+def test_trajectory_with_blocks_read_rank_major(ranks, world, dim, micro_batches, checkpointing):
+    """Bias-free q/k/v (one ring) read their block rank-major (``_wire.BlockRegions``), in groups of 2:
+    exact with every rank's rows whole (8 features on 4 ranks: forward and backward rank-major), with
+    activation checkpointing and micro-batches whose sync is off but the last's (whose backward adds
+    what the others kept by segment, so reads its block by segment), and with short and empty shards
+    (6 features on 8 ranks: the forward rank-major, the backward by segment)."""
+    ranks.run(world, trajectory_case, world + dim, 2, micro_batches=micro_batches, sync_last_only=micro_batches > 1,
+              dim=dim, layers=1, final_norm=False, biases=False, checkpointing=checkpointing)
+
+
 def test_group_sizes_mixed_in_one_model(ranks):
     """Blocks on a ring of ranks and of groups of 2, the root (embedding and tied head) one group of 4:
     prefetch and riders are offered across them, and taken only where they may ride."""
