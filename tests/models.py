@@ -24,13 +24,14 @@ from host_overhead import LLAMA_PLAN as HF_PLAN  # noqa: E402  Hugging Face's, k
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: q/k/v/o attention and a GELU MLP."""
+    """Pre-LN transformer block: q/k/v/o attention and a GELU MLP; q and v biased unless ``biases`` is
+    False (q/k/v then weights alone: a ring of groups reads their block rank-major)."""
 
-    def __init__(self, dim: int, heads: int, hidden: int):
+    def __init__(self, dim: int, heads: int, hidden: int, biases: bool = True):
         super().__init__()
         self.heads = heads
         self.attn_norm = nn.LayerNorm(dim)
-        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.q, self.k, self.v = nn.Linear(dim, dim, bias=biases), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=biases)
         self.o = nn.Linear(dim, dim)
         self.mlp_norm = nn.LayerNorm(dim)
         self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
@@ -47,10 +48,10 @@ class TinyLM(nn.Module):
     """Embedding, transformer blocks, final LayerNorm, LM head tied to the embedding. Without the final
     norm (``final_norm=False``) the root holds no gathered parameters, as in the benchmark LM."""
 
-    def __init__(self, vocab=37, dim=12, heads=2, hidden=20, layers=2, checkpointing=False, checkpoint_context=None, final_norm=True):
+    def __init__(self, vocab=37, dim=12, heads=2, hidden=20, layers=2, checkpointing=False, checkpoint_context=None, final_norm=True, biases=True):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim, padding_idx=0)
-        self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, heads, hidden, biases) for _ in range(layers))
         self.norm = nn.LayerNorm(dim) if final_norm else nn.Identity()
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.embed.weight

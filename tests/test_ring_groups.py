@@ -65,6 +65,17 @@ def test_trajectory_for_every_group_size(ranks, world, group):
     ranks.run(world, trajectory_case, world + group, group, layers=1, final_norm=False)
 
 
+@pytest.mark.parametrize("world,dim,micro_batches,checkpointing", [(4, 8, 1, False), (4, 8, 2, True), (8, 6, 1, False)])
+def test_trajectory_with_blocks_read_rank_major(ranks, world, dim, micro_batches, checkpointing):
+    """Bias-free q/k/v (one ring) read their block rank-major (``_wire.BlockRegions``), in groups of 2:
+    exact with every rank's rows whole (8 features on 4 ranks: forward and backward rank-major), with
+    activation checkpointing and micro-batches whose sync is off but the last's (whose backward adds
+    what the others kept by segment, so reads its block by segment), and with short and empty shards
+    (6 features on 8 ranks: the forward rank-major, the backward by segment)."""
+    ranks.run(world, trajectory_case, world + dim, 2, micro_batches=micro_batches, sync_last_only=micro_batches > 1,
+              dim=dim, layers=1, final_norm=False, biases=False, checkpointing=checkpointing)
+
+
 def test_group_sizes_mixed_in_one_model(ranks):
     """Blocks on a ring of ranks and of groups of 2, the root (embedding and tied head) one group of 4:
     prefetch and riders are offered across them, and taken only where they may ride."""
@@ -267,12 +278,14 @@ def test_bad_group_size_errors_on_every_rank(ranks, size, hsdp, kwargs, expected
     assert all(error is not None and expected in error for error in errors), errors
 
 
-def group_step_copies_case():
-    """One steady-state training step of a SwiGLU MLP (gate/up share a ring, down is alone) on a ring
-    of groups of 2: its aten copies, its reduce-scatters within the group, and the copies one such
-    reduce-scatter makes itself (gloo copies its result out at ``wait()``)."""
+def group_step_copies_case(biased):
+    """One steady-state training step of a SwiGLU MLP (gate/up share a ring, down is alone; gate/up
+    ``biased`` or not) on a ring of groups of 2: its aten copies, its reduce-scatters within the group,
+    and the copies one such reduce-scatter makes itself (gloo copies its result out at ``wait()``)."""
     torch.manual_seed(0)
     model = MLP(8, 12)
+    if biased:
+        model.gate_proj, model.up_proj = nn.Linear(8, 12), nn.Linear(8, 12)
     rsdp_shard(model, ring_group_size=2)
     x = torch.randn(3, 8, requires_grad=True)
     for _ in range(3):  # the ring buffers' sizes and the views cached of them settle
@@ -286,14 +299,17 @@ def group_step_copies_case():
     return ops.by_op["aten.copy_"], reduce_scatters, one.by_op.get("aten.copy_", 0)
 
 
-def test_a_group_step_copies_once_per_run_of_equal_segments(ranks):
-    """A step more per ring (6 ranks in groups of 2 against 4) costs gate/up's ring 3 copies between
-    the block and the collectives' staging area, one per run of equal-width segments (gate and up
-    together): the forward's and the backward's all-gathered weights, and the backward's contributions
-    before their reduce-scatter. Down's ring, one segment, gathers and reduces in place and copies
-    nothing per step. Each copy is a host dispatch, a kernel launch on a GPU."""
-    (copies4, reduces4, per_reduce), (copies6, reduces6, _) = (ranks.run(world, group_step_copies_case)[0] for world in (4, 6))
-    assert copies6 - copies4 - (reduces6 - reduces4) * per_reduce == 3, (copies4, copies6, reduces4, reduces6, per_reduce)
+@pytest.mark.parametrize("biased,copies_per_step", [(False, 0), (True, 6)])
+def test_a_group_step_copies_only_where_its_block_is_laid_out_by_segment(ranks, biased, copies_per_step):
+    """A step more per ring (6 ranks in groups of 2 against 4) costs gate/up's ring no copy where its
+    block is rank-major (weights alone: the all-gather writes the matrix the GEMM reads, the GEMM the
+    contributions the reduce-scatter reads), and with biases (a block laid out by segment) one copy
+    between the block and the collectives' staging area per run of equal-width segments: the forward's
+    weights and biases, the backward's weights, and its weight and bias contributions before their
+    reduce-scatter (and the bias gradients' sums copied into their contributions). Down's ring, one
+    segment, copies nothing per step. Each copy is a host dispatch, a kernel launch on a GPU."""
+    (copies4, reduces4, per_reduce), (copies6, reduces6, _) = (ranks.run(world, group_step_copies_case, biased)[0] for world in (4, 6))
+    assert copies6 - copies4 - (reduces6 - reduces4) * per_reduce == copies_per_step, (copies4, copies6, reduces4, reduces6, per_reduce)
 
 
 def planned_block_case(seed, group, checkpointing):
@@ -440,8 +456,10 @@ def test_a_group_ring_step_costs_few_python_calls(ranks):
     collectives within the group were called with no Python frame of their own
     (``_compat.group_collectives``); 12.75 (772 calls) until a ring pass ran its steps, the
     all-gather within the group among them, in one loop (``_RingPass.run``) and a Linear's backward
-    contributed with no frames of its own (674 and 699 now: 6.25, in a fresh rank pool; a clean-clone
-    CI's reused one once counted 701, before the garbage of earlier tests was collected ahead of the
-    count, hence the bound's half call of room); a regression shows here."""
+    contributed with no frames of its own (674 and 699: 6.25); 6.25 until a stacked Linear step read
+    its weights' matrix from ``Views.known`` itself and a step reduce-scattered with nothing staged
+    inline (668 and 688 now: 5.0, in a fresh rank pool; a clean-clone CI's reused one once counted
+    two more, before the garbage of earlier tests was collected ahead of the count, hence the bound's
+    half call of room); a regression shows here."""
     calls4, calls6 = (ranks.run(world, group_step_calls_case)[0] for world in (4, 6))
-    assert (calls6 - calls4) / 4 <= 6.75, (calls4, calls6)
+    assert (calls6 - calls4) / 4 <= 5.5, (calls4, calls6)

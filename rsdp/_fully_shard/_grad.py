@@ -101,6 +101,12 @@ class RingGradients:
         """Shard ``shard`` of an accumulator from ``unsynced_total``, shaped ``shape`` (its message view's)."""
         return total[shard, : math.prod(shape)].view(shape)
 
+    @property
+    def synced_alone(self) -> bool:
+        """Whether backward synchronises with nothing kept from backwards that did not: the partials are
+        then the contributions alone (a ring of groups may lay them out rank-major, ``_linear.py``)."""
+        return self.requires_sync and not self._unsynced
+
     def take_unsynced(self, key) -> torch.Tensor | None:
         """The accumulator of ``key``, if backwards without synchronisation made one, to add in the
         synchronised backward running; it is gone from the store afterwards."""

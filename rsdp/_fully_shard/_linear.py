@@ -56,6 +56,9 @@ class _Stacked:
         self.offsets = list(itertools.accumulate((layout.chunk for layout in layouts), initial=0))
         self.width = self.offsets[-1]
         self.unpadded = all(layout.chunk * layout.world == layout.rows for layout in layouts)
+        # The keys ``rows_of(views, 0)`` keeps its value under (transposed or not) in ``Views.known``: a
+        # ring step reads them there itself, a call less each step.
+        self.weights_key, self.weights_key_t = ("stacked", 0, self.width), ("stacked.t", 0, self.width)
 
     def rows(self, first: torch.Tensor) -> torch.Tensor:
         """``[width, trailing]`` from the first member's view of one shard (its real rows only)."""
@@ -138,7 +141,7 @@ class RingLinearFunction(torch.autograd.Function):
         x2d, *weights = ctx.saved_tensors
         group = _GroupBackward(ctx, x2d, weights, grad_outs)
         reduced = ring_backward(ctx.layer, group.message, group.weight_segments, group.keys,
-                                RingWeights(group.pack_weights, group.use_weights), DenseContribution(group.contribute))
+                                RingWeights(group.pack_weights, group.use_weights), DenseContribution(group.contribute), group.rank_major)
         return group.x_gradient(), None, None, *group.parameter_gradients(reduced)
 
 
@@ -148,7 +151,13 @@ class _ForwardLayout:
     ``layouts``, the message's ``order`` of parameters (every member's weight, then the biases there
     are: the weights of one shard are then adjacent in the message, one [sum of chunks, in] matrix that
     a group multiplies in one GEMM), their ``segments`` and ``slot`` in it, the group's ``stacked``
-    weights (``_Stacked``; None for a lone Linear), and whether every member has a bias."""
+    weights (``_Stacked``; None for a lone Linear), and whether every member has a bias.
+
+    A group of weights alone (no bias) reads a ring of groups' block ``rank_major``
+    (``_wire.BlockRegions``): its g places' messages back to back, each its stacked weights, are one
+    ``[g * width, in]`` matrix as the all-gather writes it, with no staging copy; its products are the
+    columns of g consecutive rank shards, laid out by rank shard (``outputs``: the members' layouts).
+    Otherwise ``outputs`` is ``stacked``, by owner."""
 
     def __init__(self, ring, out_features: tuple[int, ...], has_bias: tuple[bool, ...], in_features: int, dtype: torch.dtype):
         self.layouts = layouts = [ring.layout(rows) for rows in out_features]
@@ -160,6 +169,8 @@ class _ForwardLayout:
         self.slot = {index: position for position, index in enumerate(order)}
         self.stacked = _stacked(tuple(layouts)) if len(out_features) > 1 else None
         self.all_biases = all(has_bias)
+        self.rank_major = self.stacked is not None and not any(has_bias)
+        self.outputs = _stacked(tuple([layout.members for layout in layouts])) if self.rank_major else self.stacked
 
 
 class _GroupForward:
@@ -179,7 +190,7 @@ class _GroupForward:
         if known is None:
             known = layer.by_shape[key] = _ForwardLayout(ring, out_features, has_bias, x.shape[-1], dtype)
         self.layouts, self.order, self.slot = known.layouts, known.order, known.slot
-        self.stacked, self.all_biases = known.stacked, known.all_biases
+        self.stacked, self.all_biases, self.outputs, self.rank_major = known.stacked, known.all_biases, known.outputs, known.rank_major
         self.message = ring.buffers.message_of(known.segments)
         self.x2d = x.reshape(-1, x.shape[-1]).to(dtype)
 
@@ -192,12 +203,14 @@ class _GroupForward:
             out = x2d.new_empty(*self.x_shape[:-1], rows)
             self.columns = out.view(-1, rows).split_with_sizes(self.layouts[0].sizes, 1)
         else:
-            products = x2d.new_empty(x2d.shape[0], ring.owners, stacked.width)
-            self.columns = products.unbind(1)
-        layer.driver.forward(self.message, self.during, [self.params[index] for index in self.order])
+            outputs = self.outputs
+            products = x2d.new_empty(x2d.shape[0], outputs.layouts[0].world, outputs.width)
+            # An owner's columns: on a ring of groups laid out rank-major, its g rank shards'.
+            self.columns = (products if outputs is stacked else products.view(x2d.shape[0], ring.owners, stacked.width)).unbind(1)
+        layer.driver.forward(self.message, self.during, [self.params[index] for index in self.order], rank_major=self.rank_major)
         if stacked is None:
             return (out,)
-        return tuple([stacked.member_output(products, member, self.x_shape[:-1]) for member in range(len(self.out_features))])
+        return tuple([self.outputs.member_output(products, member, self.x_shape[:-1]) for member in range(len(self.out_features))])
 
     def during(self, step: int, buffer: torch.Tensor) -> None:
         """The products of the shard held at ``step`` (in ``buffer``), into their output columns."""
@@ -209,7 +222,10 @@ class _GroupForward:
             if self.all_biases:  # adjacent too, right after the weights
                 torch.addmm(stacked.rows_of(views, len(self.layouts)), x2d, stacked.rows_of(views, 0, transposed=True), out=product)
                 return
-            torch.mm(x2d, stacked.rows_of(views, 0, transposed=True), out=product)
+            weights_t = views.known.get(stacked.weights_key_t)
+            if weights_t is None:
+                weights_t = stacked.rows_of(views, 0, transposed=True)
+            torch.mm(x2d, weights_t, out=product)
             for member, layout in enumerate(self.layouts):
                 if 2 * member + 1 in self.slot and layout.sizes[shard]:
                     start = stacked.offsets[member]
@@ -235,7 +251,9 @@ class _BackwardLayout:
     (``stacked_input``: only without padding rows, which hold stale bytes of earlier messages that a
     zero column of the gradient would not cancel, 0 × NaN); which splits of the output gradients the
     steps use; the message's segments (the weights when the input gradient is wanted, then the
-    gradients) and the gradients' sync-off ``keys``."""
+    gradients) and the gradients' sync-off ``keys``. Where the GEMMs are stacked and no bias travels,
+    a ring of groups' block is read ``rank_major`` (``_ForwardLayout``), the output gradients' columns
+    laid out by rank shard (``outputs``)."""
 
     def __init__(self, ctx, in_features: int, dtype: torch.dtype, reduce_dtype: torch.dtype):
         ring = ctx.layer.ring
@@ -261,6 +279,8 @@ class _BackwardLayout:
         self.segments = tuple(weight_segments + grad_segments)
         self.weight_segments = len(weight_segments)
         self.keys = [(ctx.members[member].key, "bias" if is_bias else "weight") for member, is_bias in wanted]
+        self.rank_major = stacked and not any(is_bias for _, is_bias in wanted) and (not need_x or self.stacked_input)
+        self.outputs = _stacked(tuple([layout.members for layout in layouts])) if self.rank_major else group
 
 
 class _GroupBackward:
@@ -289,10 +309,18 @@ class _GroupBackward:
         self.weight_segments, self.keys = known.weight_segments, known.keys
         self.message = layer.ring.buffers.message_of(known.segments)
         dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
+        # Rank-major only on a ring of groups (a ring of ranks' block is one shard: the layouts agree)
+        # and where the partials are the contributions alone: what backwards without synchronisation
+        # kept is added by segment (``_ring_function.ring_backward``).
+        self.rank_major = rank_major = known.outputs is not known.group and layer.gradients.synced_alone
         # Each shard's columns of the output gradients (and, transposed, as the weight gradient's GEMM
-        # takes them), split once (an op or two) rather than sliced and transposed at every step.
+        # takes them), split once (an op or two) rather than sliced and transposed at every step; read
+        # rank-major, an owner's are its g rank shards' (``_ForwardLayout``).
         if known.stacked or known.stacked_input:
-            dy_stacked = known.group.spread(dys)
+            outputs = known.outputs if rank_major else known.group
+            dy_stacked = outputs.spread(dys)
+            if outputs is not known.group:
+                dy_stacked = dy_stacked.view(dy_stacked.shape[0], layer.ring.owners, known.group.width)
             self.dy_shards, self.dy_shards_t = dy_stacked.unbind(1), dy_stacked.permute(1, 2, 0).unbind(0)
         if known.splits_dy:
             self.dys_split = [dy.split_with_sizes(layout.sizes, 1) for dy, layout in zip(dys, known.layouts)]
@@ -300,14 +328,13 @@ class _GroupBackward:
             self.dys_split_t = [dy.t().split_with_sizes(layout.sizes, 0) for dy, layout in zip(dys, known.layouts)]
         self.grad_x = torch.zeros_like(x2d) if ctx.needs_input_grad[0] else None
         self.in_place = dtype == reduce_dtype  # the weight gradient's GEMM writes the partials' dtype
-
-    def pack_weights(self, views: list[torch.Tensor]) -> None:
-        for view, weight in zip(views, self.weights):
-            view.copy_(weight)
+        # The weights into a message's views, with no call of its own (one a backward ring).
+        self.pack_weights = functools.partial(Views.write, tensors=weights)
 
     def use_weights(self, shard: int, views: Views) -> None:
         if self.stacked_input:
-            self.grad_x.addmm_(self.dy_shards[shard], self.group.rows_of(views, 0))
+            rows = views.known.get(self.group.weights_key)
+            self.grad_x.addmm_(self.dy_shards[shard], self.group.rows_of(views, 0) if rows is None else rows)
             return
         for layout, dy, weight in zip(self.layouts, self.dys_split, views):
             if layout.sizes[shard]:
@@ -315,7 +342,9 @@ class _GroupBackward:
 
     def contribute(self, shard: int, views: Views) -> None:
         if self.stacked:
-            rows = self.group.rows_of(views, 0)
+            rows = views.known.get(self.group.weights_key)
+            if rows is None:
+                rows = self.group.rows_of(views, 0)
             if self.in_place:  # the GEMM writes the partials' dtype: ``write_product``'s case, with no call of it
                 torch.mm(self.dy_shards_t[shard], self.x2d, out=rows)
             else:

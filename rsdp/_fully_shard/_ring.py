@@ -183,6 +183,7 @@ class Ring:
         region: Callable[[int], slice] | None = None,
         carry_next: "Callable[[Ring], NextFirst | None] | None" = None,
         rider: "Rider | None" = None,
+        rank_major: bool = False,
     ) -> torch.Tensor:
         """Pass ``message`` round the ring, ``owners`` - 1 exchanges; return the message held last.
 
@@ -209,6 +210,9 @@ class Ring:
         travels on; ``during(0, block)`` writes the contribution to this rank's own group's block,
         which the group sums into ``own`` (this rank's piece, laid out as ``message.members``'
         partials). The piece held last then lacks only its owner's ``own``.
+        The block is laid out by segment, or with ``rank_major`` as the collectives move it (each of
+        the weights and the partials as the g places' member regions in rank order, with no staging
+        copy: ``_wire.BlockRegions``).
 
         ``rider`` travels behind the message in every step (see ``Rider``): only on all steps of a
         whole message not yet sent (one to be sent as it is gets copied into a ring buffer first).
@@ -221,7 +225,7 @@ class Ring:
         first message); a deferred hop it cannot take goes alone before its first exchange.
         The returned buffer is reused by the next ring: copy out what you keep.
         """
-        return _RingPass(self, message, tag, start, region, carry_next, rider, gathered, fill, own).run(during, on_arrival)
+        return _RingPass(self, message, tag, start, region, carry_next, rider, gathered, fill, own, rank_major).run(during, on_arrival)
 
     def _within(self, regions: BlockRegions, held: torch.Tensor, scratch: torch.Tensor, rider: tuple | None) -> "_WithinGroup":
         """The collectives within the group for the message ``held`` (in the ring buffers: at the start
@@ -406,7 +410,7 @@ class _RingPass:
     block and letting ``on_arrival`` contribute), and shows it to ``on_arrival``, the rider and the
     passengers that alight."""
 
-    def __init__(self, ring: Ring, message: Message, tag: int, start, region, carry_next, rider: "Rider | None", gathered, fill, own):
+    def __init__(self, ring: Ring, message: Message, tag: int, start, region, carry_next, rider: "Rider | None", gathered, fill, own, rank_major: bool):
         self.ring, self.tag, self.region, self.rider = ring, tag, region, rider
         self.hops = ring.owners - 1
         # True for step 0 only: its exchange was done ahead, and its arrival is taken after the step's
@@ -440,7 +444,7 @@ class _RingPass:
         self.within, self.reduce_rider, self.own = None, None, own
         self.block = self.fill = None  # a ring of groups' (``_within_group``)
         if grouped:
-            self._within_group(message, nbytes, gathered, fill)
+            self._within_group(message, nbytes, gathered, fill, rank_major)
         if self.prefetched:
             self.current, self.incoming, self.arriving = start.sent, start.received, start.received_in
         elif callable(start):
@@ -457,10 +461,10 @@ class _RingPass:
                     fill(ring.partial_shards[0], self.block)
                 self.side.reduce(False, self.reduce_rider, 0)
 
-    def _within_group(self, message: Message, nbytes: int, gathered: range | None, fill) -> None:
+    def _within_group(self, message: Message, nbytes: int, gathered: range | None, fill, rank_major: bool) -> None:
         """A ring of groups: the block's regions, the scratch, and the collectives of the two buffers."""
         ring, rider = self.ring, self.rider
-        self.regions = regions = message.block_regions(range(len(message.segments)) if gathered is None else gathered)
+        self.regions = regions = message.block_regions(range(len(message.segments)) if gathered is None else gathered, rank_major)
         self.fill = fill
         self.reduce_rider = rider if rider is not None and rider.reduces else None
         scratch_nbytes = regions.scratch_nbytes
@@ -490,7 +494,7 @@ class _RingPass:
         be host time at every step of every ring (``benchmarks/host_overhead.py`` counts them)."""
         ring, hops, tag, within, region, boarding_at = self.ring, self.hops, self.tag, self.within, self.region, self.boarding_at
         group, down, up, kept = ring.group, ring._down, ring._up, ring.context.waited_works
-        all_gather = ring.within_collectives[0] if within is not None else None
+        all_gather, sum_scatter = ring.within_collectives if within is not None else (None, None)
         buffers, block, fill, own, partial_shards = self.buffers, self.block, self.fill, self.own, ring.partial_shards
         for step in range(ring.owners):
             # Send: the exchange of ``step``, the message held (its ``region``, and what boards it) down,
@@ -554,7 +558,12 @@ class _RingPass:
                     side.reduce(step > 0, None, step + 1)  # none came with the first: step 0 sent the weights alone
                     arrival = None
                 elif self.reduces:
-                    side.reduce(True, self.reduce_rider, step + 1)
+                    if side.stage or self.reduce_rider is not None:
+                        side.reduce(True, self.reduce_rider, step + 1)
+                    else:  # ``side.reduce(True, None, ...)`` with nothing staged, written out (a call less a step)
+                        for into, summed, mine in side.reductions:
+                            mine.add_(into)
+                            sum_scatter(into, summed).wait()
             if arrival is not None:
                 arrival(step + 1, current)
             if self.arriving_rider is not None:

@@ -73,16 +73,18 @@ class RingDriver:
 
     def forward(
         self, message: Message, during: Callable[[int, torch.Tensor], None], tensors: list[torch.Tensor], prefetchable: bool = True,
+        rank_major: bool = False,
     ) -> None:
         """One forward pass of this ring: its first message is ``tensors`` (this rank's shards, the
         message's segments), which the ring before may send ahead unless the call makes them
-        (``prefetchable=False``). ``during(k, buffer)`` computes with the shards ``buffer`` holds at step k."""
+        (``prefetchable=False``). ``during(k, buffer)`` computes with the shards ``buffer`` holds at step k
+        (on a ring of groups a block, laid out ``rank_major`` if asked: ``_wire.BlockRegions``)."""
         run = RingRun(self, Phase.FORWARD, message, tensors if prefetchable else None)
         members = message.members  # what travels: this rank's shards (the message itself on a ring of ranks)
         start = run.prefetched or members.as_is(tensors)  # as_is: a tensor or None, the last operand
         if start is None:
             start = functools.partial(_pack, members, self.ring.rank, tensors)
-        turn = functools.partial(run.turn, start, during)
+        turn = functools.partial(run.turn, start, during, rank_major=rank_major)
         if profiler_enabled():
             with record_function(self.range_names[Phase.FORWARD]):
                 turn()
@@ -135,6 +137,7 @@ class RingRun:
         gathered: range | None = None,
         fill: Callable[[int, torch.Tensor], None] | None = None,
         own: torch.Tensor | None = None,
+        rank_major: bool = False,
     ) -> torch.Tensor:
         """The ring's exchanges of its message (``Ring.circulate``, whose arguments these are), with
         the next ring's first message as a passenger and a pending collective as a rider where they
@@ -153,11 +156,12 @@ class RingRun:
                 if ring.group_size == 1:
                     rider = context.pending_reductions.ring_rider(ring)
                 else:
-                    dtype = self.message.block_regions(range(len(self.message.segments)) if gathered is None else gathered).rider_dtype
+                    dtype = self.message.block_regions(range(len(self.message.segments)) if gathered is None else gathered, rank_major).rider_dtype
                     if dtype is not False:
                         rider = context.pending_reductions.ring_rider(ring, dtype)
         return ring.circulate(
-            self.message, self.tag, start, during, on_arrival, gathered=gathered, fill=fill, own=own, region=region, carry_next=carry_next, rider=rider
+            self.message, self.tag, start, during, on_arrival, gathered=gathered, fill=fill, own=own, region=region, carry_next=carry_next, rider=rider,
+            rank_major=rank_major,
         )
 
     def defer_last_hop(self, payload: torch.Tensor, arrived: Callable[[torch.Tensor], None]) -> None:

@@ -227,10 +227,13 @@ def ring_backward(
     grad_keys: list,
     weights: RingWeights | None,
     contribution: DenseContribution | SparseContribution,
+    rank_major: bool = False,
 ) -> list[torch.Tensor] | None:
     """The backward ring of one ring layer: the weights (segments ``:weight_segments`` of ``message``,
     rotated when ``weights`` is given) and the gradient partials (the rest, one per key of
-    ``grad_keys``) travel together, each rank adding its ``contribution``.
+    ``grad_keys``) travel together, each rank adding its ``contribution``. On a ring of groups the
+    block is laid out ``rank_major`` if asked (``_wire.BlockRegions``): only where nothing is kept from
+    backwards without synchronisation (added by segment).
 
     Returns this rank's reduced gradient shards, or None when there are none to reduce: no gradient is
     wanted, or synchronisation is off (then the contributions go to the local accumulators)."""
@@ -249,7 +252,7 @@ def ring_backward(
         pair = scratch = None
         if unsynced:
             pair = travelling.members.nbytes
-            scratch = max(travelling.block_regions(range(weight_segments)).scratch_nbytes, grads.nbytes)
+            scratch = max(travelling.block_regions(range(weight_segments), rank_major).scratch_nbytes, grads.nbytes)
     else:
         pair, scratch = message.nbytes, grads.nbytes if contribution.computes_ahead else None
     with layer.driver.run(Phase.BACKWARD, travelling, pair=pair, scratch=scratch) as run:
@@ -262,10 +265,10 @@ def ring_backward(
         if unsynced or not grad_keys:
             if weight_segments:
                 start, during = weights.rotation(ring, weights_only)
-                run.turn(start, during, gathered=range(weight_segments))
+                run.turn(start, during, gathered=range(weight_segments), rank_major=rank_major)
             return None
         earlier = [gradients.take_unsynced(key) for key in grad_keys]
-        return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution)
+        return _reduce_on_ring(layer, run, weights_only, grads, earlier, weights, contribution, rank_major)
 
 
 def _unsynced_shards(grads: Message, totals: list[torch.Tensor | None], shard: int) -> list[torch.Tensor | None]:
@@ -277,7 +280,7 @@ def _unsynced_shards(grads: Message, totals: list[torch.Tensor | None], shard: i
 
 
 def _reduce_on_ring(
-    layer: RingLayer, run: RingRun, weights_only: Message, grads: Message, unsynced: list, weights, contribution
+    layer: RingLayer, run: RingRun, weights_only: Message, grads: Message, unsynced: list, weights, contribution, rank_major: bool
 ) -> list[torch.Tensor]:
     """The weights (``weights_only``, the leading segments of the run's message) and the partials
     (``grads``, the rest) round the ring: the partial of shard ``ring.partial_shards[k]`` is held at
@@ -306,7 +309,7 @@ def _reduce_on_ring(
             begin(shard, message.views(block, shard, weight_segments))
 
         start, during = weights.rotation(ring, weights_only) if weight_segments else (_nothing_to_pack, None)
-        final = run.turn(start, during, gathered=range(weight_segments), fill=fill)
+        final = run.turn(start, during, gathered=range(weight_segments), fill=fill, rank_major=rank_major)
         return finished_gradients(layer, message.members, weight_segments, final)
 
     def start(buffer: torch.Tensor) -> None:

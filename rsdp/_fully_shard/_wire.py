@@ -83,9 +83,17 @@ class BlockRegions:
     between staging and block (``_ring._block_and_staged``; ``weights``: block and member byte slices,
     the member's from ``weights_start``; ``partials``: block, member slices from ``partials_start``,
     dtype). The staging area starts at ``staging_at`` in the scratch buffer, whose size with the block
-    before it is ``scratch_nbytes``."""
+    before it is ``scratch_nbytes``.
 
-    def __init__(self, message: "Message", gathered: range):
+    ``rank_major``: the block holds the weights and the partials each as the collectives move them, g
+    member regions in rank order (``[place 0's weights | place 1's | ...]`` where the weights start,
+    likewise the partials where theirs start), so the all-gather writes the block and the
+    reduce-scatter reads it with no staging copy whatever the segments (a ring layer that reads such a
+    block: a Linear group's stacked weights, ``_linear.py``). Each run then counts as one segment; the
+    partials must share one dtype, and each run of segments must lie in the members' message with no
+    gap (segments of one dtype)."""
+
+    def __init__(self, message: "Message", gathered: range, rank_major: bool = False):
         members, group = message.members, message.segments[0].layout.group if message.segments else 1
         self.weights, self.partials = [], []
         partial_at = [index for index in range(len(message.segments)) if index not in gathered]
@@ -106,6 +114,11 @@ class BlockRegions:
         # The dtype a reduce-scatter rider must have to be summed with the partials (``_ring._WithinGroup``):
         # theirs, None (any) with no partials, False where they have several.
         self.rider_dtype = False if len(dtypes) > 1 else self.partial_dtype
+        if rank_major:
+            if len(dtypes) > 1:
+                raise AssertionError("a rank-major block needs partials of one dtype")
+            self.weights = [_whole_run(self.weights, group)] if self.weights else []
+            self.partials = [(*_whole_run(self.partials, group), self.partial_dtype)] if self.partials else []
         self.staging_at = -(-message.nbytes // 16) * 16
         staged = max(
             self.weights_end - self.weights_start if len(self.weights) > 1 else 0,
@@ -113,6 +126,33 @@ class BlockRegions:
         )
         self.scratch_nbytes = self.staging_at + group * staged
         self.collectives: dict = {}  # the ring's collectives over these regions, per buffer (``_ring._WithinGroup``)
+
+
+def _whole_run(regions: list, group: int) -> tuple[slice, slice]:
+    """A run of segments as one (``BlockRegions``' ``rank_major``): its block region from its first
+    segment's offset, ``group`` times its bytes in the members' message, which must have no gap."""
+    width = regions[-1][1].stop
+    if width != sum(region[1].stop - region[1].start for region in regions):
+        raise AssertionError("a rank-major block needs its runs of segments with no gap in the members' message")
+    return slice(regions[0][0].start, regions[0][0].start + group * width), slice(0, width)
+
+
+_JOINED = "joined"  # the key of ``_joined``'s value in ``Views.known``
+
+
+def _joined(views: "Views") -> torch.Tensor | bool:
+    """Views that lie back to back in one buffer (one dtype and row shape, each contiguous) as one
+    tensor of all their rows, or False (fewer than two, or a gap: a padded shard, an aligned segment)."""
+    first = views[0] if len(views) > 1 else None
+    if first is None or not first.is_contiguous():
+        return False
+    end = first.storage_offset() + first.numel()
+    for view in views[1:]:
+        if view.dtype != first.dtype or view.shape[1:] != first.shape[1:] or view.storage_offset() != end or not view.is_contiguous():
+            return False
+        end += view.numel()
+    shape = (sum(view.shape[0] for view in views), *first.shape[1:])
+    return first.as_strided(shape, tuple(math.prod(shape[index + 1 :]) for index in range(len(shape))), first.storage_offset())
 
 
 class Views(list):
@@ -129,6 +169,19 @@ class Views(list):
         super().__init__(views)
         self.known: dict = {}
         self._cached = cached
+
+    def write(self, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` into these views (one per view): one ``cat`` where the views lie back to back
+        as one tensor (one dtype and row shape, each but the last whole: a group's weights), which is
+        one host dispatch (a kernel on a GPU) rather than one per view; else a copy each."""
+        joined = self.known.get(_JOINED)
+        if joined is None:
+            joined = self.derived(_JOINED, _joined)
+        if joined is False:
+            for view, tensor in zip(self, tensors):
+                view.copy_(tensor)
+        else:
+            torch.cat(tensors, out=joined)
 
     def derived(self, key, make: "typing.Callable[[Views], torch.Tensor]") -> torch.Tensor:
         """``make(self)``, made once per ``key`` for these views (``key`` names what ``make`` derives)."""
@@ -173,7 +226,7 @@ class Message:
         self._ring_views: dict[tuple, Views | torch.Tensor] = {}
         self._generation = buffers.generation
         self._flat_dtypes: dict[int, torch.dtype | None] = {}  # first -> the one dtype of segments first:
-        self._block_regions: dict[range, BlockRegions] = {}  # gathered -> ``block_regions(gathered)``
+        self._block_regions: dict[tuple[range, bool], BlockRegions] = {}  # (gathered, rank_major) -> ``block_regions``
 
     @functools.cached_property
     def members(self) -> "Message":
@@ -183,12 +236,14 @@ class Message:
             return self
         return self._buffers.message_of(tuple(segment(s.layout.members, s.trailing, s.dtype) for s in self.segments))
 
-    def block_regions(self, gathered: range) -> "BlockRegions":
+    def block_regions(self, gathered: range, rank_major: bool = False) -> "BlockRegions":
         """Where this block message's segments lie in it and in ``members``' (see ``BlockRegions``):
-        segments ``gathered`` all-gathered within a group, the others partials, reduce-scattered."""
-        regions = self._block_regions.get(gathered)
+        segments ``gathered`` all-gathered within a group, the others partials, reduce-scattered; laid
+        out by segment, or ``rank_major``."""
+        key = (gathered, rank_major)
+        regions = self._block_regions.get(key)
         if regions is None:
-            regions = self._block_regions[gathered] = BlockRegions(self, gathered)
+            regions = self._block_regions[key] = BlockRegions(self, gathered, rank_major)
         return regions
 
     def views(self, buffer: torch.Tensor, shard: int, first: int = 0, transposed: tuple[bool, ...] = ()) -> Views:
@@ -253,9 +308,8 @@ class Message:
         return self._buffers.message_of(self.segments[first:])
 
     def pack(self, buffer: torch.Tensor, shard: int, tensors: list[torch.Tensor], first: int = 0) -> None:
-        """Write ``tensors`` (shard ``shard`` of segments ``first:``) into ``buffer``."""
-        for view, tensor in zip(self.views(buffer, shard, first), tensors):
-            view.copy_(tensor)
+        """Write ``tensors`` (shard ``shard`` of segments ``first:``) into ``buffer`` (``Views.write``)."""
+        self.views(buffer, shard, first).write(tensors)
 
     def as_is(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
         """``tensors`` themselves as the message, with no copy, when a single tensor is exactly one
