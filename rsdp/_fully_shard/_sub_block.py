@@ -54,12 +54,19 @@ gradients that are zero outside its shard's rows or columns.
   block are summed into its own, and the deferred hop goes to the rank at its place in the previous
   group.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
-  its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
-  ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
-  buffer, which the Linears' products hand to ``mm`` as they are, and the backward points them at the
-  buffer that holds that shard then. Under activation checkpointing (or any other
-  ``saved_tensors_hooks``) the forward keeps only the inputs and the backward recomputes each step, as
-  it does when a graph was already used (a second backward through a retained graph).
+  its activations, so the backward runs no forward again. Where the partial output is the rowwise
+  Linear's own (no LoRA adapter) and autocast is off, the graph covers only what lies between the
+  Linears (``_ExplicitStep``): the backward computes the Linears' gradients by their formulas, each
+  weight's straight into its partial (no gradient of autograd's copied), the input's summed over the
+  products and steps, from the weights the backward ring holds (cached views in the orientation each
+  product reads). Otherwise the graphs save the weights, which lie in a ring buffer the next ring
+  overwrites: each step's weights are leaf tensors of their own over that buffer, which the Linears'
+  products hand to ``mm`` as they are, and the backward points them at the buffer that holds that
+  shard then (so does an explicit step for a colwise Linear whose input is not one of the call's
+  tensors: autograd backpropagates its input gradient). Under activation checkpointing (or any other
+  ``saved_tensors_hooks``) the forward keeps only the inputs and the backward recomputes each step
+  through autograd, as it does when a graph was already used (a second backward through a retained
+  graph).
 
 Pitfalls:
 - The sub-block must return its rowwise Linear's output (or a tuple of it and Nones, as Hugging Face's
