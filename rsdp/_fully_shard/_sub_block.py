@@ -584,14 +584,39 @@ class _ExplicitStep:
     saves the weight as a leaf of its own, re-pointed like ``_ShardGraphs``' (``_weight_leaves``).
     """
 
-    __slots__ = ("needs", "columns", "row_input")
+    __slots__ = ("needs", "columns", "row_input", "total")
 
-    def __init__(self, needs: list[bool]):
+    def __init__(self, needs: list[bool], total: "_Total"):
         self.needs = needs  # per operand of the step: whether its gradient is wanted
+        self.total = total  # the call's sum of partial outputs, which the rowwise product adds to
         # Per colwise product: (where its weight and bias are among the operands, the call tensor's index
         # or None, its 2-D output, its flat input, the weight leaf autograd saved or None).
         self.columns: list[tuple] = []
         self.row_input: torch.Tensor | None = None  # the rowwise Linear's flat input: the graph's output
+
+
+class _Total:
+    """The sum of a call's partial outputs, which each explicit step's rowwise product adds to in place
+    (one ``addmm_``; the first writes it: ``mm`` with it as output). Its own memory, not a view, as the
+    ring function's output must be; the sub-block's forward gets it as its rowwise Linear's output."""
+
+    __slots__ = ("sum", "flat")
+
+    def __init__(self):
+        self.sum: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # ``sum`` as the products write it: [tokens, features]
+
+    def add_product(self, input: torch.Tensor, weight_t: torch.Tensor, shape: tuple) -> torch.Tensor:
+        if self.sum is None:
+            self.sum = torch.empty(shape, dtype=input.dtype, device=input.device)
+            self.flat = self.sum.view(input.shape[0], weight_t.shape[1])
+            torch.mm(input, weight_t, out=self.flat)
+        else:
+            self.flat.addmm_(input, weight_t)
+        return self.sum
+
+    def release(self) -> None:
+        self.sum = self.flat = None
 
 
 def _explicit_product(
@@ -606,7 +631,7 @@ def _explicit_product(
     shape = (*input.shape[:-1], weight_t.shape[1])
     if outputs is not None:  # the rowwise Linear (its bias is added once, to the total)
         flat = record.row_input = arguments.flat(input)
-        output = torch.mm(flat.detach(), weight_t).view(shape)  # detached: cheaper than a no_grad block
+        output = record.total.add_product(flat.detach(), weight_t, shape)  # detached: cheaper than no_grad
         outputs.append(output)
         return output
     weight_at, bias_at = at
@@ -671,6 +696,7 @@ class _ShardGraphs:
     def __init__(self, call: _Call, inputs: list[torch.Tensor], needs_params: list[bool], explicit: bool):
         """``explicit``: the steps' Linears are backpropagated by their formulas (``_ExplicitStep``)."""
         self.call, self.inputs, self.needs_params, self.explicit = call, inputs, needs_params, explicit
+        self.total = _Total() if explicit else None  # the explicit steps' partial outputs, summed
         self.arguments = call.arguments(inputs)
         self._graphs: dict[int, tuple | _ExplicitStep] = {}  # shard -> (partial output, leaves), or its record
 
@@ -681,7 +707,7 @@ class _ShardGraphs:
         (then no graph holds it)."""
         with torch.enable_grad():
             if self.explicit:
-                record = self._graphs[shard] = _ExplicitStep(self.needs_params)
+                record = self._graphs[shard] = _ExplicitStep(self.needs_params, self.total)
                 return self.call.run(self.arguments, shard, operands, record)
             leaves = _weight_leaves(operands, self.needs_params)
             partial = self.call.run(self.arguments, shard, leaves)
@@ -766,6 +792,9 @@ class _SubBlockForward:
         self.total = None
         self.arguments = call.arguments(self.cast) if self.graphs is None else None
         layer.driver.forward(self.message, self.during, _packed(call.block, params))
+        if self.graphs is not None and self.graphs.explicit:
+            # The total becomes the function's output, whose node holds the graphs: not back to it.
+            self.graphs.total.release()
         if call.cache is not None:  # every shard has run: the cache takes their keys and values once
             call.cache.commit()
         return self.total, call.output_spec, call.output_position
@@ -781,8 +810,11 @@ class _SubBlockForward:
             partial = self.call.run(self.arguments, shard, operands)
         else:
             partial = graphs.forward(shard, operands)
+        if graphs is not None and graphs.explicit:  # the step added its product to the total itself
+            self.total = partial
+            return
         self.total = partial.clone() if self.total is None else self.total.add_(partial)
-        if graphs is not None and not graphs.explicit:  # an explicit step's graph does not hold it
+        if graphs is not None:
             graphs.release_output(shard)
 
 
