@@ -319,6 +319,15 @@ class NormedAttention(Attention):
         self.q_norm = nn.RMSNorm(self.head_dim)
 
 
+class TwiceMLP(MLP):
+    """An MLP that calls its rowwise Linear twice and returns the second output."""
+
+    def forward(self, x):
+        hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        self.down_proj(hidden)
+        return self.down_proj(hidden)
+
+
 def misuse_case():
     block = LlamaBlock(6, 2, 2, 3, 4)
     block.self_attn = NormedAttention(6, 2, 2, 3)
@@ -331,6 +340,11 @@ def misuse_case():
     block.mlp = ScaledMLP(6, 4)
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     with pytest.raises(ValueError, match="must return its rowwise Linear's output"):
+        block(torch.randn(1, 3, 6))
+    block = LlamaBlock(6, 2, 2, 3, 4)
+    block.mlp = TwiceMLP(6, 4)  # a step's rowwise products are summed into the output as they run
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    with pytest.raises(ValueError, match="calls its rowwise Linear more than once"):
         block(torch.randn(1, 3, 6))
     # A step installs each planned Linear's shard product as its instance forward; a step that raised
     # leaves none behind, so the Linear is the ring Linear again.

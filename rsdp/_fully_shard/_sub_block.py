@@ -630,6 +630,12 @@ def _explicit_product(
     leaf of the step's graph where a gradient is wanted of it."""
     shape = (*input.shape[:-1], weight_t.shape[1])
     if outputs is not None:  # the rowwise Linear (its bias is added once, to the total)
+        if record.row_input is not None:  # each product is added to the total: a second would be too
+            raise ValueError(
+                "rsdp ring_plan: a planned sub-block calls its rowwise Linear more than once in one forward; its "
+                "output must be that Linear's one output, the partial summed over the ring. Drop the sub-block's "
+                "entries from ring_plan (its Linears then rotate one ring each)."
+            )
         flat = record.row_input = arguments.flat(input)
         output = record.total.add_product(flat.detach(), weight_t, shape)  # detached: cheaper than no_grad
         outputs.append(output)
