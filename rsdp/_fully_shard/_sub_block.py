@@ -70,7 +70,8 @@ gradients that are zero outside its shard's rows or columns.
 
 Pitfalls:
 - The sub-block must return its rowwise Linear's output (or a tuple of it and Nones, as Hugging Face's
-  attention does); every step runs the same code on fewer heads, so its forward must not hard-code
+  attention does), called once per forward (an explicit step adds its product into the output as it
+  runs: ``_Total``); every step runs the same code on fewer heads, so its forward must not hard-code
   the head count (read it from the shapes, as tensor parallelism already requires: ``view(..., -1, hd)``).
 - Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
