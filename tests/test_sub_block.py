@@ -1,5 +1,6 @@
 """Ring plans: a whole attention or MLP sub-block rotates as one ring, against the fp64 reference."""
 
+import collections
 import gc
 
 import pytest
@@ -29,6 +30,7 @@ from models import (
 from rsdp import rsdp_shard
 from rsdp._compat import in_backward
 from rsdp.memory import CommCounter, MemoryTracker
+from test_ring_ops import OpCounter
 
 
 def block_case(seed, kv_heads, head_dim, hidden_per_rank, rows):
@@ -203,9 +205,41 @@ def test_planned_backward_reuses_the_forwards_graphs_unless_checkpointing_recomp
             assert got == runs, (checkpointing, got)
 
 
+def planned_mlp_ops_case():
+    """The aten ops of one steady-state training step of a planned SwiGLU MLP, by op."""
+    torch.manual_seed(0)
+    _, world = rank_and_world()
+    mlp = MLP(8, 4 * world)
+    rsdp_shard(mlp, ring_plan={"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"})
+    x = torch.randn(3, 8, requires_grad=True)
+    for _ in range(3):  # the ring buffers' sizes and the views cached of them settle
+        mlp(x).sum().backward()
+    with OpCounter() as ops:
+        mlp(x).sum().backward()
+    return ops.by_op
+
+
+def test_a_planned_step_backpropagates_its_linears_by_their_formulas(ranks):
+    """A kept step's Linears are backpropagated by their formulas (``_ExplicitStep``): autograd runs only
+    what lies between them. A rank more adds, per step, in forward: gate's and up's products and their
+    views, silu, mul, down's input flattened and detached, and down's product added into the total in
+    place (9); in backward:
+    down's input transposed and its weight gradient added into the partial, ``dy·W_down``, autograd's
+    views (down's input, gate's and up's outputs), silu's backward and two muls, then per colwise
+    Linear its weight gradient added into the partial and its input gradient added (13). No weight is
+    transposed (the backward reads cached views of them as held) and no gradient copied."""
+    by2 = collections.Counter(ranks.run(2, planned_mlp_ops_case)[0])
+    by4 = collections.Counter(ranks.run(4, planned_mlp_ops_case)[0])
+    per_step = {op: (by4[op] - by2[op]) / 2 for op in by4 | by2 if by4[op] != by2[op]}
+    expected = {"aten.mm": 3, "aten.view": 6, "aten.silu": 1, "aten.mul": 3, "aten.detach": 1, "aten.t": 1,
+                "aten.addmm_": 6, "aten.silu_backward": 1}  # fmt: skip
+    assert per_step == expected, str(sorted(per_step.items()))
+
+
 class StridedMLP(MLP):
     """Planned Linears fed non-contiguous inputs, and 2-D ones: a ring step's products flatten their
-    input as ``linear`` does, and autograd saves the step's own weight tensors whatever the input."""
+    input as ``linear`` does; inputs other than the sub-block's own arguments have their input gradient
+    backpropagated by autograd, which saves the step's own weight tensors."""
 
     def forward(self, x):
         batch, seq, dim = x.shape
@@ -285,6 +319,15 @@ class NormedAttention(Attention):
         self.q_norm = nn.RMSNorm(self.head_dim)
 
 
+class TwiceMLP(MLP):
+    """An MLP that calls its rowwise Linear twice and returns the second output."""
+
+    def forward(self, x):
+        hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        self.down_proj(hidden)
+        return self.down_proj(hidden)
+
+
 def misuse_case():
     block = LlamaBlock(6, 2, 2, 3, 4)
     block.self_attn = NormedAttention(6, 2, 2, 3)
@@ -297,6 +340,11 @@ def misuse_case():
     block.mlp = ScaledMLP(6, 4)
     rsdp_shard(block, ring_plan=TITAN_PLAN)
     with pytest.raises(ValueError, match="must return its rowwise Linear's output"):
+        block(torch.randn(1, 3, 6))
+    block = LlamaBlock(6, 2, 2, 3, 4)
+    block.mlp = TwiceMLP(6, 4)  # a step's rowwise products are summed into the output as they run
+    rsdp_shard(block, ring_plan=TITAN_PLAN)
+    with pytest.raises(ValueError, match="calls its rowwise Linear more than once"):
         block(torch.randn(1, 3, 6))
     # A step installs each planned Linear's shard product as its instance forward; a step that raised
     # leaves none behind, so the Linear is the ring Linear again.

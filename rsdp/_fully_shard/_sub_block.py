@@ -54,16 +54,24 @@ gradients that are zero outside its shard's rows or columns.
   block are summed into its own, and the deferred hop goes to the rank at its place in the previous
   group.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
-  its activations, so the backward runs no forward again. The graphs save the weights, which lie in a
-  ring buffer the next ring overwrites: each step's weights are leaf tensors of their own over that
-  buffer, which the Linears' products hand to ``mm`` as they are, and the backward points them at the
-  buffer that holds that shard then. Under activation checkpointing (or any other
-  ``saved_tensors_hooks``) the forward keeps only the inputs and the backward recomputes each step, as
-  it does when a graph was already used (a second backward through a retained graph).
+  its activations, so the backward runs no forward again. Where the partial output is the rowwise
+  Linear's own (no LoRA adapter) and autocast is off, the graph covers only what lies between the
+  Linears (``_ExplicitStep``): the backward computes the Linears' gradients by their formulas, each
+  weight's straight into its partial (no gradient of autograd's copied), the input's summed over the
+  products and steps, from the weights the backward ring holds (cached views in the orientation each
+  product reads). Otherwise the graphs save the weights, which lie in a ring buffer the next ring
+  overwrites: each step's weights are leaf tensors of their own over that buffer, which the Linears'
+  products hand to ``mm`` as they are, and the backward points them at the buffer that holds that
+  shard then (so does an explicit step for a colwise Linear whose input is not one of the call's
+  tensors: autograd backpropagates its input gradient). Under activation checkpointing (or any other
+  ``saved_tensors_hooks``) the forward keeps only the inputs and the backward recomputes each step
+  through autograd, as it does when a graph was already used (a second backward through a retained
+  graph).
 
 Pitfalls:
 - The sub-block must return its rowwise Linear's output (or a tuple of it and Nones, as Hugging Face's
-  attention does); every step runs the same code on fewer heads, so its forward must not hard-code
+  attention does), called once per forward (an explicit step adds its product into the output as it
+  runs: ``_Total``); every step runs the same code on fewer heads, so its forward must not hard-code
   the head count (read it from the shapes, as tensor parallelism already requires: ``view(..., -1, hd)``).
 - Features of the colwise outputs and the rowwise input must divide by the shard group size W, and the
   heads (and kv heads) too, as with tensor parallelism; nothing random may run inside (dropout).
@@ -180,6 +188,18 @@ class SubBlock:
         self.transposed = tuple(t for has_bias in self.column_has_bias for t in ((True, False) if has_bias else (True,))) + (False,)
         # Per parameter slot: whether a message carries it transposed (the rowwise weight, as its columns).
         self.param_transposed = (False,) * (len(self.param_slots) - 1) + (True,)
+        # Per segment: whether its view as its Linear holds it (``[out, in]``: what an input gradient's
+        # product reads) is the view transposed (the rowwise weight's).
+        self.as_held = tuple(False for has_bias in self.column_has_bias for _ in range(1 + has_bias)) + (True,)
+        # Per Linear, columns then row: where its weight and its bias (or None) are among a step's operands.
+        self.operand_at, at = [], 0
+        for has_bias in self.column_has_bias:
+            self.operand_at.append((at, at + 1 if has_bias else None))
+            at += 1 + has_bias
+        self.operand_at.append((at, None))
+        # Whether a kept step's Linears are backpropagated by ``_ExplicitStep``'s formulas rather than by
+        # autograd: where the partial output is the rowwise Linear's own (no LoRA adapter around it).
+        self.explicit_linears = not adapter_linears and row_output is row
         self._segments: dict[tuple[torch.dtype, int, int], tuple[Segment, ...]] = {}
 
     keeps_graphs = True  # each forward step's graph is kept for the backward (``_ShardGraphs``)
@@ -198,9 +218,12 @@ class SubBlock:
     def call_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
 
-    def run_step(self, call: "_Call", arguments: "_Arguments", shard: int, operands: list[torch.Tensor]) -> tuple:
+    def run_step(
+        self, call: "_Call", arguments: "_Arguments", shard: int, operands: list[torch.Tensor], record: "_ExplicitStep | None" = None
+    ) -> tuple:
         """The sub-block's forward for ``shard`` with its parameters ``operands`` installed (as plain
-        tensors in its Linears); returns (its output, the rowwise Linear's output or None)."""
+        tensors in its Linears); returns (its output, the rowwise Linear's output or None). With
+        ``record``, its Linears' products are kept there for their explicit backward."""
         if call.cache is not None:
             call.cache.shard = shard
         linears = self.columns + [self.row]
@@ -210,10 +233,13 @@ class SubBlock:
         # which would cost a small sub-block step much of its host time; and not through the ring
         # Linear's own forward, whose compiler-disable wrapper adds Python calls to each.
         produced = []
-        for linear, (weight_t, bias) in zip(linears, _shard_params(self, operands)):
-            linear.__dict__["forward"] = functools.partial(
-                _shard_product, weight_t, bias, arguments, produced if linear is self.row_output else None
-            )
+        for index, (linear, (weight_t, bias)) in enumerate(zip(linears, _shard_params(self, operands))):
+            outputs = produced if linear is self.row_output else None
+            if record is None:
+                product = functools.partial(_shard_product, weight_t, bias, arguments, outputs)
+            else:
+                product = functools.partial(_explicit_product, record, self.operand_at[index], weight_t, bias, arguments, outputs)
+            linear.__dict__["forward"] = product
         if self.row_output_forward is not None:  # a LoRA rowwise Linear: its output, adapters included
             self.row_output.__dict__["forward"] = functools.partial(_kept_output, self.row_output_forward, produced)
         try:
@@ -429,13 +455,17 @@ class _Call:
         count = len(self.tensor_at)
         return [t.to(dtype) if i < count and t.is_floating_point() else t for i, t in enumerate(tensors)]
 
-    def run(self, arguments: "_Arguments", shard: int, operands: list[torch.Tensor]) -> torch.Tensor:
+    def run(self, arguments: "_Arguments", shard: int, operands: list[torch.Tensor], record: "_ExplicitStep | None" = None) -> torch.Tensor:
         """The block's forward on ``arguments`` (as ``arguments()`` makes them) with shard ``shard``'s
-        parameters ``operands`` installed; returns its partial output (a sub-block's rowwise Linear's)."""
+        parameters ``operands`` installed; returns its partial output (a sub-block's rowwise Linear's).
+        With ``record`` (a ``SubBlock`` with ``explicit_linears``), its products are kept there."""
         block = self.block
         installed = self.install(arguments.per_shard, shard)
         try:
-            output, produced = block.run_step(self, arguments, shard, operands)
+            if record is None:
+                output, produced = block.run_step(self, arguments, shard, operands)
+            else:
+                output, produced = block.run_step(self, arguments, shard, operands, record)
         finally:
             self.restore(installed)
         # A lone tensor, the usual output, needs no pytree.
@@ -491,6 +521,11 @@ class _Arguments:
         # id -> (tensor, its version when flattened, the flat view or None): the tensors are held, so
         # their ids stay theirs; a tensor changed in place since is flattened again.
         self._flat = {id(t): (t, -1, None) for t in tensors}
+        self._tensors = tensors
+        # id -> (index among the call's tensors, its version at the call); index -> (index, its flat view
+        # outside autograd): made on first use (``call_tensor``: kept steps, never of inference tensors).
+        self._index: dict[int, tuple[int, int]] | None = None
+        self._plain: dict[int, tuple[int, torch.Tensor]] = {}
 
     def flat(self, input: torch.Tensor) -> torch.Tensor:
         entry = self._flat.get(id(input))
@@ -501,6 +536,19 @@ class _Arguments:
             flat = _flattened(input)
             self._flat[id(input)] = (input, input._version, flat)
         return flat
+
+    def call_tensor(self, input: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """For one of the call's tensors, unchanged since the call: its index and its flat view detached
+        (a product of it records no autograd node), made once for every step and Linear; else None."""
+        if self._index is None:
+            self._index = {id(t): (i, t._version) for i, t in enumerate(self._tensors)}
+        index, version = self._index.get(id(input), (None, None))
+        if index is None or input._version != version:
+            return None
+        found = self._plain.get(index)
+        if found is None:
+            found = self._plain[index] = (index, self.flat(input).detach())
+        return found
 
 
 def _flattened(input: torch.Tensor) -> torch.Tensor:
@@ -521,6 +569,92 @@ def _shard_product(
     if outputs is not None:
         outputs.append(output)
     return output
+
+
+class _ExplicitStep:
+    """What a kept step holds for the explicit backward of its Linears (``SubBlock.explicit_linears``).
+
+    Autograd's graph of the step covers only what lies between the Linears (attention, activations,
+    per-head norms): from the colwise outputs, which are its leaves, to the rowwise input, its output.
+    The backward computes the Linears' gradients by their formulas: each weight's straight into its
+    partial (``mm``/``addmm_`` with the partial as output, no gradient copied), the input's summed over
+    the products and steps into one tensor, from the weights the backward ring holds in the orientation
+    each product needs (cached views, no transpose per step). Nothing of the forward's ring buffer is
+    saved, so nothing is re-pointed, but for a colwise Linear whose input is not one of the call's
+    tensors (a norm inside the sub-block before it): its input gradient goes through autograd, whose node
+    saves the weight as a leaf of its own, re-pointed like ``_ShardGraphs``' (``_weight_leaves``).
+    """
+
+    __slots__ = ("needs", "columns", "row_input", "total")
+
+    def __init__(self, needs: list[bool], total: "_Total"):
+        self.needs = needs  # per operand of the step: whether its gradient is wanted
+        self.total = total  # the call's sum of partial outputs, which the rowwise product adds to
+        # Per colwise product: (where its weight and bias are among the operands, the call tensor's index
+        # or None, its 2-D output, its flat input, the weight leaf autograd saved or None).
+        self.columns: list[tuple] = []
+        self.row_input: torch.Tensor | None = None  # the rowwise Linear's flat input: the graph's output
+
+
+class _Total:
+    """The sum of a call's partial outputs, which each explicit step's rowwise product adds to in place
+    (one ``addmm_``; the first writes it: ``mm`` with it as output). Its own memory, not a view, as the
+    ring function's output must be; the sub-block's forward gets it as its rowwise Linear's output."""
+
+    __slots__ = ("sum", "flat")
+
+    def __init__(self):
+        self.sum: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # ``sum`` as the products write it: [tokens, features]
+
+    def add_product(self, input: torch.Tensor, weight_t: torch.Tensor, shape: tuple) -> torch.Tensor:
+        if self.sum is None:
+            self.sum = torch.empty(shape, dtype=input.dtype, device=input.device)
+            self.flat = self.sum.view(input.shape[0], weight_t.shape[1])
+            torch.mm(input, weight_t, out=self.flat)
+        else:
+            self.flat.addmm_(input, weight_t)
+        return self.sum
+
+    def release(self) -> None:
+        self.sum = self.flat = None
+
+
+def _explicit_product(
+    record: _ExplicitStep, at: tuple[int, int | None], weight_t: torch.Tensor, bias: torch.Tensor | None,
+    arguments: _Arguments, outputs: list | None, input: torch.Tensor,
+) -> torch.Tensor:
+    """A planned Linear's forward during a kept step with an explicit backward (``_ExplicitStep``): the
+    product as ``_shard_product`` computes it, kept in ``record`` (``at``: where its weight and bias are
+    among the step's operands). The rowwise output (the partial) is computed outside autograd; a
+    colwise product of one of the call's tensors reads its detached flat view, and its output becomes a
+    leaf of the step's graph where a gradient is wanted of it."""
+    shape = (*input.shape[:-1], weight_t.shape[1])
+    if outputs is not None:  # the rowwise Linear (its bias is added once, to the total)
+        if record.row_input is not None:  # each product is added to the total: a second would be too
+            raise ValueError(
+                "rsdp ring_plan: a planned sub-block calls its rowwise Linear more than once in one forward; its "
+                "output must be that Linear's one output, the partial summed over the ring. Drop the sub-block's "
+                "entries from ring_plan (its Linears then rotate one ring each)."
+            )
+        flat = record.row_input = arguments.flat(input)
+        output = record.total.add_product(flat.detach(), weight_t, shape)  # detached: cheaper than no_grad
+        outputs.append(output)
+        return output
+    weight_at, bias_at = at
+    wanted = record.needs[weight_at] or (bias_at is not None and record.needs[bias_at])
+    found = arguments.call_tensor(input)
+    if found is None:  # its input gradient goes through autograd, which saves the weight
+        tensor_index, flat, weight_t = None, arguments.flat(input), weight_t.data
+        leaf = weight_t
+    else:
+        (tensor_index, flat), leaf = found, None
+        wanted = wanted or input.requires_grad
+    output = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
+    if wanted and not output.requires_grad:
+        output.requires_grad_()
+    record.columns.append((at, tensor_index, output, flat, leaf))
+    return output.view(shape)
 
 
 def _kept_output(forward, outputs: list, *args, **kwargs) -> torch.Tensor:
@@ -566,20 +700,30 @@ class _ShardGraphs:
     saved-tensor hook runs: the sub-block's activations are saved as autograd saves them.
     """
 
-    def __init__(self, call: _Call, inputs: list[torch.Tensor], needs_params: list[bool]):
-        self.call, self.inputs, self.needs_params = call, inputs, needs_params
+    def __init__(self, call: _Call, inputs: list[torch.Tensor], needs_params: list[bool], explicit: bool):
+        """``explicit``: the steps' Linears are backpropagated by their formulas (``_ExplicitStep``)."""
+        self.call, self.inputs, self.needs_params, self.explicit = call, inputs, needs_params, explicit
+        self.total = _Total() if explicit else None  # the explicit steps' partial outputs, summed
         self.arguments = call.arguments(inputs)
-        self._graphs: dict[int, tuple] = {}  # shard -> (partial output, leaves)
+        self._graphs: dict[int, tuple | _ExplicitStep] = {}  # shard -> (partial output, leaves), or its record
 
     def forward(self, shard: int, operands: list[torch.Tensor]) -> torch.Tensor:
         """Run the sub-block on shard ``shard``'s weight ``operands`` (views of a ring buffer, colwise
         weights transposed: ``SubBlock.transposed``), keeping its graph; returns its partial output,
-        whose memory the caller frees once it has added it (``release_output``)."""
-        leaves = _weight_leaves(operands, self.needs_params)
+        whose memory the caller frees once it has added it (``release_output``), unless ``explicit``
+        (then no graph holds it)."""
         with torch.enable_grad():
+            if self.explicit:
+                record = self._graphs[shard] = _ExplicitStep(self.needs_params, self.total)
+                return self.call.run(self.arguments, shard, operands, record)
+            leaves = _weight_leaves(operands, self.needs_params)
             partial = self.call.run(self.arguments, shard, leaves)
         self._graphs[shard] = (partial, leaves)
         return partial
+
+    def take(self, shard: int) -> _ExplicitStep | None:
+        """The record of an explicit step of ``shard``; None once taken (a second backward recomputes)."""
+        return self._graphs.pop(shard, None)
 
     def release_output(self, shard: int) -> None:
         """Free a step's partial output: its graph reads only its shape. Its producer (the rowwise
@@ -598,6 +742,27 @@ class _ShardGraphs:
             leaf.data = operand
         wanted = [x for x, need in zip(self.inputs, needs_inputs) if need] + [leaves[slot] for slot in grad_slots]
         return gradients_of(partial, wanted, dy.to(partial.dtype))
+
+
+def _write_product(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
+    """``a @ b`` written or added (``add``) into ``into``: with no result of its own where the dtypes
+    agree (a partial in another reduce dtype takes the product cast, as it takes autograd's)."""
+    if into.dtype != a.dtype:
+        product = torch.mm(a, b)
+        into.add_(product) if add else into.copy_(product)
+    elif add:
+        into.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=into)
+
+
+def _write_sum(into: torch.Tensor, g: torch.Tensor, add: bool) -> None:
+    """A bias's gradient, ``g`` summed over its rows, written or added (``add``) into ``into``."""
+    if add or into.dtype != g.dtype:
+        total = g.sum(0)
+        into.add_(total) if add else into.copy_(total)
+    else:
+        torch.sum(g, 0, out=into)
 
 
 class _SubBlockForward:
@@ -623,7 +788,10 @@ class _SubBlockForward:
         self.graphs = None
         if call.keeps_graphs and any(needs):
             inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(self.cast, needs)]
-            self.graphs = _ShardGraphs(call, inputs, [need for need, p in zip(needs[len(tensors) :], params) if p is not None])
+            # Under autocast a product's dtypes are autocast's: autograd's formulas follow them.
+            explicit = call.block.explicit_linears and autocast_dtype(ring.device.type) is None
+            needs_params = [need for need, p in zip(needs[len(tensors) :], params) if p is not None]
+            self.graphs = _ShardGraphs(call, inputs, needs_params, explicit)
 
     def rotate(self) -> tuple:
         """The sum of the partial outputs, from one ring, and the output's structure."""
@@ -631,6 +799,9 @@ class _SubBlockForward:
         self.total = None
         self.arguments = call.arguments(self.cast) if self.graphs is None else None
         layer.driver.forward(self.message, self.during, _packed(call.block, params))
+        if self.graphs is not None and self.graphs.explicit:
+            # The total becomes the function's output, whose node holds the graphs: not back to it.
+            self.graphs.total.release()
         if call.cache is not None:  # every shard has run: the cache takes their keys and values once
             call.cache.commit()
         return self.total, call.output_spec, call.output_position
@@ -646,6 +817,9 @@ class _SubBlockForward:
             partial = self.call.run(self.arguments, shard, operands)
         else:
             partial = graphs.forward(shard, operands)
+        if graphs is not None and graphs.explicit:  # the step added its product to the total itself
+            self.total = partial
+            return
         self.total = partial.clone() if self.total is None else self.total.add_(partial)
         if graphs is not None:
             graphs.release_output(shard)
@@ -722,6 +896,17 @@ class _SubBlockBackward:
         self.graph_grad_slots = [] if self.computes_weight_gradients else self.grad_index
         self.grad_inputs = [None] * n
         self.dy = grad_total.to(dtype)
+        # Kept steps backpropagated by the Linears' formulas (``_explicit``): each operand's position
+        # among the partials (None: no gradient wanted); per call tensor, its input gradient from the
+        # colwise products, flat, and its flat view transposed (a weight gradient's left factor).
+        self.explicit = graphs is not None and graphs.explicit
+        if self.explicit:
+            self.partial_at = [None] * len(self.present)
+            for position, slot in enumerate(self.grad_index):
+                self.partial_at[slot] = position
+            self.grad_flat: list[torch.Tensor | None] = [None] * n
+            self.flat_t: dict[int, torch.Tensor] = {}
+            self.dy_flat = self.dy.reshape(-1, self.dy.shape[-1])
         # As laid out in a message: the colwise weights (and biases), then the rowwise weight transposed.
         self.weights = _packed(block, self.params)
 
@@ -735,18 +920,37 @@ class _SubBlockBackward:
         return self.input_gradients()
 
     def input_gradients(self) -> list[torch.Tensor | None]:
+        if self.explicit:  # the colwise products' share, summed apart
+            for index, flat in enumerate(self.grad_flat):
+                if flat is not None:
+                    g = flat.view(self.tensors[index].shape)
+                    self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
         return [None if g is None else g.to(t.dtype) for g, t in zip(self.grad_inputs, self.tensors)]
 
-    def step(self, shard: int, operands: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool) -> None:
+    def held_views(self, message: Message, buffer: torch.Tensor, shard: int, first: int = 0) -> list[torch.Tensor] | None:
+        """Shard ``shard``'s weights in ``buffer`` as their Linears hold them (``SubBlock.as_held``), what
+        an explicit step's input gradients read; None where no step is explicit."""
+        return message.views(buffer, shard, first, self.block.as_held) if self.explicit else None
+
+    def step(
+        self, shard: int, operands: list[torch.Tensor], into: list[torch.Tensor] | None, add: bool,
+        held: list[torch.Tensor] | None = None,
+    ) -> None:
         """Backpropagate through the sub-block for ``shard`` (its kept graph, a recomputation, or the
         block's own: experts) with its weight ``operands``: input gradients into this rank's, weight
         gradients written or added (``add``) into ``into``, views shaped as the operands are (a colwise
-        weight's transposed: ``grads_transposed``), so that no gradient is transposed first."""
+        weight's transposed: ``grads_transposed``), so that no gradient is transposed first. ``held``:
+        the same weights as ``held_views`` gives them."""
         if self.row_layout.rows_of(shard) == 0:
             if into is not None and not add:
                 for view in into:
                     view.zero_()
             return
+        if self.explicit:
+            record = self.graphs.take(shard)
+            if record is not None:
+                self._explicit(record, operands, held, into or [], add)
+                return
         got = self._backpropagated(shard, operands)
         if self.computes_weight_gradients:
             if into:
@@ -782,6 +986,57 @@ class _SubBlockBackward:
                 if g is not None:
                     self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
         return got
+
+    def _explicit(self, record: _ExplicitStep, operands: list[torch.Tensor], held: list[torch.Tensor], into: list[torch.Tensor], add: bool) -> None:
+        """Backpropagate a kept step by its Linears' formulas (``_ExplicitStep``): the rowwise weight's
+        gradient and its input's from ``dy``, autograd through what lies between the Linears, then each
+        colwise product's weight (and bias) gradient and input gradient from its output's."""
+        at = self.partial_at
+        row, dy = self.block.operand_at[-1][0], self.dy_flat
+        h = record.row_input
+        if at[row] is not None:
+            _write_product(into[at[row]], h.t(), dy, add)
+        columns = [column for column in record.columns if column[2].requires_grad]
+        inputs = [x for x, need in zip(self.graphs.inputs, self.needs_inputs) if need]
+        got = ()
+        if h.requires_grad and (columns or inputs):
+            for (weight_at, _), _, _, _, leaf in columns:
+                if leaf is not None:  # saved by autograd (``_ShardGraphs.backward``)
+                    leaf.data = operands[weight_at]
+            dh = torch.mm(dy, held[row])
+            got = gradients_of(h, inputs + [column[2] for column in columns], dh.to(h.dtype))
+        got = iter(got)
+        for index, need in enumerate(self.needs_inputs):
+            if need:
+                g = next(got, None)
+                if g is not None:
+                    self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
+        for ((weight_at, bias_at), tensor_index, _, flat, _), g in zip(columns, got):
+            for slot in (weight_at, bias_at):
+                if slot is None or at[slot] is None:
+                    continue
+                if g is None:
+                    if not add:
+                        into[at[slot]].zero_()
+                elif slot == bias_at:
+                    _write_sum(into[at[slot]], g, add)
+                else:
+                    _write_product(into[at[slot]], self._flat_t(tensor_index, flat), g, add)
+            if g is not None and tensor_index is not None and self.needs_inputs[tensor_index]:
+                total = self.grad_flat[tensor_index]
+                if total is None:
+                    self.grad_flat[tensor_index] = torch.mm(g, held[weight_at])
+                else:
+                    total.addmm_(g, held[weight_at])
+
+    def _flat_t(self, tensor_index: int | None, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` transposed; once per backward for one of the call's tensors, read at every step."""
+        if tensor_index is None:
+            return flat.t()
+        flat_t = self.flat_t.get(tensor_index)
+        if flat_t is None:
+            flat_t = self.flat_t[tensor_index] = flat.t()
+        return flat_t
 
     def _weight_gradients(self, shard: int, into: list[torch.Tensor], add: bool) -> None:
         """The block's own parameter gradients for ``shard`` (no weights needed), into ``into``."""
@@ -914,7 +1169,8 @@ class _SubBlockBackward:
             # The grads' segments lead the message, laid out as in it.
             into = self.mine if self.ring.group_size == 1 else buffer
             own = self.grads.views(into, owner, transposed=self.grads_transposed)
-            self.step(owner, message.views(buffer, owner, self.first_weight, self.block.transposed), own, add=False)
+            operands = message.views(buffer, owner, self.first_weight, self.block.transposed)
+            self.step(owner, operands, own, add=False, held=self.held_views(message, buffer, owner, self.first_weight))
             if self.has_unsynced:
                 self._add_unsynced(owner, self.grads.views(into, owner))
 
@@ -925,7 +1181,8 @@ class _SubBlockBackward:
         shard, message = self.ring.weight_shards[hop], self.message
         into = message.views(buffer, shard, transposed=self.grads_transposed)[: self.first_weight]
         operands = message.views(buffer, shard, self.first_weight, self.block.transposed)
-        self.step(shard, operands, into, add=hop > 1 and self.ring.group_size == 1)
+        held = self.held_views(message, buffer, shard, self.first_weight)
+        self.step(shard, operands, into, add=hop > 1 and self.ring.group_size == 1, held=held)
         if self.has_unsynced:
             self._add_unsynced(shard, message.views(buffer, shard)[: self.first_weight])
 
@@ -959,7 +1216,8 @@ class _SubBlockBackward:
             views = weights_only.views(buffer, shard)
             into = [self.gradients.unsynced_shard(total, shard, views[slot].shape) for total, slot in zip(totals, self.grad_index)]
             into = [view.mT if transposed else view for view, transposed in zip(into, self.grads_transposed)]
-            self.step(shard, weights_only.views(buffer, shard, transposed=self.block.transposed), into, add=True)
+            operands = weights_only.views(buffer, shard, transposed=self.block.transposed)
+            self.step(shard, operands, into, add=True, held=self.held_views(weights_only, buffer, shard))
 
         with self.layer.driver.run(Phase.BACKWARD, weights_only) as run:
             run.turn(functools.partial(self._pack, weights_only, 0), during)
