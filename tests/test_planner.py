@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from models import TinyLM, twin
 from rsdp import CostModel, Planner, Strategy, parallelize, plan
 from rsdp.memory import MemoryTracker
-from rsdp.planner._plan import _next_token_loss, predict_policy
+from rsdp.planner._plan import _next_token_loss, plan_from_counts, predict_policy
 from rsdp.planner import measure_peak
 from rsdp.planner._cost_model import count
 from rsdp.planner._profile import Carried, Phase, RootCost, StepPhases, UnitCost, find_units, run_marked_step
@@ -614,6 +614,9 @@ def test_a_unit_replicated_in_the_root_is_planned_as_the_root_holds_it():
         Planner(model, sample_input=tokens, cost_model=cluster, replicated_in_root=["head"])
     with pytest.raises(ValueError, match="replicated_in_root is counted by the cost model"):
         Planner(model, sample_input=tokens, replicated_in_root=["lm_head"])
+    with pytest.raises(ValueError, match="plan_from_counts with replicated_in_root needs folded="):
+        plan_from_counts({2: count(model, units, tokens, _next_token_loss)}, units, memory_budget=2**40, cost_model=cluster,
+                         replicated_in_root=["lm_head"])
 
 
 def test_only_a_chunked_losss_head_may_run_twice_in_a_step():

@@ -1,6 +1,7 @@
 """``rsdp plan`` on bad input and on tiny Hugging Face MoE configs: one line naming the problem and its
 fix, a non-zero exit, no traceback; a budget too small still writes the JSON; the MoE configs plan under
-every activation checkpointing mode. (Every torchtitan family and flavor: ``test_planner_moe``.)
+every activation checkpointing mode; a torchtitan model's plan is the one ``dp_strategy=auto`` chooses.
+(Every torchtitan family and flavor: ``test_planner_moe``.)
 """
 
 import importlib.util
@@ -215,3 +216,75 @@ def moe_flops_case() -> tuple[float, float]:
 def test_moe_experts_flops_are_counted_per_routed_token(ranks):
     counted, experts = ranks.run(1, moe_flops_case)[0]
     assert experts < counted < 2 * experts, (counted, experts)
+
+
+# At sequence 256 the debug model's replicated head, counted as a unit of its own, holds less than in
+# the root: there the CLI chose an FSDP head at 80 MiB, and predicted 1.1 MiB less for replicate everywhere.
+HARDWARE = "h100-sxm-nvlink"
+
+
+def torchtitan_auto_case(budgets: list[str], directory: str) -> dict[str, list[tuple]]:
+    """Per budget, (the CLI's, ``dp_strategy=auto``'s) figures for one run of torchtitan's llama3 debug
+    model on 8 H100s: ``rsdp plan``'s plan against ``rsdp.torchtitan``'s own planning
+    (``_plan``), and the CLI's replicate-everywhere row against ``rsdp.plan``'s count of replicate with
+    the head in the root."""
+    import contextlib
+    import io
+
+    from rsdp.planner import _models
+
+    _models._prepare_torchtitan_imports()
+    from torchtitan.config import TrainingConfig
+    from torchtitan.models.llama3 import model_registry
+
+    from rsdp import Strategy, plan
+    from rsdp.planner.cli import main
+    from rsdp.torchtitan import parallelize
+    from rsdp.torchtitan.config import ParallelismConfig
+
+    world, seq_len, batch = 8, 256, 2
+    training = TrainingConfig(local_batch_size=batch, seq_len=seq_len)
+    with torch.device("meta"):
+        model = model_registry("debugmodel").model.build()
+    parallelize._dp_world = lambda parallel_dims: world  # the rank runs this case alone: no mesh to ask
+    figures = {}
+    for budget in budgets:
+        path = f"{directory}/plan.json"
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            main(["plan", "--model", "torchtitan:llama3:debugmodel", "--world-size", str(world), "--seq-len", str(seq_len),
+                  "--local-batch-size", str(batch), "--mixed-precision", "bf16", "--hardware", HARDWARE,
+                  "--ring-group-sizes", "1", "--budget", budget, "--json", path])
+        with open(path) as report:
+            cli = json.load(report)
+        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", dp_strategy="auto", dp_memory_budget=budget,
+                                        dp_hardware=HARDWARE)
+        auto = parallelize._plan(model, None, training, parallelism, None, "")
+        figures[budget] = [
+            (cli["plan"]["modules"], {name or "(root)": s.value for name, s in auto.strategies.items()}),
+            (cli["plan"]["in_root"], [row.module for row in auto.rows if row.in_root]),
+            (cli["plan"]["peak_bytes"], auto.predicted_peak_bytes),
+            (cli["plan"]["step_s"], auto.predicted_step_seconds),
+            ("| lm_head | replicate, in the root |" in printed.getvalue(), any(row.in_root for row in auto.rows)),
+        ]
+    cost_model = parallelize._cost_model(parallelism.hardware(world), world, 1, training, parallelism)
+    replicated = plan(_models.flash_attention_for_counting(model), memory_budget=2**40, cost_model=cost_model,
+                      sample_input=torch.zeros(batch, seq_len + 1, dtype=torch.long, device="meta"),
+                      loss_fn=_models.next_token_loss, strategies=[Strategy.REPLICATE], replicated_in_root=["lm_head"])
+    figures["replicate everywhere"] = [
+        (cli["strategies"]["replicate"]["peak_bytes"], replicated.predicted_peak_bytes),
+        (cli["strategies"]["replicate"]["step_s"], replicated.predicted_step_seconds),
+    ]
+    return figures
+
+
+@needs_torchtitan
+def test_torchtitan_plans_are_those_dp_strategy_auto_chooses(ranks, tmp_path):
+    """For a torchtitan model the CLI plans a replicated head inside a replicate root, as
+    ``rsdp.torchtitan`` applies it: at a roomy budget (the head replicated in the root) and a tight one
+    (an FSDP head) its plan, peak and step are ``dp_strategy=auto``'s for the same run, and its
+    replicate-everywhere row is counted with the head in the root."""
+    figures = ranks.run(1, torchtitan_auto_case, ["80MiB", "70MiB"], str(tmp_path))[0]
+    for label, pairs in figures.items():
+        cli, auto = zip(*pairs)
+        assert cli == auto, label
+    assert figures["80MiB"][1][1] == ["lm_head"] and figures["70MiB"][1][1] == [], "the budgets did not choose the head's place"

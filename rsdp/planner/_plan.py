@@ -234,15 +234,9 @@ class Planner:
             raise ValueError(f"rsdp.plan: {type(model).__name__} has no submodule with parameters to plan for.")
         in_root = _checked_in_root(replicated_in_root, units, cost_model)
         if cost_model is not None:
-            def counted_with(counted_units: list[str]) -> dict[int, Counts]:
-                return {
-                    size: count(model, counted_units, _resize_batch(sample_input, size), loss_fn, cost_model.param_dtype)
-                    for size in batch_sizes
-                }
-
-            # A unit replicated inside the root is the root's part of the step: counted without it as a unit.
-            folded = counted_with([name for name in units if name not in in_root]) if in_root and Strategy.REPLICATE in strategies else None
-            self._choice = _EstimatedChoice(counted_with(units), units, cost_model, strategies, in_root, folded)
+            counted, folded = count_steps(model, units, sample_input, batch_sizes, loss_fn, cost_model.param_dtype,
+                                          in_root if Strategy.REPLICATE in strategies else ())
+            self._choice = _EstimatedChoice(counted, units, cost_model, strategies, in_root, folded)
             return
         mesh = mesh or _default_mesh()
 
@@ -256,6 +250,20 @@ class Planner:
         """The fastest plan per sample whose peak memory per rank fits ``memory_budget`` bytes (see
         :func:`plan`)."""
         return dataclasses.replace(self._choice.choose(memory_budget), memory_budget=memory_budget)
+
+
+def count_steps(
+    model: nn.Module, units: list[str], sample_input: torch.Tensor, batch_sizes: Sequence[int], loss_fn: Callable,
+    param_dtype: torch.dtype | None, replicated_in_root: Sequence[str] = (),
+) -> tuple[dict[int, Counts], dict[int, Counts] | None]:
+    """The training step counted on the meta device per batch size (``sample_input`` resized), every unit
+    a unit; and with units of ``replicated_in_root``, again without them as units (``None`` without):
+    the step of a replicate root that holds them, which a unit replicated inside the root is part of."""
+    def counted_with(counted_units: list[str]) -> dict[int, Counts]:
+        return {size: count(model, counted_units, _resize_batch(sample_input, size), loss_fn, param_dtype) for size in batch_sizes}
+
+    folded = counted_with([name for name in units if name not in replicated_in_root]) if replicated_in_root else None
+    return counted_with(units), folded
 
 
 def _checked_in_root(names: Sequence[str], units: list[str], cost_model: CostModel | None) -> tuple[str, ...]:
@@ -457,11 +465,18 @@ class _Found(NamedTuple):
 
 def plan_from_counts(
     counted: dict[int, Counts], units: list[str], *, memory_budget: int, cost_model: CostModel,
-    strategies: Sequence[Strategy] = tuple(Strategy),
+    strategies: Sequence[Strategy] = tuple(Strategy), replicated_in_root: Sequence[str] = (),
+    folded: dict[int, Counts] | None = None,
 ) -> Plan:
-    """:func:`plan` with a cost model, from meta-device counts already made (batch size -> counts)."""
-    chosen = _EstimatedChoice(counted, units, cost_model, strategies).choose(memory_budget)
-    return dataclasses.replace(chosen, memory_budget=memory_budget)
+    """:func:`plan` with a cost model, from meta-device counts already made (batch size -> counts;
+    ``replicated_in_root`` as :class:`Planner`'s, with ``folded`` the step counted without those units,
+    as :func:`count_steps` gives both)."""
+    in_root = _checked_in_root(replicated_in_root, units, cost_model)
+    if in_root and Strategy.REPLICATE in strategies and folded is None:
+        raise ValueError("rsdp.plan: plan_from_counts with replicated_in_root needs folded=, the step counted without "
+                         "those units (count_steps gives both).")
+    chosen = _EstimatedChoice(counted, units, cost_model, strategies, in_root, folded if Strategy.REPLICATE in strategies else None)
+    return dataclasses.replace(chosen.choose(memory_budget), memory_budget=memory_budget)
 
 
 def predict_uniform(counts: Counts, units: list[str], strategy: Strategy, cost_model: CostModel,

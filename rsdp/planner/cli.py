@@ -12,6 +12,11 @@ checkout). Without ``--measure`` the plan comes from the cost model on the meta 
 no processes); with it (benchmark model only), every strategy is profiled on the ranks torchrun started.
 ``--json`` writes each uniform strategy's and the plan's predicted peak bytes per device, step seconds and
 tokens/s per device, and the plan's strategy per module.
+
+A torchtitan model's replicated ``lm_head`` is planned inside a replicate root, as ``rsdp.torchtitan``
+applies it (``replicated_in_root``): the plan's table says "replicate, in the root", and replicate
+everywhere is counted so. Pitfall: planned otherwise, the CLI's plan would not be the one
+``dp_strategy=auto`` chooses, nor its peak the one that run holds.
 """
 
 import argparse
@@ -26,8 +31,8 @@ import torch.distributed as dist
 
 from . import CostModel, plan
 from . import _calibrate, _hardware, _models, _training
-from ._cost_model import OPTIMIZERS, count
-from ._plan import NoPlanFits, _resize_batch, choices_of, plan_from_counts, predict_uniform
+from ._cost_model import OPTIMIZERS
+from ._plan import NoPlanFits, choices_of, count_steps, plan_from_counts, predict_uniform
 from ._profile import find_units
 from ..policy import Strategy
 
@@ -175,6 +180,16 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     ).with_optimizer(args.optimizer)
 
 
+def replicated_in_root(model_spec: str, units: list[str]) -> tuple[str, ...]:
+    """The units a plan for ``--model model_spec`` replicates inside the root (``rsdp.plan``'s
+    ``replicated_in_root``): a torchtitan model's ``lm_head``, as ``rsdp.torchtitan`` applies a replicated
+    head under ``dp_strategy`` ``auto`` and ``replicate`` (torchtitan's chunked loss cannot call a replicate
+    module; ``data_parallel_rules``). A tied head is no unit (it stays in the root with its embedding).
+    Hugging Face models and the benchmark model call their head in their forward: a replicated head is a
+    module of its own there."""
+    return ("lm_head",) if model_spec.startswith("torchtitan:") and "lm_head" in units else ()
+
+
 def _prediction(peak: float, seconds: float, batch_size: int, seq_len: int) -> dict:
     return {"peak_bytes": int(peak), "step_s": seconds, "tokens_per_s_per_device": batch_size * seq_len / seconds}
 
@@ -195,11 +210,9 @@ def main(argv: list[str] | None = None) -> None:
         _models.apply_activation_checkpointing(model, args.activation_checkpoint)
         started = time.perf_counter()
         units = find_units(model)
+        in_root = replicated_in_root(args.model, units)
         sample = torch.zeros(1, args.seq_len + 1, dtype=torch.long, device="meta")
-        counted = {
-            size: count(model, units, _resize_batch(sample, size), loss_fn, cost_model.param_dtype)
-            for size in args.batch_sizes
-        }
+        counted, folded = count_steps(model, units, sample, args.batch_sizes, loss_fn, cost_model.param_dtype, in_root)
     except ValueError as error:
         sys.exit(str(error))
     except Exception as error:  # a model whose step cannot run on the meta device: one line, not a traceback
@@ -207,14 +220,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"rsdp plan: {args.model}'s training step cannot be counted on the meta device ({type(error).__name__}: "
                  f"{reason}); rsdp plan counts decoder language models that run there.")
     try:
-        chosen, no_plan = plan_from_counts(counted, units, memory_budget=args.budget, cost_model=cost_model), None
+        chosen = plan_from_counts(counted, units, memory_budget=args.budget, cost_model=cost_model,
+                                  replicated_in_root=in_root, folded=folded)
+        no_plan = None
     except NoPlanFits as error:
         chosen, no_plan = None, error
     uniform = {}
     for choice in choices_of(tuple(Strategy), cost_model.ring_group_sizes()):
+        # Replicate everywhere puts the units of in_root in the root too: its step is the folded one.
+        step, step_units = (
+            (folded, [name for name in units if name not in in_root]) if in_root and choice.strategy is Strategy.REPLICATE
+            else (counted, units)
+        )
         best = None  # the batch size of most tokens/s per device that fits, else the smallest
-        for size, counts in counted.items():
-            peak, seconds = predict_uniform(counts, units, choice.strategy, cost_model, choice.ring_group_size)
+        for size, counts in step.items():
+            peak, seconds = predict_uniform(counts, step_units, choice.strategy, cost_model, choice.ring_group_size)
             entry = {"local_batch_size": size, **_prediction(peak, seconds, size, args.seq_len)}
             key = (peak <= args.budget, entry["tokens_per_s_per_device"] if peak <= args.budget else -peak)
             if best is None or key > best[0]:
@@ -238,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             **_prediction(chosen.predicted_peak_bytes, chosen.predicted_step_seconds, chosen.batch_size, args.seq_len),
             "modules": {name or "(root)": s.value for name, s in chosen.strategies.items()},
             "ring_group_sizes": {name or "(root)": g for name, g in chosen.ring_group_sizes.items()},
+            "in_root": [row.module for row in chosen.rows if row.in_root],  # replicated inside the root
         },
         "smallest_fitting_budget_bytes": no_plan.needed_bytes if no_plan else None,
         "planning_seconds": elapsed,
