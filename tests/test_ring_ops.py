@@ -7,6 +7,7 @@ divided by the world size (rsdp's default is the mean over data-parallel ranks, 
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from models import MLP, assert_close, assert_param_grads_match, check_against_reference, own_rows, rank_and_world, twin
 from rsdp import rsdp_shard
+from rsdp._fully_shard._wire import Views
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from host_overhead import OpCounter  # noqa: E402
@@ -329,3 +331,20 @@ def test_a_ring_step_issues_its_arithmetic_and_no_view(ranks):
     ops4, views4, by_op4 = ranks.run(4, steady_ops_case)[0]
     assert views4 == views2, (by_op2, by_op4)
     assert ops4 - ops2 == 2 * 8, (by_op2, by_op4)
+
+
+def test_views_written_whole_or_in_part_copy_into_their_own_rows_only():
+    """``Views.write`` joins back-to-back views into one ``cat`` when every view is written; a write of
+    the first views only (a planned backward's weights ahead of its partials) copies those alone, leaves
+    the rest and the joined view as they were, and warns of no resize."""
+    buffer = torch.zeros(2 * 3 * 4)
+    views = Views([buffer[:12].view(3, 4), buffer[12:].view(3, 4)], cached=False)
+    first, second = torch.randn(3, 4), torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        views.write([first])
+        assert torch.equal(views[0], first) and not views[1].any()
+        views.write([second, first])
+        assert torch.equal(views[0], second) and torch.equal(views[1], first)
+        views.write([first])
+        assert torch.equal(views[0], first) and torch.equal(views[1], first)

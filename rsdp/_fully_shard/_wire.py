@@ -171,13 +171,16 @@ class Views(list):
         self._cached = cached
 
     def write(self, tensors: list[torch.Tensor]) -> None:
-        """Copy ``tensors`` into these views (one per view): one ``cat`` where the views lie back to back
-        as one tensor (one dtype and row shape, each but the last whole: a group's weights), which is
-        one host dispatch (a kernel on a GPU) rather than one per view; else a copy each."""
+        """Copy ``tensors`` into these views (one per view, or into the first ``len(tensors)`` of them: a
+        planned backward packs its weights ahead of the partials the message also carries): one ``cat``
+        where every view is written and they lie back to back as one tensor (one dtype and row shape,
+        each but the last whole: a group's weights), which is one host dispatch (a kernel on a GPU)
+        rather than one per view; else a copy each (a ``cat`` into fewer rows would resize the joined
+        view)."""
         joined = self.known.get(_JOINED)
         if joined is None:
             joined = self.derived(_JOINED, _joined)
-        if joined is False:
+        if joined is False or len(tensors) != len(self):
             for view, tensor in zip(self, tensors):
                 view.copy_(tensor)
         else:
