@@ -304,12 +304,13 @@ def test_cost_model_peak_is_within_15_percent_of_the_measured_peak(ranks, build,
 
 
 def profiled_and_trained_peak_case() -> tuple[int, int]:
-    """A mixed plan whose second step peaks below its later ones (rsdp's ring schedule is followed from
-    the third): the peak its profile measures (the planner's verification of a plan) and measure_peak's."""
-    model = untied_lm(vocab=4096, dim=128, hidden=256, layers=2)
+    """A mixed plan whose second step peaks 3% above its later ones (rsdp's ring schedule is followed
+    from the third): the peak its profile measures (the planner's verification of a plan) and
+    measure_peak's."""
+    model = tied_lm(vocab=4096, dim=128, hidden=256, layers=2)
     tokens = torch.randint(0, 4096, (2, 32))
     order = list(Strategy)
-    policy = {name: order[(i + 2) % 3] for i, name in enumerate(["", *find_units(model)])}
+    policy = {name: order[(i + 1) % 3] for i, name in enumerate(["", *find_units(model)])}
     profiled = profile(model, policy, tokens, _next_token_loss, torch.optim.AdamW, _default_mesh(), None, tokens.device)[2]
     return profiled, measure_peak(parallelize(copy.deepcopy(model), policy), tokens, _next_token_loss)
 
