@@ -16,6 +16,8 @@ from rsdp.memory import MemoryTracker
 from rsdp.planner._plan import _next_token_loss, plan_from_counts, predict_policy
 from rsdp.planner import measure_peak
 from rsdp.planner._cost_model import count
+from rsdp._fully_shard import release_ring_buffers
+from rsdp.planner._profile import parameter_and_optimizer_bytes
 from rsdp.planner._profile import Carried, Phase, RootCost, StepPhases, UnitCost, find_units, profile, run_marked_step
 from rsdp.planner._search import EMPTY, pareto_plans, predicted_peak
 from rsdp.policy import _default_mesh
@@ -303,21 +305,38 @@ def test_cost_model_peak_is_within_15_percent_of_the_measured_peak(ranks, build,
         assert 1 - TOLERANCE <= measured / predicted <= 1 + TOLERANCE, f"{shape} {plan_}: {measured} vs {predicted}"
 
 
-def profiled_and_trained_peak_case() -> tuple[int, int]:
+def profiled_and_trained_peak_case() -> tuple[int, int, list[int]]:
     """A mixed plan whose second step peaks 3% above its later ones (rsdp's ring schedule is followed
-    from the third): the peak its profile measures (the planner's verification of a plan) and
-    measure_peak's."""
+    from the third): the peak its profile measures (the planner's verification of a plan),
+    measure_peak's, and each of the first four steps' peak above parameters and optimizer state,
+    counted by hand."""
     model = tied_lm(vocab=4096, dim=128, hidden=256, layers=2)
     tokens = torch.randint(0, 4096, (2, 32))
     order = list(Strategy)
     policy = {name: order[(i + 1) % 3] for i, name in enumerate(["", *find_units(model)])}
     profiled = profile(model, policy, tokens, _next_token_loss, torch.optim.AdamW, _default_mesh(), None, tokens.device)[2]
-    return profiled, measure_peak(parallelize(copy.deepcopy(model), policy), tokens, _next_token_loss)
+    trained = measure_peak(parallelize(copy.deepcopy(model), policy), tokens, _next_token_loss)
+    by_hand = parallelize(copy.deepcopy(model), policy)
+    optimizer = torch.optim.AdamW(by_hand.parameters())
+    release_ring_buffers()
+    steps = []
+    for _ in range(4):
+        with MemoryTracker("cpu") as tracker:
+            _next_token_loss(by_hand, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        release_ring_buffers()
+        steps.append(tracker.peak_bytes)
+    static = parameter_and_optimizer_bytes(list(by_hand.parameters()), optimizer)
+    return profiled, trained, [static + peak for peak in steps]
 
 
-def test_a_profile_measures_the_steady_step_measure_peak_does(ranks):
-    profiled, trained = ranks.run(2, profiled_and_trained_peak_case)[0]
-    assert profiled == trained
+def test_a_profile_and_measure_peak_count_the_second_step_and_the_steady_one(ranks):
+    """What a budget must hold: the second step (off the first's ring schedule) and the steady ones."""
+    (profiled, trained, steps), (_, _, other) = ranks.run(2, profiled_and_trained_peak_case)
+    per_step = [max(a, b) for a, b in zip(steps, other)]
+    assert per_step[1] != per_step[2] == per_step[3]  # the case has a second step of its own
+    assert profiled == trained == max(per_step[1:])
 
 
 def test_a_gpus_reserved_bytes_scale_every_allocated_byte():

@@ -247,25 +247,27 @@ def parameter_and_optimizer_bytes(params: list[nn.Parameter], optimizer: torch.o
     return total
 
 
-# Steps run before the measured one, so that it is a steady-state step: the first creates the optimizer
-# state; the second still runs off the first's ring schedule (``_fully_shard/_schedule.py``: the Linears
-# on one input share a ring only after the first forward, so the second step's rings differ from the
-# record and its ring buffers are sized off track). Mixed plans peak differently in the second step
-# than in every later one (either way, by a few percent); the third is the first steady one.
-WARM_UP_STEPS = 2
-
-
-def warm_up(step: Callable[[], None]) -> None:
-    """Run ``step`` ``WARM_UP_STEPS`` times, then free the ring buffers: they stay resident after a step,
-    and the measured step counts them when it makes them again."""
-    for _ in range(WARM_UP_STEPS):
+def warm_up(step: Callable[[], None], device: torch.device) -> int:
+    """Run ``step`` twice before the measured (steady) one and return the second's peak bytes. The first
+    makes the optimizer state. The second still runs off the first's ring schedule
+    (``_fully_shard/_schedule.py``: the Linears on one input share a ring only after the first forward,
+    so its rings differ from the record and its ring buffers are sized off track): mixed plans peak
+    above or below every later step in it, by a few percent, and training runs it, so a budget must hold
+    it too; the caller takes the larger of it and the third, the first steady step. The ring buffers are
+    freed before each counted step: they stay resident after a step, and a counted step counts them
+    when it makes them again."""
+    step()
+    release_ring_buffers()
+    with without_cyclic_gc(), MemoryTracker(device) as tracker:
         step()
     release_ring_buffers()
+    return tracker.peak_bytes
 
 
 def measure_peak(model: nn.Module, batch, loss_fn: Callable, optimizer_fn: Callable = torch.optim.AdamW) -> int:
-    """Peak bytes per rank of a steady-state training step of an already parallelized ``model``:
-    parameters and optimizer state plus the step's peak, the maximum over ranks. To check a plan."""
+    """Peak bytes per rank of training an already parallelized ``model``: parameters and optimizer state
+    plus the larger of the second step's peak and the first steady step's (``warm_up``), the maximum
+    over ranks. To check a plan."""
     optimizer = optimizer_fn(model.parameters())
     release_ring_buffers()
 
@@ -274,10 +276,11 @@ def measure_peak(model: nn.Module, batch, loss_fn: Callable, optimizer_fn: Calla
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    warm_up(step)
+    second = warm_up(step, batch.device)
     with without_cyclic_gc(), MemoryTracker(batch.device) as tracker:
         step()
-    peak = torch.tensor(float(parameter_and_optimizer_bytes(list(model.parameters()), optimizer) + tracker.peak_bytes))
+    step_peak = max(second, tracker.peak_bytes)
+    peak = torch.tensor(float(parameter_and_optimizer_bytes(list(model.parameters()), optimizer) + step_peak))
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak)
@@ -294,9 +297,10 @@ def profile(
     device: torch.device,
 ) -> tuple[dict[str, UnitCost], RootCost, int]:
     """Train a copy of ``model`` parallelized with ``strategies`` (unit name -> strategy, ``""`` the
-    root) for the warm-up steps (``warm_up``) and a measured one, steady as ``measure_peak``'s. Returns
-    every unit's cost, the root's, and the step's peak bytes (parameters and optimizer state included),
-    each the maximum over the ranks so that every rank plans alike."""
+    root) for two steps (``warm_up``) and a measured, steady one. Returns every unit's cost (of the
+    steady step), the root's, and the peak bytes as ``measure_peak`` counts them (parameters and
+    optimizer state, and the larger of the second and the steady step's peaks), each the maximum over
+    the ranks so that every rank plans alike."""
     units = [name for name in strategies if name]
     copy_ = parallelize(copy.deepcopy(model), strategies, mesh=mesh, mp_policy=mp_policy)
     optimizer = optimizer_fn(copy_.parameters())
@@ -308,7 +312,7 @@ def profile(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    warm_up(step)
+    second = warm_up(step, device)
     with without_cyclic_gc(), MemoryTracker(device) as tracker:
         timeline = run_marked_step(copy_, units, tracker, step)
     phases = StepPhases.of(timeline, units)
@@ -332,7 +336,7 @@ def profile(
         dataclasses.replace(phases.after, seconds=phases.after.seconds - optimizer_seconds),
         optimizer_seconds * root_static / total_static,
     )
-    return _agree(costs, root, total_static + tracker.peak_bytes)
+    return _agree(costs, root, total_static + max(second, tracker.peak_bytes))
 
 
 def run_marked_step(model: nn.Module, units: list[str], tracker, step: Callable[[_Timeline], None]) -> _Timeline:
