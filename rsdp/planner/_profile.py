@@ -247,17 +247,9 @@ def parameter_and_optimizer_bytes(params: list[nn.Parameter], optimizer: torch.o
     return total
 
 
-def warm_up(step: Callable[[], None], device: torch.device) -> int:
-    """Run ``step`` twice before the measured (steady) one and return the second's peak bytes. The first
-    makes the optimizer state. The second still runs off the first's ring schedule
-    (``_fully_shard/_schedule.py``: the Linears on one input share a ring only after the first forward,
-    so its rings differ from the record and its ring buffers are sized off track): mixed plans peak
-    above or below every later step in it, by a few percent, and training runs it, so a budget must hold
-    it too; the caller takes the larger of it and the third, the first steady step. The ring buffers are
-    freed before each counted step: they stay resident after a step, and a counted step counts them
-    when it makes them again."""
-    step()
-    release_ring_buffers()
+def counted_peak(step: Callable[[], None], device: torch.device) -> int:
+    """Run ``step`` and return its peak bytes, then free the ring buffers: they stay resident after a
+    step, and the next counted step counts them when it makes them again."""
     with without_cyclic_gc(), MemoryTracker(device) as tracker:
         step()
     release_ring_buffers()
@@ -266,8 +258,13 @@ def warm_up(step: Callable[[], None], device: torch.device) -> int:
 
 def measure_peak(model: nn.Module, batch, loss_fn: Callable, optimizer_fn: Callable = torch.optim.AdamW) -> int:
     """Peak bytes per rank of training an already parallelized ``model``: parameters and optimizer state
-    plus the larger of the second step's peak and the first steady step's (``warm_up``), the maximum
-    over ranks. To check a plan."""
+    plus the larger of the second step's peak and the third's, the maximum over ranks. To check a plan.
+
+    The first step makes the optimizer state. The second still runs off the first's ring schedule
+    (``_fully_shard/_schedule.py``: the Linears on one input share a ring only after the first forward,
+    so its rings differ from the record and its ring buffers are sized off track); the third is the
+    first steady one. A mixed plan peaks a few percent above or below its later steps in the second,
+    and training runs both, so a budget must hold both."""
     optimizer = optimizer_fn(model.parameters())
     release_ring_buffers()
 
@@ -276,10 +273,9 @@ def measure_peak(model: nn.Module, batch, loss_fn: Callable, optimizer_fn: Calla
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    second = warm_up(step, batch.device)
-    with without_cyclic_gc(), MemoryTracker(batch.device) as tracker:
-        step()
-    step_peak = max(second, tracker.peak_bytes)
+    step()  # makes the optimizer state
+    release_ring_buffers()
+    step_peak = max(counted_peak(step, batch.device), counted_peak(step, batch.device))
     peak = torch.tensor(float(parameter_and_optimizer_bytes(list(model.parameters()), optimizer) + step_peak))
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -297,10 +293,13 @@ def profile(
     device: torch.device,
 ) -> tuple[dict[str, UnitCost], RootCost, int]:
     """Train a copy of ``model`` parallelized with ``strategies`` (unit name -> strategy, ``""`` the
-    root) for two steps (``warm_up``) and a measured, steady one. Returns every unit's cost (of the
-    steady step), the root's, and the peak bytes as ``measure_peak`` counts them (parameters and
-    optimizer state, and the larger of the second and the steady step's peaks), each the maximum over
-    the ranks so that every rank plans alike."""
+    root) for three steps. Returns every unit's cost and the root's, from the second step, and the peak
+    bytes as ``measure_peak`` counts them (parameters and optimizer state, and the larger of the second
+    and the third step's peaks), each the maximum over the ranks so that every rank plans alike. The
+    costs are the second step's because a step off its ring schedule asks for each ring buffer when a
+    unit needs it, in that unit's phase, while a step on its schedule makes each buffer at its largest
+    at the first request, in whichever unit comes first: phases of a uniform run replayed in a mixed
+    plan must carry their own buffers."""
     units = [name for name in strategies if name]
     copy_ = parallelize(copy.deepcopy(model), strategies, mesh=mesh, mp_policy=mp_policy)
     optimizer = optimizer_fn(copy_.parameters())
@@ -312,9 +311,12 @@ def profile(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    second = warm_up(step, device)
+    step()  # makes the optimizer state
+    release_ring_buffers()
     with without_cyclic_gc(), MemoryTracker(device) as tracker:
         timeline = run_marked_step(copy_, units, tracker, step)
+    release_ring_buffers()
+    steady = counted_peak(step, device)
     phases = StepPhases.of(timeline, units)
     optimizer_seconds = timeline.phase("backward-done", "end").seconds
 
@@ -336,7 +338,7 @@ def profile(
         dataclasses.replace(phases.after, seconds=phases.after.seconds - optimizer_seconds),
         optimizer_seconds * root_static / total_static,
     )
-    return _agree(costs, root, total_static + max(second, tracker.peak_bytes))
+    return _agree(costs, root, total_static + max(tracker.peak_bytes, steady))
 
 
 def run_marked_step(model: nn.Module, units: list[str], tracker, step: Callable[[_Timeline], None]) -> _Timeline:
