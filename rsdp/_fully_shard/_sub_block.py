@@ -788,8 +788,11 @@ class _SubBlockForward:
         self.graphs = None
         if call.keeps_graphs and any(needs):
             inputs = [t.detach().requires_grad_(need and t.is_floating_point()) for t, need in zip(self.cast, needs)]
-            # Under autocast a product's dtypes are autocast's: autograd's formulas follow them.
-            explicit = call.block.explicit_linears and autocast_dtype(ring.device.type) is None
+            # Under autocast a product's dtypes are autocast's: autograd's formulas follow them. Under a
+            # low-precision policy the explicit steps' input gradients, summed over products and steps
+            # in place in the compute dtype, round further from the exact ones than autograd's path
+            # (test_prefetch's bf16 case: a bias gradient 3x FSDP2's error), so they run in full precision only.
+            explicit = call.block.explicit_linears and autocast_dtype(ring.device.type) is None and self.dtype.itemsize >= 4
             needs_params = [need for need, p in zip(needs[len(tensors) :], params) if p is not None]
             self.graphs = _ShardGraphs(call, inputs, needs_params, explicit)
 
