@@ -55,8 +55,9 @@ gradients that are zero outside its shard's rows or columns.
   group.
 - **What the forward keeps** (``_ShardGraphs``): each step's autograd graph, as a stock sub-block keeps
   its activations, so the backward runs no forward again. Where the partial output is the rowwise
-  Linear's own (no LoRA adapter) and autocast is off, the graph covers only what lies between the
-  Linears (``_ExplicitStep``): the backward computes the Linears' gradients by their formulas, each
+  Linear's own (no LoRA adapter), autocast is off and the weights compute in full precision (a bf16
+  policy's input gradients, summed in place in bf16, would round further than autograd's), the graph
+  covers only what lies between the Linears (``_ExplicitStep``): the backward computes the Linears' gradients by their formulas, each
   weight's straight into its partial (no gradient of autograd's copied), the input's summed over the
   products and steps, from the weights the backward ring holds (cached views in the orientation each
   product reads). Otherwise the graphs save the weights, which lie in a ring buffer the next ring
