@@ -1,8 +1,9 @@
 """Host time per training step of rsdp and FSDP2 at W ranks, on torch's fake process group.
 
 The fake process group runs one rank in one process and makes every collective and point-to-point op
-return at once without moving data, so what is left is the host's own work: Python, dispatch, autograd
-and issuing the communication. That is the cost that makes a ring host-bound on GPUs at small batch,
+return at once with nothing sent (its collectives copy within the process what they would move: an
+all-gather its input into each place of its output), so what is left is the host's own work: Python,
+dispatch, autograd and issuing the communication. That is the cost that makes a ring host-bound on GPUs at small batch,
 where kernels are short. The model is a stack of Llama-shaped blocks (RMSNorm, q/k/v/o attention,
 SwiGLU gate/up/down), each sharded with ``fully_shard``, ``rsdp_shard``, or ``rsdp_shard`` with Hugging
 Face's Llama tensor-parallel plan as its ring plan, tiny so that compute is negligible. Strategies
