@@ -26,7 +26,8 @@ rsdp_shard with ``ring_group_size=G`` (without and with the ring plan), W/G step
 point-to-point) and within them (the collectives that assemble and reduce a group's block), in
 messages and bytes per block (``rsdp.memory.CommCounter``).
 
-``--free-ring-communication`` adds, per ring group size, a row "rsdp g=G, free ring comm": the same
+``--free-ring-communication`` adds, per ring group size (g=1 if none is given), a row "rsdp g=G, free
+ring comm": the same
 model, whose ring exchanges and collectives within groups return at once without calling the process
 group (what is left is the ring's host work without its communication: a floor for any change that
 makes a ring issue fewer or cheaper exchanges and collectives). The vectors' collective (as FSDP2's)
@@ -192,8 +193,8 @@ def _free_collective(output: torch.Tensor, input: torch.Tensor) -> _Done:
 
 
 def build(strategy: str, args) -> nn.Module:
-    """The model of ``strategy``: one of ``STRATEGIES``, ``REFERENCES``, "rsdp g=G" or "rsdp+plan g=G",
-    the last two with ``FREE`` appended: its rings' collectives within groups made free here, their
+    """The model of ``strategy``: one of ``STRATEGIES``, ``REFERENCES``, "rsdp g=G" or "rsdp+plan g=G";
+    "rsdp g=G" with ``FREE`` appended has its rings' collectives within groups made free here, their
     exchanges by ``free_step``."""
     torch.manual_seed(0)
     split = args.world if strategy == "unsharded, split" else 1
