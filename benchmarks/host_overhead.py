@@ -27,11 +27,10 @@ point-to-point) and within them (the collectives that assemble and reduce a grou
 messages and bytes per block (``rsdp.memory.CommCounter``).
 
 ``--free-ring-communication`` adds, per ring group size (g=1 if none is given), a row "rsdp g=G, free
-ring comm": the same
-model, whose ring exchanges and collectives within groups return at once without calling the process
-group (what is left is the ring's host work without its communication: a floor for any change that
-makes a ring issue fewer or cheaper exchanges and collectives). The vectors' collective (as FSDP2's)
-stays.
+ring comm": the same model, whose ring exchanges and collectives within groups return at once without
+calling the process group (what is left is the ring's host work without its communication: a floor
+for any change that makes a ring issue fewer or cheaper exchanges and collectives). The vectors'
+collective (as FSDP2's) stays.
 
     python benchmarks/host_overhead.py                 # W=8, 4 blocks, 5 rounds of 20 steps
     python benchmarks/host_overhead.py --ring-group-size 2 --ring-group-size 4
