@@ -1,8 +1,9 @@
 """Host time per training step of rsdp and FSDP2 at W ranks, on torch's fake process group.
 
 The fake process group runs one rank in one process and makes every collective and point-to-point op
-return at once without moving data, so what is left is the host's own work: Python, dispatch, autograd
-and issuing the communication. That is the cost that makes a ring host-bound on GPUs at small batch,
+return at once with nothing sent (its collectives copy within the process what they would move: an
+all-gather its input into each place of its output), so what is left is the host's own work: Python,
+dispatch, autograd and issuing the communication. That is the cost that makes a ring host-bound on GPUs at small batch,
 where kernels are short. The model is a stack of Llama-shaped blocks (RMSNorm, q/k/v/o attention,
 SwiGLU gate/up/down), each sharded with ``fully_shard``, ``rsdp_shard``, or ``rsdp_shard`` with Hugging
 Face's Llama tensor-parallel plan as its ring plan, tiny so that compute is negligible. Strategies
@@ -25,10 +26,17 @@ rsdp_shard with ``ring_group_size=G`` (without and with the ring plan), W/G step
 point-to-point) and within them (the collectives that assemble and reduce a group's block), in
 messages and bytes per block (``rsdp.memory.CommCounter``).
 
+``--free-ring-communication`` adds, per ring group size (g=1 if none is given), a row "rsdp g=G, free
+ring comm": the same model, whose ring exchanges and collectives within groups return at once without
+calling the process group (what is left is the ring's host work without its communication: a floor
+for any change that makes a ring issue fewer or cheaper exchanges and collectives). The vectors'
+collective (as FSDP2's) stays.
+
     python benchmarks/host_overhead.py                 # W=8, 4 blocks, 5 rounds of 20 steps
     python benchmarks/host_overhead.py --ring-group-size 2 --ring-group-size 4
     python benchmarks/host_overhead.py --world 16 --blocks 8 --json out.json
     python benchmarks/host_overhead.py --clock cpu     # this thread's CPU time: moves less with the load
+    python benchmarks/host_overhead.py --clock cpu --ring-group-size 2 --free-ring-communication
 
 On a shared machine the wall-clock times follow the load (other processes take the cores);
 ``--clock cpu`` times the thread's own CPU time instead (``time.thread_time``), which the load moves
@@ -50,7 +58,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rsdp import rsdp_shard
-from rsdp._compat import fake_store, fully_shard
+from rsdp._compat import fake_store, fully_shard, send_and_receive
+from rsdp._fully_shard import _ring
+from rsdp._fully_shard._state import rsdp_states_under
 from rsdp.memory import CommCounter
 
 
@@ -160,28 +170,65 @@ class CallCounter:
             self.builtin += 1
 
 
+FREE = ", free ring comm"
+
+
+class _Done:
+    """The work of an exchange or collective that is not made (``FREE``)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
+def _free_exchange(*args) -> list:
+    return [_DONE, _DONE]
+
+
+def _free_collective(output: torch.Tensor, input: torch.Tensor) -> _Done:
+    return _DONE
+
+
 def build(strategy: str, args) -> nn.Module:
-    """The model of ``strategy``: one of ``STRATEGIES``, ``REFERENCES``, "rsdp g=G" or "rsdp+plan g=G"."""
+    """The model of ``strategy``: one of ``STRATEGIES``, ``REFERENCES``, "rsdp g=G" or "rsdp+plan g=G";
+    "rsdp g=G" with ``FREE`` appended has its rings' collectives within groups made free here, their
+    exchanges by ``free_step``."""
     torch.manual_seed(0)
     split = args.world if strategy == "unsharded, split" else 1
     model = nn.Sequential(*(LlamaBlock(args.dim, args.heads, args.hidden, split) for _ in range(args.blocks)))
     if strategy in REFERENCES:
         return model
     mesh = init_device_mesh("cpu", (args.world,))
-    group = int(strategy.split("g=")[1]) if "g=" in strategy else 1
+    group = int(strategy.removesuffix(FREE).split("g=")[1]) if "g=" in strategy else 1
     # Every block, then the root (which holds no parameter), as FSDP2's and rsdp's docs advise.
     for block in model:
         if strategy == "fsdp":
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
         else:
             rsdp_shard(block, mesh=mesh, ring_plan=LLAMA_PLAN if strategy.startswith("rsdp+plan") else None, ring_group_size=group)
-    return fully_shard(model, mesh=mesh) if strategy == "fsdp" else rsdp_shard(model, mesh=mesh, ring_group_size=group)
+    model = fully_shard(model, mesh=mesh) if strategy == "fsdp" else rsdp_shard(model, mesh=mesh, ring_group_size=group)
+    if strategy.endswith(FREE):
+        for state in rsdp_states_under(model):
+            if state.ring.within_collectives is not None:  # read by a ring's first step, so set before it
+                state.ring.within_collectives = (_free_collective, _free_collective)
+    return model
 
 
 def step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).sum().backward()
     for param in model.parameters():
         param.grad = None
+
+
+def free_step(model: nn.Module, x: torch.Tensor) -> None:
+    """``step`` with the rings' exchanges (``_ring``'s, a global it calls) returning at once."""
+    _ring.send_and_receive = _free_exchange
+    try:
+        step(model, x)
+    finally:
+        _ring.send_and_receive = send_and_receive
 
 
 def main() -> None:
@@ -198,6 +245,8 @@ def main() -> None:
                         help="add rows for rsdp, with and without the ring plan, on a ring of groups of G ranks (G divides --world); repeatable")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="time by the wall clock, or by this thread's CPU time (moves less with the machine's load)")
+    parser.add_argument("--free-ring-communication", action="store_true",
+                        help="add a row per ring group size whose ring exchanges and collectives within groups return at once (a floor)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     for group in args.ring_group_size:
@@ -215,17 +264,20 @@ def main() -> None:
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
     x = torch.randn(1, args.tokens, args.dim, requires_grad=True)
     grouped = tuple(f"{strategy} g={group}" for group in args.ring_group_size for strategy in ("rsdp", "rsdp+plan"))
-    models = {strategy: build(strategy, args) for strategy in STRATEGIES + grouped + REFERENCES}
+    free = tuple(f"rsdp g={group}{FREE}" for group in (args.ring_group_size or [1])) if args.free_ring_communication else ()
+    models = {strategy: build(strategy, args) for strategy in STRATEGIES + grouped + free + REFERENCES}
+    steps = {strategy: free_step if strategy.endswith(FREE) else step for strategy in models}
     counts = {}
     for strategy, model in models.items():
+        run = steps[strategy]
         for _ in range(3):  # warm-up: rsdp's records (prefetch, riders) are followed from the fourth step
-            step(model, x)
+            run(model, x)
         with CommCounter() as comm:
-            step(model, x)
+            run(model, x)
         with OpCounter() as ops:
-            step(model, x)
+            run(model, x)
         with CallCounter() as calls:
-            step(model, x)
+            run(model, x)
         counts[strategy] = {
             "sends_per_block": comm.calls["c10d::send"] / args.blocks,
             "collectives_per_block": sum(n for op, n in comm.calls.items() if op != "c10d::send") / args.blocks,
@@ -243,9 +295,10 @@ def main() -> None:
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     for _ in range(args.repeats):
         for strategy, model in models.items():
+            run = steps[strategy]
             start = clock()
             for _ in range(args.steps):
-                step(model, x)
+                run(model, x)
             rounds[strategy].append((clock() - start) / args.steps)
     loadavg_after = open("/proc/loadavg").read().split()[:3]
     dist.destroy_process_group()

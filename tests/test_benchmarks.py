@@ -180,19 +180,24 @@ def test_scale_model_is_torchtitans_llama3():
 def test_host_overhead_counts_each_strategys_host_work(scripts, tmp_path):
     """benchmarks/host_overhead.py on a tiny config: a time for every strategy and reference, and counts
     that say what each issues (a ring sends, FSDP2 runs collectives, a sharded step does more than the
-    model itself)."""
+    model itself; a ring of groups runs collectives within its groups, and with its ring communication
+    made free, none, and the same ops)."""
     out = tmp_path / "host.json"
-    done = scripts.run([BENCHMARKS.parent / "host_overhead.py", "--world=2", "--blocks=1", "--dim=16", "--heads=2",
-                        "--hidden=8", "--tokens=4", "--steps=1", "--repeats=3", f"--json={out}"], timeout_s=TIMEOUT_S)
+    done = scripts.run([BENCHMARKS.parent / "host_overhead.py", "--world=4", "--blocks=1", "--dim=16", "--heads=4",
+                        "--hidden=8", "--tokens=4", "--steps=1", "--repeats=3", "--ring-group-size=2",
+                        "--free-ring-communication", f"--json={out}"], timeout_s=TIMEOUT_S)
     assert_succeeded(done)
     result = json.loads(out.read_text())
-    strategies = ["fsdp", "rsdp", "rsdp+plan", "unsharded", "unsharded, split"]
+    strategies = ["fsdp", "rsdp", "rsdp+plan", "rsdp g=2", "rsdp+plan g=2", "rsdp g=2, free ring comm", "unsharded", "unsharded, split"]
     assert list(result["median_s"]) == strategies and all(result["median_s"][s] > 0 for s in strategies)
     counts = result["counts"]
     assert counts["fsdp"]["sends_per_block"] == 0 and counts["fsdp"]["collectives_per_block"] > 0
-    for strategy in ("rsdp", "rsdp+plan"):
+    for strategy in ("rsdp", "rsdp+plan", "rsdp g=2"):
         assert counts[strategy]["sends_per_block"] > 0, counts[strategy]
     for strategy in ("fsdp", "rsdp", "rsdp+plan"):
         for count in ("ops_per_block", "python_calls_per_block", "builtin_calls_per_block"):
             assert counts[strategy][count] > counts["unsharded"][count] > 0, (strategy, count, counts)
+    grouped, free = counts["rsdp g=2"], counts["rsdp g=2, free ring comm"]
+    assert grouped["within_groups_per_block"] > 0 and free["within_groups_per_block"] == free["sends_per_block"] == 0, counts
+    assert free["ops_per_block"] == grouped["ops_per_block"], counts
 
