@@ -461,15 +461,19 @@ class _Call:
         parameters ``operands`` installed; returns its partial output (a sub-block's rowwise Linear's).
         With ``record`` (a ``SubBlock`` with ``explicit_linears``), its products are kept there."""
         block = self.block
-        installed = self.install(arguments.per_shard, shard)
+        installed = self.install(arguments.per_shard, shard) if block.per_shard else None
         try:
             if record is None:
                 output, produced = block.run_step(self, arguments, shard, operands)
             else:
                 output, produced = block.run_step(self, arguments, shard, operands, record)
         finally:
-            self.restore(installed)
-        # A lone tensor, the usual output, needs no pytree.
+            if installed is not None:
+                self.restore(installed)
+        if output is produced and produced is not None:  # the usual output: the partial itself
+            self.output_spec, self.output_position = None, 0
+            return produced
+        # A lone tensor needs no pytree.
         out_leaves, self.output_spec = ([output], None) if isinstance(output, torch.Tensor) else tree_flatten(output)
         positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]
         if len(positions) != 1 or any(leaf is not None for leaf in out_leaves if leaf is not produced):
