@@ -461,15 +461,19 @@ class _Call:
         parameters ``operands`` installed; returns its partial output (a sub-block's rowwise Linear's).
         With ``record`` (a ``SubBlock`` with ``explicit_linears``), its products are kept there."""
         block = self.block
-        installed = self.install(arguments.per_shard, shard)
+        installed = self.install(arguments.per_shard, shard) if block.per_shard else None
         try:
             if record is None:
                 output, produced = block.run_step(self, arguments, shard, operands)
             else:
                 output, produced = block.run_step(self, arguments, shard, operands, record)
         finally:
-            self.restore(installed)
-        # A lone tensor, the usual output, needs no pytree.
+            if installed is not None:
+                self.restore(installed)
+        if output is produced and produced is not None:  # the usual output: the partial itself
+            self.output_spec, self.output_position = None, 0
+            return produced
+        # A lone tensor needs no pytree.
         out_leaves, self.output_spec = ([output], None) if isinstance(output, torch.Tensor) else tree_flatten(output)
         positions = [i for i, leaf in enumerate(out_leaves) if leaf is produced]
         if len(positions) != 1 or any(leaf is not None for leaf in out_leaves if leaf is not produced):
@@ -524,9 +528,10 @@ class _Arguments:
         self._flat = {id(t): (t, -1, None) for t in tensors}
         self._tensors = tensors
         # id -> (index among the call's tensors, its version at the call); index -> (index, its flat view
-        # outside autograd): made on first use (``call_tensor``: kept steps, never of inference tensors).
+        # outside autograd, its leading dimensions): made on first use (``call_tensor``: kept steps, never
+        # of inference tensors).
         self._index: dict[int, tuple[int, int]] | None = None
-        self._plain: dict[int, tuple[int, torch.Tensor]] = {}
+        self._plain: dict[int, tuple[int, torch.Tensor, tuple]] = {}
 
     def flat(self, input: torch.Tensor) -> torch.Tensor:
         entry = self._flat.get(id(input))
@@ -538,9 +543,10 @@ class _Arguments:
             self._flat[id(input)] = (input, input._version, flat)
         return flat
 
-    def call_tensor(self, input: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """For one of the call's tensors, unchanged since the call: its index and its flat view detached
-        (a product of it records no autograd node), made once for every step and Linear; else None."""
+    def call_tensor(self, input: torch.Tensor) -> tuple[int, torch.Tensor, tuple] | None:
+        """For one of the call's tensors, unchanged since the call: its index, its flat view detached (a
+        product of it records no autograd node) and its leading dimensions (a product's output shape but
+        the last), made once for every step and Linear; else None."""
         if self._index is None:
             self._index = {id(t): (i, t._version) for i, t in enumerate(self._tensors)}
         index, version = self._index.get(id(input), (None, None))
@@ -548,12 +554,15 @@ class _Arguments:
             return None
         found = self._plain.get(index)
         if found is None:
-            found = self._plain[index] = (index, self.flat(input).detach())
+            found = self._plain[index] = (index, self.flat(input).detach(), tuple(input.shape[:-1]))
         return found
 
 
 def _flattened(input: torch.Tensor) -> torch.Tensor:
-    return input.reshape(math.prod(input.shape[:-1]), input.shape[-1])
+    """``input`` as ``[tokens, features]``: ``-1`` for the tokens (the product of the leading dimensions
+    costs host time at every product), but where there are no features, which ``-1`` cannot infer."""
+    features = input.shape[-1]
+    return input.reshape(-1, features) if features else input.reshape(math.prod(input.shape[:-1]), 0)
 
 
 def _shard_product(
@@ -576,7 +585,9 @@ class _ExplicitStep:
     """What a kept step holds for the explicit backward of its Linears (``SubBlock.explicit_linears``).
 
     Autograd's graph of the step covers only what lies between the Linears (attention, activations,
-    per-head norms): from the colwise outputs, which are its leaves, to the rowwise input, its output.
+    per-head norms): from the colwise outputs, which are its leaves, to the rowwise input, its output,
+    both as the sub-block sees them (not their flat ``[tokens, features]`` views, which would add a
+    node at each end that every step's forward and backward run).
     The backward computes the Linears' gradients by their formulas: each weight's straight into its
     partial (``mm``/``addmm_`` with the partial as output, no gradient copied), the input's summed over
     the products and steps into one tensor, from the weights the backward ring holds in the orientation
@@ -586,15 +597,17 @@ class _ExplicitStep:
     saves the weight as a leaf of its own, re-pointed like ``_ShardGraphs``' (``_weight_leaves``).
     """
 
-    __slots__ = ("needs", "columns", "row_input", "total")
+    __slots__ = ("needs", "columns", "row_input", "row_flat", "total")
 
     def __init__(self, needs: list[bool], total: "_Total"):
         self.needs = needs  # per operand of the step: whether its gradient is wanted
         self.total = total  # the call's sum of partial outputs, which the rowwise product adds to
         # Per colwise product: (where its weight and bias are among the operands, the call tensor's index
-        # or None, its 2-D output, its flat input, the weight leaf autograd saved or None).
+        # or None, its output as returned (a leaf of the graph, where one of the call's tensors is its
+        # input), its flat input, the weight leaf autograd saved or None).
         self.columns: list[tuple] = []
-        self.row_input: torch.Tensor | None = None  # the rowwise Linear's flat input: the graph's output
+        self.row_input: torch.Tensor | None = None  # the rowwise Linear's input: the graph's output
+        self.row_flat: torch.Tensor | None = None  # it flat and detached: the product's left factor
 
 
 class _Total:
@@ -608,13 +621,14 @@ class _Total:
         self.sum: torch.Tensor | None = None
         self.flat: torch.Tensor | None = None  # ``sum`` as the products write it: [tokens, features]
 
-    def add_product(self, input: torch.Tensor, weight_t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    def add_product(self, flat: torch.Tensor, weight_t: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """Add ``flat @ weight_t`` (``flat``: ``input`` flattened) to the sum, shaped as ``input``'s product."""
         if self.sum is None:
-            self.sum = torch.empty(shape, dtype=input.dtype, device=input.device)
-            self.flat = self.sum.view(input.shape[0], weight_t.shape[1])
-            torch.mm(input, weight_t, out=self.flat)
+            self.sum = torch.empty(*input.shape[:-1], weight_t.shape[1], dtype=flat.dtype, device=flat.device)
+            self.flat = self.sum.view(flat.shape[0], weight_t.shape[1])
+            torch.mm(flat, weight_t, out=self.flat)
         else:
-            self.flat.addmm_(input, weight_t)
+            self.flat.addmm_(flat, weight_t)
         return self.sum
 
     def release(self) -> None:
@@ -630,7 +644,6 @@ def _explicit_product(
     among the step's operands). The rowwise output (the partial) is computed outside autograd; a
     colwise product of one of the call's tensors reads its detached flat view, and its output becomes a
     leaf of the step's graph where a gradient is wanted of it."""
-    shape = (*input.shape[:-1], weight_t.shape[1])
     if outputs is not None:  # the rowwise Linear (its bias is added once, to the total)
         if record.row_input is not None:  # each product is added to the total: a second would be too
             raise ValueError(
@@ -638,8 +651,10 @@ def _explicit_product(
                 "output must be that Linear's one output, the partial summed over the ring. Drop the sub-block's "
                 "entries from ring_plan (its Linears then rotate one ring each)."
             )
-        flat = record.row_input = arguments.flat(input)
-        output = record.total.add_product(flat.detach(), weight_t, shape)  # detached: cheaper than no_grad
+        record.row_input = input
+        # Flattened detached (cheaper than under no_grad): no node of the graph.
+        flat = record.row_flat = _flattened(input.detach())
+        output = record.total.add_product(flat, weight_t, input)
         outputs.append(output)
         return output
     weight_at, bias_at = at
@@ -647,15 +662,18 @@ def _explicit_product(
     found = arguments.call_tensor(input)
     if found is None:  # its input gradient goes through autograd, which saves the weight
         tensor_index, flat, weight_t = None, arguments.flat(input), weight_t.data
-        leaf = weight_t
+        leading, leaf = input.shape[:-1], weight_t
     else:
-        (tensor_index, flat), leaf = found, None
+        (tensor_index, flat, leading), leaf = found, None
         wanted = wanted or input.requires_grad
     output = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
-    if wanted and not output.requires_grad:
+    # Shapes go to ``view`` as ints: a tuple (a torch.Size more so) costs more host time than the view
+    # itself, in torch's argument parsing.
+    output = output.view(*leading, weight_t.shape[1])
+    if wanted and not output.requires_grad:  # the view made a leaf: its gradient comes as it is shaped
         output.requires_grad_()
     record.columns.append((at, tensor_index, output, flat, leaf))
-    return output.view(shape)
+    return output
 
 
 def _kept_output(forward, outputs: list, *args, **kwargs) -> torch.Tensor:
@@ -899,15 +917,18 @@ class _SubBlockBackward:
             self.rows = self.call.cast(self.tensors, self.input_dtype)[0]
         self.graph_grad_slots = [] if self.computes_weight_gradients else self.grad_index
         self.grad_inputs = [None] * n
-        self.dy = grad_total.to(dtype)
+        self.dy = grad_total if grad_total.dtype == dtype else grad_total.to(dtype)
         # Kept steps backpropagated by the Linears' formulas (``_explicit``): each operand's position
-        # among the partials (None: no gradient wanted); per call tensor, its input gradient from the
-        # colwise products, flat, and its flat view transposed (a weight gradient's left factor).
+        # among the partials (None: no gradient wanted); the graphs' inputs whose gradients are wanted,
+        # and their indices; per call tensor, its input gradient from the colwise products, flat, and
+        # its flat view transposed (a weight gradient's left factor).
         self.explicit = graphs is not None and graphs.explicit
         if self.explicit:
             self.partial_at = [None] * len(self.present)
             for position, slot in enumerate(self.grad_index):
                 self.partial_at[slot] = position
+            self.wanted = [index for index, need in enumerate(self.needs_inputs) if need]
+            self.wanted_inputs = [graphs.inputs[index] for index in self.wanted]
             self.grad_flat: list[torch.Tensor | None] = [None] * n
             self.flat_t: dict[int, torch.Tensor] = {}
             self.dy_flat = self.dy.reshape(-1, self.dy.shape[-1])
@@ -927,9 +948,9 @@ class _SubBlockBackward:
         if self.explicit:  # the colwise products' share, summed apart
             for index, flat in enumerate(self.grad_flat):
                 if flat is not None:
-                    g = flat.view(self.tensors[index].shape)
+                    g = flat.view(*self.tensors[index].shape)
                     self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
-        return [None if g is None else g.to(t.dtype) for g, t in zip(self.grad_inputs, self.tensors)]
+        return [g if g is None or g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(self.grad_inputs, self.tensors)]
 
     def held_views(self, message: Message, buffer: torch.Tensor, shard: int, first: int = 0) -> list[torch.Tensor] | None:
         """Shard ``shard``'s weights in ``buffer`` as their Linears hold them (``SubBlock.as_held``), what
@@ -999,23 +1020,25 @@ class _SubBlockBackward:
         row, dy = self.block.operand_at[-1][0], self.dy_flat
         h = record.row_input
         if at[row] is not None:
-            _write_product(into[at[row]], h.t(), dy, add)
+            _write_product(into[at[row]], record.row_flat.t(), dy, add)
         columns = [column for column in record.columns if column[2].requires_grad]
-        inputs = [x for x, need in zip(self.graphs.inputs, self.needs_inputs) if need]
-        got = ()
-        if h.requires_grad and (columns or inputs):
-            for (weight_at, _), _, _, _, leaf in columns:
-                if leaf is not None:  # saved by autograd (``_ShardGraphs.backward``)
-                    leaf.data = operands[weight_at]
-            dh = torch.mm(dy, held[row])
-            got = gradients_of(h, inputs + [column[2] for column in columns], dh.to(h.dtype))
-        got = iter(got)
-        for index, need in enumerate(self.needs_inputs):
-            if need:
-                g = next(got, None)
-                if g is not None:
-                    self.grad_inputs[index] = g if self.grad_inputs[index] is None else self.grad_inputs[index].add_(g)
-        for ((weight_at, bias_at), tensor_index, _, flat, _), g in zip(columns, got):
+        inputs = self.wanted_inputs
+        if not (h.requires_grad and (columns or inputs)):
+            return
+        for (weight_at, _), _, _, _, leaf in columns:
+            if leaf is not None:  # saved by autograd (``_ShardGraphs.backward``)
+                leaf.data = operands[weight_at]
+        dh = torch.mm(dy, held[row])
+        if dh.dtype != h.dtype:
+            dh = dh.to(h.dtype)
+        got = gradients_of(h, inputs + [column[2] for column in columns], dh if h.dim() == 2 else dh.view(*h.shape))
+        grad_inputs = self.grad_inputs
+        for index, g in zip(self.wanted, got):
+            if g is not None:
+                grad_inputs[index] = g if grad_inputs[index] is None else grad_inputs[index].add_(g)
+        for ((weight_at, bias_at), tensor_index, _, flat, _), g in zip(columns, got[len(inputs) :]):
+            if g is not None and g.dim() != 2:
+                g = _flattened(g)
             for slot in (weight_at, bias_at):
                 if slot is None or at[slot] is None:
                     continue
@@ -1068,7 +1091,8 @@ class _SubBlockBackward:
             index = self.present[slot]
             linear, name = self.block.param_slots[index]
             grad = grad.t().contiguous() if self.block.param_transposed[index] else grad
-            self.gradients.receive(sharded(getattr(linear, name), linear, name), grad.to(self.params[index].dtype))
+            dtype = self.params[index].dtype
+            self.gradients.receive(sharded(getattr(linear, name), linear, name), grad if grad.dtype == dtype else grad.to(dtype))
 
     def synchronised(self) -> None:
         """The weights and the partials round the ring, ``[partials | weights]``: a message's first
