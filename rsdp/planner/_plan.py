@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import MixedPrecisionPolicy
 from ..policy import Strategy, _default_mesh
-from ._cost_model import CostModel, Counts, count, estimate_root, estimate_units
+from ._cost_model import CostModel, Counts, count_folded, estimate_root, estimate_units
 from ._profile import RootCost, UnitCost, find_units, profile
 from ._search import EMPTY, Frontier, pareto_plans, predicted_peak, uniform_plans
 
@@ -257,13 +257,15 @@ def count_steps(
     param_dtype: torch.dtype | None, replicated_in_root: Sequence[str] = (),
 ) -> tuple[dict[int, Counts], dict[int, Counts] | None]:
     """The training step counted on the meta device per batch size (``sample_input`` resized), every unit
-    a unit; and with units of ``replicated_in_root``, again without them as units (``None`` without):
-    the step of a replicate root that holds them, which a unit replicated inside the root is part of."""
-    def counted_with(counted_units: list[str]) -> dict[int, Counts]:
-        return {size: count(model, counted_units, _resize_batch(sample_input, size), loss_fn, param_dtype) for size in batch_sizes}
-
-    folded = counted_with([name for name in units if name not in replicated_in_root]) if replicated_in_root else None
-    return counted_with(units), folded
+    a unit; and with units of ``replicated_in_root``, the same step with them the root's (``None``
+    without; ``_cost_model.fold``, from the one count): the step of a replicate root that holds them,
+    which a unit replicated inside the root is part of."""
+    both = {
+        size: count_folded(model, units, _resize_batch(sample_input, size), loss_fn, param_dtype, replicated_in_root)
+        for size in batch_sizes
+    }
+    counted = {size: whole for size, (whole, _) in both.items()}
+    return counted, {size: folded for size, (_, folded) in both.items()} if replicated_in_root else None
 
 
 def _checked_in_root(names: Sequence[str], units: list[str], cost_model: CostModel | None) -> tuple[str, ...]:
