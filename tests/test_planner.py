@@ -652,6 +652,8 @@ def test_a_unit_replicated_in_the_root_is_planned_as_the_root_holds_it():
         Planner(model, sample_input=tokens, cost_model=cluster, replicated_in_root=["head"])
     with pytest.raises(ValueError, match="replicated_in_root is counted by the cost model"):
         Planner(model, sample_input=tokens, replicated_in_root=["lm_head"])
+    with pytest.raises(ValueError, match=r"root_strategies \['rsdp'\] must be some of strategies \['fsdp'\]"):
+        Planner(model, sample_input=tokens, cost_model=cluster, strategies=[Strategy.FSDP], root_strategies=[Strategy.RSDP])
     with pytest.raises(ValueError, match="plan_from_counts with replicated_in_root needs folded="):
         plan_from_counts({2: count(model, units, tokens, _next_token_loss)}, units, memory_budget=2**40, cost_model=cluster,
                          replicated_in_root=["lm_head"])
