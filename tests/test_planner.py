@@ -1,6 +1,7 @@
 """The planner: exact search, predictions against measured peaks, budgets, and plans that train."""
 
 import copy
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -651,9 +652,41 @@ def test_a_unit_replicated_in_the_root_is_planned_as_the_root_holds_it():
         Planner(model, sample_input=tokens, cost_model=cluster, replicated_in_root=["head"])
     with pytest.raises(ValueError, match="replicated_in_root is counted by the cost model"):
         Planner(model, sample_input=tokens, replicated_in_root=["lm_head"])
+    with pytest.raises(ValueError, match=r"root_strategies \['rsdp'\] must be some of strategies \['fsdp'\]"):
+        Planner(model, sample_input=tokens, cost_model=cluster, strategies=[Strategy.FSDP], root_strategies=[Strategy.RSDP])
     with pytest.raises(ValueError, match="plan_from_counts with replicated_in_root needs folded="):
         plan_from_counts({2: count(model, units, tokens, _next_token_loss)}, units, memory_budget=2**40, cost_model=cluster,
                          replicated_in_root=["lm_head"])
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_the_step_with_units_in_the_root_is_derived_from_the_one_count(chunks):
+    """``count_folded`` counts the step once and derives from it the step with units made the root's
+    (``fold``): equal, part by part, phase by phase and in the caching allocator's factors, to the step
+    counted again without them as units (what ``replicated_in_root`` counted before). Six checkpointed
+    blocks (the stack counted cut), the head called per chunk of torchtitan's chunked loss (its rings and
+    layers per call) or once; the head alone (the root's part after the units), with the embedding (the
+    part before them), and a block (its recomputation, which the count does not see in the root's
+    modules). Every field of ``PartCounts`` follows one of ``fold``'s rules."""
+    from rsdp.planner import _cost_model, _models
+
+    rules = (_cost_model._SUMMED, _cost_model._LARGER, _cost_model._PER_CALL, _cost_model._ROOTS_OWN, _cost_model._EXPERTS)
+    assert sorted(name for rule in rules for name in rule) == sorted(f.name for f in dataclasses.fields(_cost_model.PartCounts))
+    torch.manual_seed(0)
+    model = _models.apply_activation_checkpointing(ChunkableLM(vocab=512, dim=32, heads=4, hidden=64, layers=6), "full")
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    loss_fn = _models.chunked_next_token_loss(chunks) if chunks > 1 else _next_token_loss
+    tokens = torch.randint(0, 512, (2, 33))
+    units = find_units(model)
+    plain = count(model, units, tokens, loss_fn, torch.bfloat16)
+    for folded in (["lm_head"], ["embed", "lm_head"], ["layers.2"]):
+        whole, derived = _cost_model.count_folded(model, units, tokens, loss_fn, torch.bfloat16, folded)
+        again = count(model, [name for name in units if name not in folded], tokens, loss_fn, torch.bfloat16)
+        assert whole == plain
+        assert derived == again and derived.reserved_per_allocated == again.reserved_per_allocated, folded
+    assert whole.units["layers.2"].recomputed_flops > 0  # the block's recomputation: not counted in the root's modules
+    with pytest.raises(ValueError, match="every unit .* is to be the root's"):
+        _cost_model.count_folded(model, units, tokens, loss_fn, None, units)
 
 
 def test_only_a_chunked_losss_head_may_run_twice_in_a_step():

@@ -288,3 +288,43 @@ def test_torchtitan_plans_are_those_dp_strategy_auto_chooses(ranks, tmp_path):
         cli, auto = zip(*pairs)
         assert cli == auto, label
     assert figures["80MiB"][1][1] == ["lm_head"] and figures["70MiB"][1][1] == [], "the budgets did not choose the head's place"
+
+
+@needs_torchtitan
+def test_a_tied_torchtitan_models_plan_is_the_one_rsdp_torchtitan_applies(tmp_path):
+    """A torchtitan model whose head is tied to its embedding (qwen3 0.6B) keeps both in the root, which
+    ``rsdp.torchtitan`` makes FSDP or replicate. The CLI's plan, given to ``data_parallel_rules`` as
+    ``dp_strategy`` (its root's) and ``dp_overrides`` (every module's), is applied as planned: each
+    module and the root take the CLI's strategy (here the CLI chose an rsdp root before, which the
+    rules make FSDP). Its rsdp-everywhere row is what ``dp_strategy=rsdp`` applies, an FSDP root."""
+    import contextlib
+    import io
+
+    from rsdp.planner import _models
+    from rsdp.planner.cli import main
+    from rsdp.policy import name_matches
+
+    _models._prepare_torchtitan_imports()
+    from torchtitan.models.qwen3 import model_registry
+
+    from rsdp.torchtitan.config import ParallelismConfig
+    from rsdp.torchtitan.parallelize import data_parallel_rules
+
+    path = tmp_path / "plan.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        main(["plan", "--model", "torchtitan:qwen3:0.6B", "--world-size", "8", "--seq-len", "256", "--local-batch-size", "2",
+              "--mixed-precision", "bf16", "--hardware", HARDWARE, "--ring-group-sizes", "1", "--budget", "80GiB", "--json", str(path)])
+    planned = json.loads(path.read_text())["plan"]["modules"]
+    with torch.device("meta"):
+        model = model_registry("0.6B").model.build()
+
+    def applied(names, **fields) -> dict[str, str]:
+        """Each of ``names``' strategy under the rules (the first that names it), the root's as "(root)"."""
+        rules = data_parallel_rules(model, None, None, ParallelismConfig(spmd_backend="partial_dtensor", **fields))
+        return {"(root)": rules[""].value, **{name: next(s for rule, s in rules.items() if rule and name_matches(rule, name)).value
+                                               for name in names}}
+
+    modules = [name for name in planned if name != "(root)"]
+    overrides = ",".join(f"{name}={planned[name]}" for name in modules)
+    assert applied(modules, dp_strategy=planned["(root)"], dp_overrides=overrides) == planned
+    assert applied(["layers.0"], dp_strategy="rsdp") == {"(root)": "fsdp", "layers.0": "rsdp"}

@@ -8,6 +8,8 @@ CPU run of the same step allocates them (storages counted as ``MemoryTracker`` c
 gradients are dropped as they are made, since where they live is the strategy's business). One run
 counts all of it (the phases come from a log of the step's allocations, replayed without the ones that
 became parameter gradients), and a stack of blocks runs cut to a few of each kind (``_repeated_blocks``).
+The same step with some units made the root's (``Planner``'s ``replicated_in_root``) is derived from
+that run, not run again (``fold``).
 
 Estimating. A :class:`CostModel` adds what each strategy allocates for the parameters, as FSDP2,
 torch's ``replicate`` and rsdp do it (P a part's parameter bytes, L its bytes on one rank, W the world):
@@ -124,6 +126,7 @@ import itertools
 import math
 import operator
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -670,19 +673,36 @@ def count(model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, para
     in the model's own dtype). Activation checkpointing applied to ``model`` is counted as it runs:
     what its regions save, and their recomputation in backward. A stack of blocks is counted by a
     few of each kind (``_repeated_blocks``), to the byte what counting all of them gives."""
+    return count_folded(model, units, batch, loss_fn, param_dtype)[0]
+
+
+def count_folded(
+    model: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, param_dtype: torch.dtype | None = None,
+    folded: Sequence[str] = (),
+) -> tuple[Counts, Counts | None]:
+    """:func:`count`'s counts, and from the same step those of ``folded`` units made the root's (``None``
+    without): what :func:`count` gives with the other units alone (``fold``), the step of a root that
+    holds them (``Planner``'s ``replicated_in_root``)."""
     batch = batch.to("meta")
     repeated = repeated_blocks(model, units)
-    if repeated is not None:
+    if repeated is not None and not set(folded) & set(repeated.names):  # a block folded: its stack counted whole
         kept = [name for name in units if name not in repeated.names or name in repeated.kept]
         with repeated.cut():  # copied cut: a 70B model's 80 blocks take seconds to copy
             meta = meta_copy(model, param_dtype)
         try:
-            counted = count_step(meta, kept, batch, loss_fn, repeated.whole_step_events)
+            counted = _count_step(meta, kept, batch, loss_fn, repeated.whole_step_events, folded)
         except Exception:  # a forward that needs every block (indexes its stack): counted whole below
             counted = None
-        if counted is not None and all(_alike(counted, *pair) for pair in repeated.compared):
-            return _with_model_vectors(_with_every_block(counted, units, repeated.representative))
-    return count_step(meta_copy(model, param_dtype), units, batch, loss_fn)
+        if counted is not None and all(
+            _alike(counts, *pair) for counts in counted if counts is not None for pair in repeated.compared
+        ):
+            whole, without = counted
+            every_block = _with_model_vectors(_with_every_block(whole, units, repeated.representative))
+            if without is None:
+                return every_block, None
+            kept = [name for name in units if name not in folded]
+            return every_block, _with_model_vectors(_with_every_block(without, kept, repeated.representative))
+    return _count_step(meta_copy(model, param_dtype), units, batch, loss_fn, folded=folded)
 
 
 def _with_model_vectors(counts: Counts) -> Counts:
@@ -738,6 +758,12 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, 
     parameters, and the step's phases without the parameters' gradients, which are the strategies' to
     count (whole, sharded, or one shard at a time). ``whole_step`` (a cut stack's
     ``RepeatedBlocks.whole_step_events``) turns the step's allocator events into the whole stack's."""
+    return _count_step(meta, units, batch, loss_fn, whole_step)[0]
+
+
+def _count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, whole_step=None,
+                folded: Sequence[str] = ()) -> tuple[Counts, Counts | None]:
+    """:func:`count_step`, and the same step's counts with the ``folded`` units the root's (``fold``)."""
     counter = _StepCounter(meta, units, batch, loss_fn)
     handles = counter.hooks()
     try:
@@ -752,7 +778,60 @@ def count_step(meta: nn.Module, units: list[str], batch: torch.Tensor, loss_fn, 
     if whole_step is not None:
         events = whole_step(events)
     reserved = tuple(_allocator_factor(events, expandable) for expandable in (False, True))
-    return _with_model_vectors(Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved))
+    counts = _with_model_vectors(Counts(counter.per_unit, counter.before, counter.after, StepPhases.of(timeline, units), reserved))
+    return counts, fold(counts, timeline, folded) if folded else None
+
+
+def fold(counts: Counts, timeline, folded: Sequence[str]) -> Counts:
+    """``counts`` (of the step ``timeline`` marked) with the ``folded`` units the root's, as the step
+    counted with the other units alone attributes them: each one's forward runs in the root's part
+    before the units if no other unit ran before it, else after them; its phases are the other units'
+    and the root's (its marks left out: ``_Timeline.without``). The root counts a module's layers and
+    rings at each of its calls, and no recomputation of its modules (``_StepCounter``), so a folded
+    unit's are taken per call and its recomputation is dropped. That is what counting the step again
+    without them as units gives (``tests/test_planner.py``; every torchtitan model's head, checked while
+    this was written) where each of their modules runs once a call and no Linear of the root takes the
+    input one of theirs takes (the root would run both on one ring); else the two differ
+    in those modules' layers and rings (and the parameters of a module that never runs, which the root
+    holds all the same, are counted here alone)."""
+    kept = [name for name in counts.units if name not in folded]
+    if not kept:
+        raise ValueError(f"rsdp.plan: every unit ({', '.join(folded)}) is to be the root's; leave at least one unit.")
+    first = min(timeline.order.index(f"forward:{name}") for name in kept)
+    before, after = dataclasses.replace(counts.before), dataclasses.replace(counts.after)
+    for name in folded:
+        _fold_into(before if timeline.order.index(f"forward:{name}") < first else after, counts.units[name])
+    units = {name: dataclasses.replace(counts.units[name]) for name in kept}
+    return _with_model_vectors(
+        Counts(units, before, after, StepPhases.of(timeline.without(folded), kept), counts.reserved_per_allocated)
+    )
+
+
+# How a unit's counts join the root's part it runs in (``fold``), field by field of ``PartCounts``: summed,
+# the larger kept, taken once per call (the root counts a module's layers and rings at every call; a
+# unit once, or per call: ``per_call``), the root's own (its calls; the recomputation of its modules, which
+# the count does not see; the model's vectors, recounted), and the larger experts module's whole.
+_SUMMED = ("param_bytes", "vector_bytes", "frozen_bytes", "frozen_vector_bytes", "checkpointed_ring_output_bytes",
+           "embedding_rings", "embedding_bytes", "dropped_expert_activation_bytes", "forward_flops", "linear_flops",
+           "forward_work")
+_LARGER = ("largest_trainable_param_bytes", "largest_layer_bytes", "largest_linear_bytes", "largest_trainable_layer_bytes",
+           "largest_trainable_linear_bytes", "embedding_rows_bytes", "largest_shared_linear_bytes", "itemsize")
+_PER_CALL = ("rings", "ring_weight_bytes", "layers", "expert_rings")
+_ROOTS_OWN = ("calls", "recomputed_flops", "recomputed_work", "model_vector_bytes")
+_EXPERTS = ("experts_bytes", "trainable_experts_bytes", "up_bytes", "trainable_up_bytes", "up_parameters", "experts")
+
+
+def _fold_into(root: PartCounts, unit: PartCounts) -> None:
+    calls = max(unit.calls, 1)
+    for name in _SUMMED:
+        setattr(root, name, getattr(root, name) + getattr(unit, name))
+    for name in _LARGER:
+        setattr(root, name, max(getattr(root, name), getattr(unit, name)))
+    for name in _PER_CALL:
+        setattr(root, name, getattr(root, name) + getattr(unit, name) * calls)
+    if unit.experts_bytes > root.experts_bytes:
+        for name in _EXPERTS:
+            setattr(root, name, getattr(unit, name))
 
 
 def _allocator_events(log: list[tuple], skipped: set[int], marks: list[str]) -> list[tuple]:

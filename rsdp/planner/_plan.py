@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import MixedPrecisionPolicy
 from ..policy import Strategy, _default_mesh
-from ._cost_model import CostModel, Counts, count, estimate_root, estimate_units
+from ._cost_model import CostModel, Counts, count_folded, estimate_root, estimate_units
 from ._profile import RootCost, UnitCost, find_units, profile
 from ._search import EMPTY, Frontier, pareto_plans, predicted_peak, uniform_plans
 
@@ -210,6 +210,8 @@ class Planner:
             root's group, copied when the step starts and their gradients held to the backward's end,
             where the root reduces them (``_cost_model.estimate_root``); its row says it is in the root.
             Cost model only.
+        root_strategies: the strategies the root may take (default: every one of ``strategies``), as
+            ``rsdp.torchtitan`` makes the root that holds a tied head FSDP or replicate.
     """
 
     def __init__(
@@ -225,8 +227,10 @@ class Planner:
         strategies: Sequence[Strategy] = tuple(Strategy),
         cost_model: CostModel | None = None,
         replicated_in_root: Sequence[str] = (),
+        root_strategies: Sequence[Strategy] | None = None,
     ):
         batch_sizes = _checked_batch_sizes(batch_sizes, sample_input)
+        root_strategies = _checked_root_strategies(root_strategies, strategies)
         if loss_fn is _next_token_loss:
             _check_next_token_batch(model, sample_input)
         units = find_units(model)
@@ -235,8 +239,8 @@ class Planner:
         in_root = _checked_in_root(replicated_in_root, units, cost_model)
         if cost_model is not None:
             counted, folded = count_steps(model, units, sample_input, batch_sizes, loss_fn, cost_model.param_dtype,
-                                          in_root if Strategy.REPLICATE in strategies else ())
-            self._choice = _EstimatedChoice(counted, units, cost_model, strategies, in_root, folded)
+                                          in_root if Strategy.REPLICATE in root_strategies else ())
+            self._choice = _EstimatedChoice(counted, units, cost_model, strategies, in_root, folded, root_strategies)
             return
         mesh = mesh or _default_mesh()
 
@@ -244,7 +248,7 @@ class Planner:
             batch = _resize_batch(sample_input, batch_size)
             return profile(model, assignment, batch, loss_fn, optimizer_fn, mesh, mp_policy, sample_input.device)
 
-        self._choice = _MeasuredChoice(measure, units, batch_sizes, strategies, mesh.size())
+        self._choice = _MeasuredChoice(measure, units, batch_sizes, strategies, mesh.size(), root_strategies)
 
     def plan(self, memory_budget: int) -> Plan:
         """The fastest plan per sample whose peak memory per rank fits ``memory_budget`` bytes (see
@@ -257,13 +261,15 @@ def count_steps(
     param_dtype: torch.dtype | None, replicated_in_root: Sequence[str] = (),
 ) -> tuple[dict[int, Counts], dict[int, Counts] | None]:
     """The training step counted on the meta device per batch size (``sample_input`` resized), every unit
-    a unit; and with units of ``replicated_in_root``, again without them as units (``None`` without):
-    the step of a replicate root that holds them, which a unit replicated inside the root is part of."""
-    def counted_with(counted_units: list[str]) -> dict[int, Counts]:
-        return {size: count(model, counted_units, _resize_batch(sample_input, size), loss_fn, param_dtype) for size in batch_sizes}
-
-    folded = counted_with([name for name in units if name not in replicated_in_root]) if replicated_in_root else None
-    return counted_with(units), folded
+    a unit; and with units of ``replicated_in_root``, the same step with them the root's (``None``
+    without; ``_cost_model.fold``, from the one count): the step of a replicate root that holds them,
+    which a unit replicated inside the root is part of."""
+    both = {
+        size: count_folded(model, units, _resize_batch(sample_input, size), loss_fn, param_dtype, replicated_in_root)
+        for size in batch_sizes
+    }
+    counted = {size: whole for size, (whole, _) in both.items()}
+    return counted, {size: folded for size, (_, folded) in both.items()} if replicated_in_root else None
 
 
 def _checked_in_root(names: Sequence[str], units: list[str], cost_model: CostModel | None) -> tuple[str, ...]:
@@ -273,6 +279,15 @@ def _checked_in_root(names: Sequence[str], units: list[str], cost_model: CostMod
     if unknown:
         raise ValueError(f"rsdp.plan: replicated_in_root names {', '.join(unknown)}, which are not units ({', '.join(units)}); name units.")
     return tuple(names)
+
+
+def _checked_root_strategies(root_strategies: Sequence[Strategy] | None, strategies: Sequence[Strategy]) -> tuple[Strategy, ...]:
+    if root_strategies is None:
+        return tuple(strategies)
+    if not root_strategies or not set(root_strategies) <= set(strategies):
+        raise ValueError(f"rsdp.plan: root_strategies {[s.value for s in root_strategies]} must be some of strategies "
+                         f"{[s.value for s in strategies]}; name at least one of those.")
+    return tuple(root_strategies)
 
 
 def _checked_batch_sizes(batch_sizes: Sequence[int] | None, sample_input: torch.Tensor) -> list[int]:
@@ -300,16 +315,18 @@ class _EstimatedChoice:
     """Plans from the cost model's estimates: the fastest predicted to fit is chosen, unverified. rsdp is
     tried in rings of every group size the cost model allows. A unit of ``in_root`` is never a replicate
     unit: replicated, it is part of a replicate root, whose plans are counted from ``folded`` (the step
-    counted without those units)."""
+    counted without those units). The root takes one of ``root_strategies`` (default: ``strategies``)."""
 
     def __init__(self, counted: dict[int, Counts], units: list[str], cost_model: CostModel, strategies: Sequence[Strategy],
-                 in_root: tuple[str, ...] = (), folded: dict[int, Counts] | None = None):
+                 in_root: tuple[str, ...] = (), folded: dict[int, Counts] | None = None,
+                 root_strategies: Sequence[Strategy] | None = None):
         self._peak_is_reserved = cost_model.peak_is_reserved
         choices = choices_of(strategies, cost_model.ring_group_sizes())
+        roots = [c for c in choices if c.strategy in (root_strategies or strategies)]
         world = cost_model.world_size
         found = _found(
             units, list(counted), choices, lambda size, root: _estimated_costs(counted[size], choices, root, cost_model), world,
-            not_replicated=in_root,
+            roots=roots, not_replicated=in_root,
         )
         if folded is not None:
             kept = [name for name in units if name not in in_root]
@@ -335,7 +352,8 @@ class _MeasuredChoice:
     and 4 of :func:`plan`). Verification runs are kept, so a second budget reruns no plan; a uniform
     plan's verification is its profile run (the same plan, batch and step), so it is not run again."""
 
-    def __init__(self, measure: Callable, units: list[str], batch_sizes: list[int], strategies: Sequence[Strategy], world: int):
+    def __init__(self, measure: Callable, units: list[str], batch_sizes: list[int], strategies: Sequence[Strategy], world: int,
+                 root_strategies: Sequence[Strategy]):
         self._measure = measure
         self._uniform: list[Plan] = []  # every uniform run, as a plan whose numbers are facts
         self._runs: dict[tuple, tuple[int, float]] = {}  # plan key -> measured (peak, seconds)
@@ -352,7 +370,7 @@ class _MeasuredChoice:
             self._runs[_key(uniform)] = (peak, seconds)
             return {Choice(s): runs[s][0] for s in strategies}, root_cost
 
-        self._candidates = _useful(_found(units, batch_sizes, choices_of(strategies), costs, world), units)
+        self._candidates = _useful(_found(units, batch_sizes, choices_of(strategies), costs, world, roots=choices_of(root_strategies)), units)
 
     def choose(self, memory_budget: int) -> Plan:
         fitting = [c.plan for c in sorted(self._candidates, key=lambda c: (c.seconds_per_sample, c.peak)) if c.peak <= memory_budget]
@@ -466,16 +484,18 @@ class _Found(NamedTuple):
 def plan_from_counts(
     counted: dict[int, Counts], units: list[str], *, memory_budget: int, cost_model: CostModel,
     strategies: Sequence[Strategy] = tuple(Strategy), replicated_in_root: Sequence[str] = (),
-    folded: dict[int, Counts] | None = None,
+    folded: dict[int, Counts] | None = None, root_strategies: Sequence[Strategy] | None = None,
 ) -> Plan:
     """:func:`plan` with a cost model, from meta-device counts already made (batch size -> counts;
-    ``replicated_in_root`` as :class:`Planner`'s, with ``folded`` the step counted without those units,
-    as :func:`count_steps` gives both)."""
+    ``replicated_in_root`` and ``root_strategies`` as :class:`Planner`'s, with ``folded`` the step
+    counted without those units, as :func:`count_steps` gives both)."""
     in_root = _checked_in_root(replicated_in_root, units, cost_model)
-    if in_root and Strategy.REPLICATE in strategies and folded is None:
+    root_strategies = _checked_root_strategies(root_strategies, strategies)
+    if in_root and Strategy.REPLICATE in root_strategies and folded is None:
         raise ValueError("rsdp.plan: plan_from_counts with replicated_in_root needs folded=, the step counted without "
                          "those units (count_steps gives both).")
-    chosen = _EstimatedChoice(counted, units, cost_model, strategies, in_root, folded if Strategy.REPLICATE in strategies else None)
+    chosen = _EstimatedChoice(counted, units, cost_model, strategies, in_root,
+                              folded if Strategy.REPLICATE in root_strategies else None, root_strategies)
     return dataclasses.replace(chosen.choose(memory_budget), memory_budget=memory_budget)
 
 

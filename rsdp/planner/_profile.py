@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import ClassVar
 
 import torch
@@ -176,6 +176,20 @@ class _Timeline:
         ``levels``, a count made after the step (the cost model's); its phases then take no time."""
         for label, (current, peak) in zip(self.order, levels, strict=True):
             self.events[label] = (current, peak, 0.0)
+
+    def without(self, units: Collection[str]) -> "_Timeline":
+        """This step's timeline as hooks at the other units' boundaries alone record it: ``units``' marks
+        left out, each one's peak joining the next kept mark's (marking allocates nothing, so the levels
+        are the same step's)."""
+        dropped = {f"{kind}:{name}" for name in units for kind in ("forward", "forward-done", "backward", "backward-done")}
+        kept, peak = _Timeline(self.tracker), 0
+        for label in self.order:
+            current, since, seconds = self.events[label]
+            peak = max(peak, since)
+            if label.partition("#")[0] not in dropped:
+                kept.events[label], peak = (current, peak, seconds), 0
+                kept.order.append(label)
+        return kept
 
     def phase(self, start: str, end: str) -> Phase:
         first, last = self.order.index(start), self.order.index(end)

@@ -16,7 +16,9 @@ tokens/s per device, and the plan's strategy per module.
 A torchtitan model's replicated ``lm_head`` is planned inside a replicate root, as ``rsdp.torchtitan``
 applies it (``replicated_in_root``): the plan's table says "replicate, in the root", and replicate
 everywhere is counted so. Pitfall: planned otherwise, the CLI's plan would not be the one
-``dp_strategy=auto`` chooses, nor its peak the one that run holds.
+``dp_strategy=auto`` chooses, nor its peak the one that run holds. Likewise a torchtitan model whose head
+is tied to its embedding keeps both in the root, which ``rsdp.torchtitan`` makes FSDP or replicate
+(``root_strategies``): its plans' roots are those, and rsdp everywhere is counted with an FSDP root.
 """
 
 import argparse
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from . import CostModel, plan
 from . import _calibrate, _hardware, _models, _training
 from ._cost_model import OPTIMIZERS
-from ._plan import NoPlanFits, choices_of, count_steps, plan_from_counts, predict_uniform
+from ._plan import NoPlanFits, choices_of, count_steps, plan_from_counts, predict_policy
 from ._profile import find_units
 from ..policy import Strategy
 
@@ -190,6 +192,16 @@ def replicated_in_root(model_spec: str, units: list[str]) -> tuple[str, ...]:
     return ("lm_head",) if model_spec.startswith("torchtitan:") and "lm_head" in units else ()
 
 
+def root_strategies(model_spec: str, model: torch.nn.Module) -> tuple[Strategy, ...]:
+    """The strategies the root of ``--model model_spec`` may take (``rsdp.plan``'s ``root_strategies``):
+    FSDP or replicate for a torchtitan model that ties its head to its embedding, as ``rsdp.torchtitan``
+    applies it (both stay in the root, which torchtitan's chunked loss calls after the forward, where
+    only FSDP's and replicate's root parameters stay usable: ``data_parallel_rules`` makes an rsdp root
+    FSDP); any strategy otherwise."""
+    tied = model_spec.startswith("torchtitan:") and getattr(model, "enable_weight_tying", False)
+    return (Strategy.FSDP, Strategy.REPLICATE) if tied else tuple(Strategy)
+
+
 def _prediction(peak: float, seconds: float, batch_size: int, seq_len: int) -> dict:
     return {"peak_bytes": int(peak), "step_s": seconds, "tokens_per_s_per_device": batch_size * seq_len / seconds}
 
@@ -211,8 +223,10 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         units = find_units(model)
         in_root = replicated_in_root(args.model, units)
+        roots = root_strategies(args.model, model)
         sample = torch.zeros(1, args.seq_len + 1, dtype=torch.long, device="meta")
-        counted, folded = count_steps(model, units, sample, args.batch_sizes, loss_fn, cost_model.param_dtype, in_root)
+        counted, folded = count_steps(model, units, sample, args.batch_sizes, loss_fn, cost_model.param_dtype,
+                                      in_root if Strategy.REPLICATE in roots else ())
     except ValueError as error:
         sys.exit(str(error))
     except Exception as error:  # a model whose step cannot run on the meta device: one line, not a traceback
@@ -221,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                  f"{reason}); rsdp plan counts decoder language models that run there.")
     try:
         chosen = plan_from_counts(counted, units, memory_budget=args.budget, cost_model=cost_model,
-                                  replicated_in_root=in_root, folded=folded)
+                                  replicated_in_root=in_root, folded=folded, root_strategies=roots)
         no_plan = None
     except NoPlanFits as error:
         chosen, no_plan = None, error
@@ -232,9 +246,11 @@ def main(argv: list[str] | None = None) -> None:
             (folded, [name for name in units if name not in in_root]) if in_root and choice.strategy is Strategy.REPLICATE
             else (counted, units)
         )
+        # A root that cannot take the strategy takes FSDP, as dp_strategy=rsdp makes the root of a tied head.
+        policy = {"": choice.strategy if choice.strategy in roots else Strategy.FSDP, **dict.fromkeys(step_units, choice.strategy)}
         best = None  # the batch size of most tokens/s per device that fits, else the smallest
         for size, counts in step.items():
-            peak, seconds = predict_uniform(counts, step_units, choice.strategy, cost_model, choice.ring_group_size)
+            peak, seconds = predict_policy(counts, step_units, policy, cost_model, dict.fromkeys(policy, choice.ring_group_size))
             entry = {"local_batch_size": size, **_prediction(peak, seconds, size, args.seq_len)}
             key = (peak <= args.budget, entry["tokens_per_s_per_device"] if peak <= args.budget else -peak)
             if best is None or key > best[0]:
