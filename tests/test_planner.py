@@ -679,11 +679,20 @@ def test_the_step_with_units_in_the_root_is_derived_from_the_one_count(chunks):
     tokens = torch.randint(0, 512, (2, 33))
     units = find_units(model)
     plain = count(model, units, tokens, loss_fn, torch.bfloat16)
+    meta = _cost_model.meta_copy(model, torch.bfloat16)
     for folded in (["lm_head"], ["embed", "lm_head"], ["layers.2"]):
         whole, derived = _cost_model.count_folded(model, units, tokens, loss_fn, torch.bfloat16, folded)
         again = count(model, [name for name in units if name not in folded], tokens, loss_fn, torch.bfloat16)
         assert whole == plain
         assert derived == again and derived.reserved_per_allocated == again.reserved_per_allocated, folded
+        # fold itself, also where count_folded counts again (a folded block: _foldable)
+        _, uncut = _cost_model._count_step(meta, units, tokens.to("meta"), loss_fn, folded=folded)
+        assert uncut == again and uncut.reserved_per_allocated == again.reserved_per_allocated, folded
+    # Counted again, not derived: a folded unit with submodules (it may call one twice), a root with a
+    # Linear of its own (it may take a folded Linear's input).
+    assert _cost_model._foldable(model, units, ["lm_head"])
+    assert not _cost_model._foldable(model, units, ["layers.2"])
+    assert not _cost_model._foldable(model, [name for name in units if name != "lm_head"], ["embed"])
     assert whole.units["layers.2"].recomputed_flops > 0  # the block's recomputation: not counted in the root's modules
     with pytest.raises(ValueError, match="every unit .* is to be the root's"):
         _cost_model.count_folded(model, units, tokens, loss_fn, None, units)

@@ -682,7 +682,13 @@ def count_folded(
 ) -> tuple[Counts, Counts | None]:
     """:func:`count`'s counts, and from the same step those of ``folded`` units made the root's (``None``
     without): what :func:`count` gives with the other units alone (``fold``), the step of a root that
-    holds them (``Planner``'s ``replicated_in_root``)."""
+    holds them (``Planner``'s ``replicated_in_root``). Folded units ``fold`` cannot derive exactly are
+    counted again with the others alone (``_foldable``)."""
+    others = [name for name in units if name not in folded]
+    if not others:
+        raise ValueError(f"rsdp.plan: every unit ({', '.join(folded)}) is to be the root's; leave at least one unit.")
+    if folded and not _foldable(model, units, folded):
+        return count(model, units, batch, loss_fn, param_dtype), count(model, others, batch, loss_fn, param_dtype)
     batch = batch.to("meta")
     repeated = repeated_blocks(model, units)
     if repeated is not None and not set(folded) & set(repeated.names):  # a block folded: its stack counted whole
@@ -700,9 +706,19 @@ def count_folded(
             every_block = _with_model_vectors(_with_every_block(whole, units, repeated.representative))
             if without is None:
                 return every_block, None
-            kept = [name for name in units if name not in folded]
-            return every_block, _with_model_vectors(_with_every_block(without, kept, repeated.representative))
+            return every_block, _with_model_vectors(_with_every_block(without, others, repeated.representative))
     return _count_step(meta_copy(model, param_dtype), units, batch, loss_fn, folded=folded)
+
+
+def _foldable(model: nn.Module, units: list[str], folded: Sequence[str]) -> bool:
+    """Whether ``fold`` derives the step with the ``folded`` units the root's exactly: each is one module
+    with no submodules (so it runs once a call: a torchtitan head), and the root has no Linear of its own
+    (one could take a folded Linear's input, and the root would run both on one ring)."""
+    modules = dict(model.named_modules())
+    if any(next(modules[name].children(), None) is not None for name in folded):
+        return False
+    in_units = {id(module) for name in units for module in modules[name].modules()}
+    return not any(isinstance(module, nn.Linear) and id(module) not in in_units for module in model.modules())
 
 
 def _with_model_vectors(counts: Counts) -> Counts:
@@ -792,11 +808,8 @@ def fold(counts: Counts, timeline, folded: Sequence[str]) -> Counts:
     without them as units gives (``tests/test_planner.py``; every torchtitan model's head, checked while
     this was written) where each of their modules runs once a call and no Linear of the root takes the
     input one of theirs takes (the root would run both on one ring); else the two differ
-    in those modules' layers and rings (and the parameters of a module that never runs, which the root
-    holds all the same, are counted here alone)."""
+    in those modules' layers and rings, so ``count_folded`` counts such a step again (``_foldable``)."""
     kept = [name for name in counts.units if name not in folded]
-    if not kept:
-        raise ValueError(f"rsdp.plan: every unit ({', '.join(folded)}) is to be the root's; leave at least one unit.")
     first = min(timeline.order.index(f"forward:{name}") for name in kept)
     before, after = dataclasses.replace(counts.before), dataclasses.replace(counts.after)
     for name in folded:
