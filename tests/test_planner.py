@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+import warnings
 from pathlib import Path
 
 import pytest
@@ -688,3 +689,34 @@ def test_activation_checkpointing_wraps_the_blocks_of_a_stack_not_named_layers(t
     counts = count(model, find_units(model), torch.zeros(2, 17, dtype=torch.long, device="meta"), loss_fn)
     block = counts.units["transformer.h.1"]
     assert block.recomputed_flops == block.forward_flops > 0
+
+
+def test_a_plan_whose_run_does_not_confirm_its_prediction_is_returned_with_a_warning():
+    """Step 4's last resort, on made-up measurements (no ranks): no plan's prediction fits the budget,
+    and of the plans predicted smallest only one whose run measured 40% under its prediction fits it:
+    it is returned, and the planner says that its prediction does not hold."""
+    from rsdp.planner._plan import _MeasuredChoice
+
+    # FSDP: 100 bytes and 1 s a unit; rsdp: 70 bytes and 2 s. A unit of each is predicted 170 bytes
+    # and measures 102; every plan whose units agree measures what it is predicted.
+    costs = {Strategy.FSDP: (100, 1.0), Strategy.RSDP: (70, 2.0)}
+    root = RootCost(0, Phase(0, 0, 0.0), Phase(0, 0, 0.0), Phase(0, 0, 0.0), 0.0)
+
+    def measure(batch_size: int, assignment: dict):
+        units = {
+            name: UnitCost(costs[s][0], Phase(0, 0, costs[s][1] / 2), Phase(0, 0, costs[s][1] / 2), 0.0)
+            for name, s in assignment.items() if name
+        }
+        predicted = sum(cost.static_bytes for cost in units.values())
+        agree = len({s for name, s in assignment.items() if name}) == 1
+        return units, root, predicted if agree else int(0.6 * predicted)
+
+    choice = _MeasuredChoice(measure, ["a", "b"], [1], (Strategy.FSDP, Strategy.RSDP), 1)
+    with pytest.warns(UserWarning, match=r"no plan verified confirmed its predicted peak within 10%"):
+        chosen = choice.choose(130)
+    assert sorted(s.value for name, s in chosen.strategies.items() if name) == ["fsdp", "rsdp"]
+    assert (chosen.predicted_peak_bytes, chosen.verified_peak_bytes) == (170, 102)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        confirmed = choice.choose(150)  # rsdp's units (140 bytes) confirm their prediction
+    assert {s for name, s in confirmed.strategies.items() if name} == {Strategy.RSDP}

@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -363,7 +364,7 @@ class _MeasuredChoice:
                     return self._no_slower_than_uniform(candidate, memory_budget)
                 unconfirmed = unconfirmed or candidate
         if unconfirmed is not None:
-            return self._no_slower_than_uniform(unconfirmed, memory_budget)
+            return _said_if_unconfirmed(self._no_slower_than_uniform(unconfirmed, memory_budget))
         # The plans of least predicted peak, run: several, because plans a few kilobytes apart swap places
         # from run to run (the search keeps the faster of near-equal peaks, and times are noisy), and the
         # budget an error names must be one a second call finds a plan for.
@@ -371,7 +372,7 @@ class _MeasuredChoice:
         smallest = [self._verified(candidate) for candidate in by_peak[:SMALLEST_VERIFIED]]
         fits = [p for p in smallest if p.verified_peak_bytes <= memory_budget]
         if fits:
-            return min(fits, key=lambda p: p.verified_step_seconds / p.batch_size)
+            return _said_if_unconfirmed(min(fits, key=lambda p: p.verified_step_seconds / p.batch_size))
         needed = min(smallest, key=lambda p: max(p.predicted_peak_bytes, p.verified_peak_bytes))
         _raise_infeasible(memory_budget, needed, max(needed.predicted_peak_bytes, needed.verified_peak_bytes))
 
@@ -499,6 +500,20 @@ def predict_policy(counts: Counts, units: list[str], policy: dict[str, Strategy]
     for name in reversed(units):
         partial = partial.extend(by_choice[chosen[name]][name])
     return predicted_peak(partial, root).item(), partial.seconds.item() + root.seconds
+
+
+def _said_if_unconfirmed(chosen: Plan) -> Plan:
+    """``chosen``, with a warning when running it did not confirm its predicted peak (step 4's last
+    resorts): a plan the planner returns holds its prediction, or the planner says so."""
+    if not _confirmed(chosen):
+        warnings.warn(
+            f"rsdp.plan: no plan verified confirmed its predicted peak within {PREDICTION_TOLERANCE:.0%}; the plan "
+            f"returned ({_summary(chosen)}, batch size {chosen.batch_size}) fits the budget as run, "
+            f"{chosen.verified_peak_bytes / MiB:.2f} MiB measured against {chosen.predicted_peak_bytes / MiB:.2f} MiB "
+            "predicted: budget with the measured figure (Plan.verified_peak_bytes).",
+            stacklevel=3,
+        )
+    return chosen
 
 
 def _confirmed(candidate: Plan) -> bool:
