@@ -19,10 +19,12 @@ count made) is freed only once that thread gets the GIL, milliseconds into the p
 a busy host. Counted so, a step's peak depended on thread scheduling: a mixed plan measured 19,491,976
 or 21,325,456 bytes on a steady step, and the planner's verification and ``measure_peak`` disagreed. So
 every ``c10d`` op gets the program's tensors through aliases that do not own their memory
-(``_compat.unowned_alias``), and the tracker keeps the program's own tensors alive until the collective
-completes (a send may be dropped before it is waited for): the backend never frees a storage, and frees
-follow the program's order. Functional collectives (``_c10d_functional``, DTensor's redistributions)
-allocate their outputs and are not lent so.
+(``_compat.unowned_alias``); the tracker holds the program's storages until the backend lets go of the
+aliases (as the work would hold the tensors: a program may drop a tensor its collective still writes),
+and counts a storage freed, before the next allocation, once no tensor refers to it. Pitfalls: a
+program that keeps a storage through its Python ``UntypedStorage`` object alone would be counted as
+having dropped it; functional collectives (``_c10d_functional``, DTensor's redistributions) allocate
+their outputs and are not lent so.
 
 Communication
 -------------
