@@ -174,8 +174,8 @@ def plan(model: nn.Module, *, memory_budget: int, **planner_args) -> Plan:
        frees a module's all-gather buffers at the next module's unshard), so the fastest plans (up to
        8) are run: the first that
        fits and whose measured peak is within 10% of its prediction is returned; failing that, the
-       first that fits (its table shows prediction and measurement); failing that, the plan predicted
-       smallest.
+       first that fits (its table shows prediction and measurement, and a warning says that its
+       prediction does not hold); failing that, the plan predicted smallest.
     4. Never slower than a uniform plan: phase times are noisy, so a uniform plan (measured outright in
        step 1) that fits and ran faster per sample than the chosen plan's verification run wins.
 
