@@ -146,6 +146,22 @@ preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
 assert_async = torch._assert_async
 
 
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many references hold ``storage``: its tensors, and its Python object while one refers to it."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def unowned_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements through a storage that does not own their memory (nor keep it alive): what
+    ``MemoryTracker`` lends a collective, so that the communication backend's worker thread, which lets
+    go of a finished collective's tensors when it next runs, never frees a program's memory."""
+    storage = tensor.untyped_storage()
+    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        unowned, tensor.storage_offset(), tensor.size(), tensor.stride()
+    )
+
+
 def flatten_mesh(mesh):
     """A 1-D mesh over all ranks of ``mesh`` (the replicate strategy spans both dims of an HSDP mesh)."""
     return mesh if mesh.ndim == 1 else mesh._flatten()
@@ -379,6 +395,8 @@ __all__ = [
     "tree_leaves",
     "tree_unflatten",
     "insert_module_state",
+    "storage_use_count",
+    "unowned_alias",
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",
     "reduce_scatter_flat",

@@ -12,6 +12,20 @@ allocates internally (gloo's own) are not seen, for any strategy.
 Figures are relative to the moment tracking starts: ``peak_bytes`` is the most memory allocated on top
 of whatever already existed (typically the sharded parameters and optimizer state).
 
+A storage is freed when the program lets go of it, whoever else still points at it. A collective's
+tensors are also held by its work, which a gloo worker thread lets go of when it next runs after
+completing it: often after the program has dropped them, and then the storage (whose Python object the
+count made) is freed only once that thread gets the GIL, milliseconds into the program's next work on
+a busy host. Counted so, a step's peak depended on thread scheduling: a mixed plan measured 19,491,976
+or 21,325,456 bytes on a steady step, and the planner's verification and ``measure_peak`` disagreed. So
+every ``c10d`` op gets the program's tensors through aliases that do not own their memory
+(``_compat.unowned_alias``); the tracker holds the program's storages until the backend lets go of the
+aliases (as the work would hold the tensors: a program may drop a tensor its collective still writes),
+and counts a storage freed, before the next allocation, once no tensor refers to it. Pitfalls: a
+program that keeps a storage through its Python ``UntypedStorage`` object alone would be counted as
+having dropped it; functional collectives (``_c10d_functional``, DTensor's redistributions) allocate
+their outputs and are not lent so.
+
 Communication
 -------------
 ``CommCounter`` counts every communication op this rank issues while it is active, whoever issues it:
@@ -33,7 +47,48 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
+from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_flatten, tree_leaves, tree_unflatten, storage_use_count, unowned_alias
+
+# Every collective a tracker lent unowned aliases to (see the module docstring): the aliases, and the
+# storages of the program's tensors they alias, kept until the backend let go of the aliases (the
+# collective's work is gone), as a work would keep the tensors: a program may drop a tensor whose
+# collective still reads or writes it. Across trackers: a collective may outlive the tracker that lent it.
+_LENT: list[tuple[list[torch.Tensor], list[torch.UntypedStorage]]] = []
+
+
+def _lend(func, args, kwargs):
+    """Run the ``c10d`` op ``func`` on unowned aliases of its CPU tensors; its results give the program's
+    tensors back."""
+    leaves, spec = tree_flatten((args, kwargs))
+    owners = {}  # id(alias) -> the program's tensor (the aliases live in ``leaves`` meanwhile)
+    for index, leaf in enumerate(leaves):
+        if (
+            isinstance(leaf, torch.Tensor)
+            and leaf.device.type == "cpu"
+            and not is_traceable_wrapper_subclass(leaf)
+            and leaf.untyped_storage().nbytes()
+        ):
+            leaves[index] = unowned_alias(leaf)
+            owners[id(leaves[index])] = leaf
+    args, kwargs = tree_unflatten(leaves, spec)
+    out = func(*args, **kwargs)
+    if owners:
+        aliases = [leaf for leaf in leaves if id(leaf) in owners]
+        _LENT.append((aliases, [tensor.untyped_storage() for tensor in owners.values()]))
+    results, out_spec = tree_flatten(out)
+    return tree_unflatten([owners.get(id(leaf), leaf) for leaf in results], out_spec)
+
+
+def _dropped_storages() -> list[torch.UntypedStorage]:
+    """The lent storages the program dropped: no tensor refers to them, only ``_LENT``'s storage object
+    (one reference, however often it is listed)."""
+    storages = {id(storage): storage for _, lent in _LENT for storage in lent}
+    return [storage for storage in storages.values() if storage_use_count(storage) == 1]
+
+
+def _release_finished() -> None:
+    """Let go of the collectives the backend let go of (their aliases' one reference is ours)."""
+    _LENT[:] = [lent for lent in _LENT if any(alias._use_count() > 1 for alias in lent[0])]
 
 
 def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -55,6 +110,8 @@ class _LiveStorages(TorchDispatchMode):
         self._bytes: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            return _lend(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         fresh = [ret.alias_info is None for ret in func._schema.returns]
         if all(fresh):
@@ -65,6 +122,7 @@ class _LiveStorages(TorchDispatchMode):
         return out
 
     def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        self.settle()  # storages the program dropped after their collective are freed before this one counts
         key = id(storage)
         if key not in self._bytes:
             weakref.finalize(storage, self._freed, key)
@@ -74,6 +132,14 @@ class _LiveStorages(TorchDispatchMode):
 
     def _freed(self, key: int) -> None:
         self._add(-self._bytes.pop(key, 0))
+
+    def settle(self) -> None:
+        """Count as freed the lent storages the program dropped (the backend may still hold aliases of
+        them), then let go of the collectives the backend let go of."""
+        if _LENT:
+            for storage in _dropped_storages():
+                self._freed(id(storage))
+            _release_finished()
 
     def _add(self, delta: int) -> None:
         self.current += delta
@@ -144,6 +210,7 @@ class MemoryTracker:
             self._cuda_peak = max(self._cuda_peak, peak)
             torch.cuda.reset_peak_memory_stats(self.device)
             return current, peak
+        self._live.settle()
         current, peak = self._live.current, self._live.peak_since_mark
         self._live.peak_since_mark = current
         return current, peak

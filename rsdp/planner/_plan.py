@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -173,8 +174,8 @@ def plan(model: nn.Module, *, memory_budget: int, **planner_args) -> Plan:
        frees a module's all-gather buffers at the next module's unshard), so the fastest plans (up to
        8) are run: the first that
        fits and whose measured peak is within 10% of its prediction is returned; failing that, the
-       first that fits (its table shows prediction and measurement); failing that, the plan predicted
-       smallest.
+       first that fits (its table shows prediction and measurement, and a warning says that its
+       prediction does not hold); failing that, the plan predicted smallest.
     4. Never slower than a uniform plan: phase times are noisy, so a uniform plan (measured outright in
        step 1) that fits and ran faster per sample than the chosen plan's verification run wins.
 
@@ -358,9 +359,13 @@ class _MeasuredChoice:
         self._uniform: list[Plan] = []  # every uniform run, as a plan whose numbers are facts
         self._runs: dict[tuple, tuple[int, float]] = {}  # plan key -> measured (peak, seconds)
 
-        def costs(batch_size: int, root: Choice) -> tuple[dict[Choice, dict[str, UnitCost]], RootCost]:
-            """Every unit's cost under every strategy, and the root's, with the root under ``root``
-            (measured runs use flat rings)."""
+        def costs(batch_size: int, root: Choice) -> tuple[dict[Choice, dict[str, UnitCost]], dict[Choice, RootCost]]:
+            """Every unit's cost under every strategy, and the root's under ``root`` per strategy of the
+            last unit (measured runs use flat rings): the root's, from the run with every unit under that
+            strategy. The root's phase after the last unit's forward sees what the units' forwards leave
+            (an rsdp root frees the rings' buffers there), so a plan with every unit under one strategy
+            replays its own run exactly (taken from the run with every unit under the root's, units
+            without rings under an rsdp root were predicted 6% low)."""
             runs = {s: measure(batch_size, {"": root.strategy, **dict.fromkeys(units, s)}) for s in strategies}
             unit_costs, root_cost, peak = runs[root.strategy]
             seconds = sum(c.seconds for c in unit_costs.values()) + root_cost.seconds
@@ -368,7 +373,7 @@ class _MeasuredChoice:
             uniform = Plan(rows, batch_size, world, peak, seconds, 0, verified_peak_bytes=peak, verified_step_seconds=seconds)
             self._uniform.append(uniform)
             self._runs[_key(uniform)] = (peak, seconds)
-            return {Choice(s): runs[s][0] for s in strategies}, root_cost
+            return {Choice(s): runs[s][0] for s in strategies}, {Choice(s): runs[s][1] for s in strategies}
 
         self._candidates = _useful(_found(units, batch_sizes, choices_of(strategies), costs, world, roots=choices_of(root_strategies)), units)
 
@@ -381,7 +386,7 @@ class _MeasuredChoice:
                     return self._no_slower_than_uniform(candidate, memory_budget)
                 unconfirmed = unconfirmed or candidate
         if unconfirmed is not None:
-            return self._no_slower_than_uniform(unconfirmed, memory_budget)
+            return _said_if_unconfirmed(self._no_slower_than_uniform(unconfirmed, memory_budget))
         # The plans of least predicted peak, run: several, because plans a few kilobytes apart swap places
         # from run to run (the search keeps the faster of near-equal peaks, and times are noisy), and the
         # budget an error names must be one a second call finds a plan for.
@@ -389,7 +394,7 @@ class _MeasuredChoice:
         smallest = [self._verified(candidate) for candidate in by_peak[:SMALLEST_VERIFIED]]
         fits = [p for p in smallest if p.verified_peak_bytes <= memory_budget]
         if fits:
-            return min(fits, key=lambda p: p.verified_step_seconds / p.batch_size)
+            return _said_if_unconfirmed(min(fits, key=lambda p: p.verified_step_seconds / p.batch_size))
         needed = min(smallest, key=lambda p: max(p.predicted_peak_bytes, p.verified_peak_bytes))
         _raise_infeasible(memory_budget, needed, max(needed.predicted_peak_bytes, needed.verified_peak_bytes))
 
@@ -423,30 +428,38 @@ def _found(
 ) -> list["_Found"]:
     """The search's plans and the uniform ones per (batch size, root choice: each of ``roots``, default
     every choice), with their exact peaks; the units of ``not_replicated`` take every choice but
-    replicate, and those of ``in_root`` (not among ``units``) are the root's."""
+    replicate, and those of ``in_root`` (not among ``units``) are the root's. ``costs(batch size, root
+    choice)`` gives every unit's cost per choice, and the root's cost, or a dict of the root's cost per
+    choice of the last unit."""
     found = []
     # The units' costs depend on the root's strategy only through whether it rotates (the cost model's
     # FSDP and replicate roots give the same ones): a search already made is reused.
     frontiers: dict[tuple, Frontier] = {}
     for batch_size in batch_sizes:
         for root_choice in roots or choices:
-            by_choice, root = costs(batch_size, root_choice)
-            unit_costs = [
+            by_choice, root_costs = costs(batch_size, root_choice)
+            all_costs = [
                 {c: by_choice[c][name] for c in choices if not (name in not_replicated and c.strategy is Strategy.REPLICATE)}
                 for name in units
             ]
-            if not all(unit_costs):  # a unit with no choice left (replicate alone, and it must not be)
+            if not all(all_costs):  # a unit with no choice left (replicate alone, and it must not be)
                 continue
-            searched = tuple(tuple(options.items()) for options in unit_costs)
-            if searched not in frontiers:
-                frontiers[searched] = _search(unit_costs)
-            frontier = frontiers[searched]
-            peaks = predicted_peak(frontier.partial, root).tolist()
-            per_sample = ((frontier.partial.seconds + root.seconds) / (batch_size * world)).tolist()
-            found += [
-                _Found(seconds, peak, frontier, row, root_choice, root, batch_size, units, unit_costs, in_root, world)
-                for row, (seconds, peak) in enumerate(zip(per_sample, peaks))
-            ]
+            # A measured root's cost is given per choice of the last unit (``_MeasuredChoice``): one search
+            # per choice, the last unit held to it.
+            for last, root in (root_costs.items() if isinstance(root_costs, dict) else [(None, root_costs)]):
+                if last is not None and last not in all_costs[-1]:
+                    continue
+                unit_costs = all_costs if last is None else [*all_costs[:-1], {last: all_costs[-1][last]}]
+                searched = tuple(tuple(options.items()) for options in unit_costs)
+                if searched not in frontiers:
+                    frontiers[searched] = _search(unit_costs)
+                frontier = frontiers[searched]
+                peaks = predicted_peak(frontier.partial, root).tolist()
+                per_sample = ((frontier.partial.seconds + root.seconds) / (batch_size * world)).tolist()
+                found += [
+                    _Found(seconds, peak, frontier, row, root_choice, root, batch_size, units, unit_costs, in_root, world)
+                    for row, (seconds, peak) in enumerate(zip(per_sample, peaks))
+                ]
     return found
 
 
@@ -519,6 +532,20 @@ def predict_policy(counts: Counts, units: list[str], policy: dict[str, Strategy]
     for name in reversed(units):
         partial = partial.extend(by_choice[chosen[name]][name])
     return predicted_peak(partial, root).item(), partial.seconds.item() + root.seconds
+
+
+def _said_if_unconfirmed(chosen: Plan) -> Plan:
+    """``chosen``, with a warning when running it did not confirm its predicted peak (step 4's last
+    resorts): a plan the planner returns holds its prediction, or the planner says so."""
+    if not _confirmed(chosen):
+        warnings.warn(
+            f"rsdp.plan: no plan verified confirmed its predicted peak within {PREDICTION_TOLERANCE:.0%}; the plan "
+            f"returned ({_summary(chosen)}, batch size {chosen.batch_size}) fits the budget as run, "
+            f"{chosen.verified_peak_bytes / MiB:.2f} MiB measured against {chosen.predicted_peak_bytes / MiB:.2f} MiB "
+            "predicted: budget with the measured figure (Plan.verified_peak_bytes).",
+            stacklevel=3,
+        )
+    return chosen
 
 
 def _confirmed(candidate: Plan) -> bool:
