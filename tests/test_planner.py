@@ -753,7 +753,7 @@ def test_a_plan_whose_run_does_not_confirm_its_prediction_is_returned_with_a_war
         agree = len({s for name, s in assignment.items() if name}) == 1
         return units, root, predicted if agree else int(0.6 * predicted)
 
-    choice = _MeasuredChoice(measure, ["a", "b"], [1], (Strategy.FSDP, Strategy.RSDP), 1)
+    choice = _MeasuredChoice(measure, ["a", "b"], [1], (Strategy.FSDP, Strategy.RSDP), 1, (Strategy.FSDP, Strategy.RSDP))
     with pytest.warns(UserWarning, match=r"no plan verified confirmed its predicted peak within 10%"):
         chosen = choice.choose(130)
     assert sorted(s.value for name, s in chosen.strategies.items() if name) == ["fsdp", "rsdp"]
@@ -785,7 +785,7 @@ def test_a_plan_with_every_unit_under_one_strategy_replays_its_own_run():
             partial = partial.extend(units[name])
         return units, root, int(predicted_peak(partial, root).item())
 
-    choice = _MeasuredChoice(measure, ["a", "b"], [1], (Strategy.FSDP, Strategy.RSDP), 1)
+    choice = _MeasuredChoice(measure, ["a", "b"], [1], (Strategy.FSDP, Strategy.RSDP), 1, (Strategy.FSDP, Strategy.RSDP))
     checked = 0
     for candidate in choice._candidates:
         if len({s for name, s in candidate.plan.strategies.items() if name}) == 1:
