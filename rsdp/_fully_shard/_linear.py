@@ -451,8 +451,10 @@ def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Te
     """The outputs of ``modules`` (ring Linears of one rsdp module) on one input, in one ring."""
     params = []
     for module in modules:
-        bias = module.bias  # None for most (checked here: two calls less per Linear and pass)
-        params += [local_shard(module.weight, module, "weight", layer), bias if bias is None else local_shard(bias, module, "bias", layer)]
+        # Read from ``_parameters``, not as attributes: each is ``nn.Module.__getattr__``, a Python call
+        # per name, Linear and pass. The bias is None for most (checked here: two calls less).
+        weight, bias = module._parameters["weight"], module._parameters["bias"]
+        params += [local_shard(weight, module, "weight", layer), bias if bias is None else local_shard(bias, module, "bias", layer)]
     members = tuple([LinearMember(module.out_features, id(module)) for module in modules])
     return RingLinearFunction.apply(input, layer, members, *params)
 
@@ -475,7 +477,7 @@ class RingLinear:
             )
         # Checked before the ring starts: a rank that failed half-way through a ring step would leave
         # its peers waiting for the process group's timeout.
-        weight = sharded(self.weight, self, "weight")
+        weight = sharded(self._parameters["weight"], self, "weight")  # not ``self.weight``: a Python call less
         if not input.is_floating_point():
             raise TypeError(f"rsdp {type(self).__qualname__}: input must be floating point, got {input.dtype}")
         if input.dim() == 0 or input.shape[-1] != self.in_features:
