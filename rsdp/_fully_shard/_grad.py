@@ -99,7 +99,7 @@ class RingGradients:
     @staticmethod
     def unsynced_shard(total: torch.Tensor, shard: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Shard ``shard`` of an accumulator from ``unsynced_total``, shaped ``shape`` (its message view's)."""
-        return total[shard, : math.prod(shape)].view(shape)
+        return total[shard, : math.prod(shape)].view(*shape)
 
     @property
     def synced_alone(self) -> bool:
@@ -174,7 +174,7 @@ class RingGradients:
 def _finish(flat: torch.Tensor, parts: list) -> None:
     offset = 0
     for tensor, finish in parts:
-        finish(flat[offset : offset + tensor.numel()].view(tensor.shape).to(tensor.dtype))
+        finish(flat[offset : offset + tensor.numel()].view(*tensor.shape).to(tensor.dtype))
         offset += tensor.numel()
 
 

@@ -192,7 +192,11 @@ class _GroupForward:
         self.layouts, self.order, self.slot = known.layouts, known.order, known.slot
         self.stacked, self.all_biases, self.outputs, self.rank_major = known.stacked, known.all_biases, known.outputs, known.rank_major
         self.message = ring.buffers.message_of(known.segments)
-        self.x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+        # Shapes go to ``view`` as ints and a dtype already right gets no ``.to()`` (here and in the
+        # backward): a ``torch.Size`` argument costs ~3 us of argument parsing, a ``.to()`` ~1 us, each
+        # per Linear group and pass (docs/benchmarks.md's figures behind the engine's choices).
+        x2d = x.reshape(-1, x.shape[-1])
+        self.x2d = x2d if x2d.dtype == dtype else x2d.to(dtype)
 
     def rotate(self) -> tuple[torch.Tensor, ...]:
         """The group's outputs, from one ring."""
@@ -308,7 +312,7 @@ class _GroupBackward:
         self.stacked, self.stacked_biases, self.stacked_input = known.stacked, known.stacked_biases, known.stacked_input
         self.weight_segments, self.keys = known.weight_segments, known.keys
         self.message = layer.ring.buffers.message_of(known.segments)
-        dys = [dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
+        dys = [dy.reshape(-1, rows) if dy.dtype == dtype else dy.reshape(-1, rows).to(dtype) for dy, rows in zip(grad_outs, ctx.out_features)]
         # Rank-major only on a ring of groups (a ring of ranks' block is one shard: the layouts agree)
         # and where the partials are the contributions alone: what backwards without synchronisation
         # kept is added by segment (``_ring_function.ring_backward``).
@@ -361,13 +365,17 @@ class _GroupBackward:
                 write_product(view, self.dys_split_t[member][shard], self.x2d)
 
     def x_gradient(self) -> torch.Tensor | None:
-        return None if self.grad_x is None else self.grad_x.view(self.x_shape).to(self.x_dtype)
+        if self.grad_x is None:
+            return None
+        grad_x = self.grad_x.view(*self.x_shape)
+        return grad_x if grad_x.dtype == self.x_dtype else grad_x.to(self.x_dtype)
 
     def parameter_gradients(self, reduced: list[torch.Tensor] | None) -> list[torch.Tensor | None]:
         """The reduced shards (``ring_backward``'s), as ``W_0, b_0, W_1, b_1, ...`` in their dtypes."""
         grads = [None] * self.n_params
         for (member, is_bias), grad in zip(self.wanted, reduced or ()):
-            grads[2 * member + is_bias] = grad.to(self.weights[member].dtype)
+            dtype = self.weights[member].dtype
+            grads[2 * member + is_bias] = grad if grad.dtype == dtype else grad.to(dtype)
         return grads
 
 
@@ -435,7 +443,7 @@ class RingInputSplitFunction(torch.autograd.Function):
         reduced = ring_backward(layer, message, len(weight_segments), keys, RingWeights(pack_weights, use_weights), DenseContribution(contribute))
         grad_weight = None if reduced is None else reduced[0].to(weight.dtype)
         if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+            grad_x = grad_x.view(*ctx.x_shape).to(ctx.x_dtype)
         return grad_x, None, None, grad_weight
 
 
@@ -443,8 +451,10 @@ def run_linear_group(layer: RingLayer, modules: list[nn.Module], input: torch.Te
     """The outputs of ``modules`` (ring Linears of one rsdp module) on one input, in one ring."""
     params = []
     for module in modules:
-        bias = module.bias  # None for most (checked here: two calls less per Linear and pass)
-        params += [local_shard(module.weight, module, "weight", layer), bias if bias is None else local_shard(bias, module, "bias", layer)]
+        # Read from ``_parameters``, not as attributes: each is ``nn.Module.__getattr__``, a Python call
+        # per name, Linear and pass. The bias is None for most (checked here: two calls less).
+        weight, bias = module._parameters["weight"], module._parameters["bias"]
+        params += [local_shard(weight, module, "weight", layer), bias if bias is None else local_shard(bias, module, "bias", layer)]
     members = tuple([LinearMember(module.out_features, id(module)) for module in modules])
     return RingLinearFunction.apply(input, layer, members, *params)
 
@@ -467,7 +477,7 @@ class RingLinear:
             )
         # Checked before the ring starts: a rank that failed half-way through a ring step would leave
         # its peers waiting for the process group's timeout.
-        weight = sharded(self.weight, self, "weight")
+        weight = sharded(self._parameters["weight"], self, "weight")  # not ``self.weight``: a Python call less
         if not input.is_floating_point():
             raise TypeError(f"rsdp {type(self).__qualname__}: input must be floating point, got {input.dtype}")
         if input.dim() == 0 or input.shape[-1] != self.in_features:
