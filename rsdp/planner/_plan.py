@@ -437,7 +437,7 @@ def _found(
     frontiers: dict[tuple, Frontier] = {}
     for batch_size in batch_sizes:
         for root_choice in roots or choices:
-            by_choice, root_costs = costs(batch_size, root_choice)
+            by_choice, roots = costs(batch_size, root_choice)
             all_costs = [
                 {c: by_choice[c][name] for c in choices if not (name in not_replicated and c.strategy is Strategy.REPLICATE)}
                 for name in units
@@ -446,7 +446,7 @@ def _found(
                 continue
             # A measured root's cost is given per choice of the last unit (``_MeasuredChoice``): one search
             # per choice, the last unit held to it.
-            for last, root in (root_costs.items() if isinstance(root_costs, dict) else [(None, root_costs)]):
+            for last, root in (roots.items() if isinstance(roots, dict) else [(None, roots)]):
                 if last is not None and last not in all_costs[-1]:
                     continue
                 unit_costs = all_costs if last is None else [*all_costs[:-1], {last: all_costs[-1][last]}]
