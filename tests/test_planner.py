@@ -762,33 +762,3 @@ def test_a_plan_whose_run_does_not_confirm_its_prediction_is_returned_with_a_war
         warnings.simplefilter("error")
         confirmed = choice.choose(150)  # rsdp's units (140 bytes) confirm their prediction
     assert {s for name, s in confirmed.strategies.items() if name} == {Strategy.RSDP}
-
-
-def test_a_plan_with_every_unit_under_one_strategy_replays_its_own_run():
-    """On made-up measurements (no ranks): the root's phase after the last unit's forward differs with
-    the units' strategy (an rsdp root frees the rings' buffers there before the loss's peak; FSDP units
-    have none), so a plan is predicted with the root's cost from the run whose units are under its last
-    unit's strategy, and a plan of one strategy below the root is predicted its own run's peak (with the
-    root's cost of the run under the root's strategy, FSDP units below an rsdp root were predicted 450
-    bytes for a run of 500)."""
-    from rsdp.planner._plan import _MeasuredChoice
-
-    statics, seconds = {Strategy.FSDP: 100, Strategy.RSDP: 70}, {Strategy.FSDP: 1.0, Strategy.RSDP: 2.0}
-
-    def measure(batch_size: int, assignment: dict):
-        below = {name: s for name, s in assignment.items() if name}
-        units = {name: UnitCost(statics[s], Phase(50, 80, seconds[s]), Phase(-50, 10, seconds[s]), 0.0) for name, s in below.items()}
-        freed = 50 if assignment[""] is Strategy.RSDP and Strategy.RSDP in below.values() else 0  # the forward's ring buffers
-        root = RootCost(0, Phase(0, 0, 0.0), Phase(-freed, 200 - freed, 0.0), Phase(0, 0, 0.0), 0.0)
-        partial = EMPTY
-        for name in reversed(list(below)):
-            partial = partial.extend(units[name])
-        return units, root, int(predicted_peak(partial, root).item())
-
-    choice = _MeasuredChoice(measure, ["a", "b"], [1], (Strategy.FSDP, Strategy.RSDP), 1, (Strategy.FSDP, Strategy.RSDP))
-    checked = 0
-    for candidate in choice._candidates:
-        if len({s for name, s in candidate.plan.strategies.items() if name}) == 1:
-            assert candidate.plan.predicted_peak_bytes == measure(1, candidate.plan.strategies)[2], candidate.plan
-            checked += 1
-    assert checked >= 2

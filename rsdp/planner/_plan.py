@@ -359,13 +359,9 @@ class _MeasuredChoice:
         self._uniform: list[Plan] = []  # every uniform run, as a plan whose numbers are facts
         self._runs: dict[tuple, tuple[int, float]] = {}  # plan key -> measured (peak, seconds)
 
-        def costs(batch_size: int, root: Choice) -> tuple[dict[Choice, dict[str, UnitCost]], dict[Choice, RootCost]]:
-            """Every unit's cost under every strategy, and the root's under ``root`` per strategy of the
-            last unit (measured runs use flat rings): the root's, from the run with every unit under that
-            strategy. The root's phase after the last unit's forward sees what the units' forwards leave
-            (an rsdp root frees the rings' buffers there), so a plan with every unit under one strategy
-            replays its own run exactly (taken from the run with every unit under the root's, units
-            without rings under an rsdp root were predicted 6% low)."""
+        def costs(batch_size: int, root: Choice) -> tuple[dict[Choice, dict[str, UnitCost]], RootCost]:
+            """Every unit's cost under every strategy, and the root's, with the root under ``root``
+            (measured runs use flat rings)."""
             runs = {s: measure(batch_size, {"": root.strategy, **dict.fromkeys(units, s)}) for s in strategies}
             unit_costs, root_cost, peak = runs[root.strategy]
             seconds = sum(c.seconds for c in unit_costs.values()) + root_cost.seconds
@@ -373,7 +369,7 @@ class _MeasuredChoice:
             uniform = Plan(rows, batch_size, world, peak, seconds, 0, verified_peak_bytes=peak, verified_step_seconds=seconds)
             self._uniform.append(uniform)
             self._runs[_key(uniform)] = (peak, seconds)
-            return {Choice(s): runs[s][0] for s in strategies}, {Choice(s): runs[s][1] for s in strategies}
+            return {Choice(s): runs[s][0] for s in strategies}, root_cost
 
         self._candidates = _useful(_found(units, batch_sizes, choices_of(strategies), costs, world, roots=choices_of(root_strategies)), units)
 
@@ -428,38 +424,30 @@ def _found(
 ) -> list["_Found"]:
     """The search's plans and the uniform ones per (batch size, root choice: each of ``roots``, default
     every choice), with their exact peaks; the units of ``not_replicated`` take every choice but
-    replicate, and those of ``in_root`` (not among ``units``) are the root's. ``costs(batch size, root
-    choice)`` gives every unit's cost per choice, and the root's cost, or a dict of the root's cost per
-    choice of the last unit."""
+    replicate, and those of ``in_root`` (not among ``units``) are the root's."""
     found = []
     # The units' costs depend on the root's strategy only through whether it rotates (the cost model's
     # FSDP and replicate roots give the same ones): a search already made is reused.
     frontiers: dict[tuple, Frontier] = {}
     for batch_size in batch_sizes:
         for root_choice in roots or choices:
-            by_choice, roots = costs(batch_size, root_choice)
-            all_costs = [
+            by_choice, root = costs(batch_size, root_choice)
+            unit_costs = [
                 {c: by_choice[c][name] for c in choices if not (name in not_replicated and c.strategy is Strategy.REPLICATE)}
                 for name in units
             ]
-            if not all(all_costs):  # a unit with no choice left (replicate alone, and it must not be)
+            if not all(unit_costs):  # a unit with no choice left (replicate alone, and it must not be)
                 continue
-            # A measured root's cost is given per choice of the last unit (``_MeasuredChoice``): one search
-            # per choice, the last unit held to it.
-            for last, root in (roots.items() if isinstance(roots, dict) else [(None, roots)]):
-                if last is not None and last not in all_costs[-1]:
-                    continue
-                unit_costs = all_costs if last is None else [*all_costs[:-1], {last: all_costs[-1][last]}]
-                searched = tuple(tuple(options.items()) for options in unit_costs)
-                if searched not in frontiers:
-                    frontiers[searched] = _search(unit_costs)
-                frontier = frontiers[searched]
-                peaks = predicted_peak(frontier.partial, root).tolist()
-                per_sample = ((frontier.partial.seconds + root.seconds) / (batch_size * world)).tolist()
-                found += [
-                    _Found(seconds, peak, frontier, row, root_choice, root, batch_size, units, unit_costs, in_root, world)
-                    for row, (seconds, peak) in enumerate(zip(per_sample, peaks))
-                ]
+            searched = tuple(tuple(options.items()) for options in unit_costs)
+            if searched not in frontiers:
+                frontiers[searched] = _search(unit_costs)
+            frontier = frontiers[searched]
+            peaks = predicted_peak(frontier.partial, root).tolist()
+            per_sample = ((frontier.partial.seconds + root.seconds) / (batch_size * world)).tolist()
+            found += [
+                _Found(seconds, peak, frontier, row, root_choice, root, batch_size, units, unit_costs, in_root, world)
+                for row, (seconds, peak) in enumerate(zip(per_sample, peaks))
+            ]
     return found
 
 
