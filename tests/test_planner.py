@@ -762,3 +762,31 @@ def test_a_plan_whose_run_does_not_confirm_its_prediction_is_returned_with_a_war
         warnings.simplefilter("error")
         confirmed = choice.choose(150)  # rsdp's units (140 bytes) confirm their prediction
     assert {s for name, s in confirmed.strategies.items() if name} == {Strategy.RSDP}
+
+
+def test_a_uniform_run_that_fits_is_chosen_where_the_plans_predicted_smallest_do_not():
+    """Step 4's last resort, on made-up measurements (no ranks): a mixed plan predicted smaller and
+    faster than every uniform one (so the only candidate) measures over the budget; the uniform rsdp
+    run, a measurement, fits it and is returned, not "no plan fits"."""
+    from rsdp.planner._plan import _MeasuredChoice
+
+    # (bytes, seconds) of each unit under each strategy: a=rsdp, b=fsdp is predicted 130 bytes in 1.5 s,
+    # rsdp everywhere 140 in 4 s, FSDP everywhere 160 in 3.5 s.
+    costs = {("a", Strategy.RSDP): (70, 1.0), ("b", Strategy.RSDP): (70, 3.0), ("a", Strategy.FSDP): (100, 3.0), ("b", Strategy.FSDP): (60, 0.5)}
+    root = RootCost(0, Phase(0, 0, 0.0), Phase(0, 0, 0.0), Phase(0, 0, 0.0), 0.0)
+
+    def measure(batch_size: int, assignment: dict):
+        units = {
+            name: UnitCost(costs[name, s][0], Phase(0, 0, costs[name, s][1] / 2), Phase(0, 0, costs[name, s][1] / 2), 0.0)
+            for name, s in assignment.items() if name
+        }
+        agree = len({s for name, s in assignment.items() if name}) == 1
+        return units, root, sum(cost.static_bytes for cost in units.values()) if agree else 180
+
+    choice = _MeasuredChoice(measure, ["a", "b"], [1], (Strategy.FSDP, Strategy.RSDP), 1, (Strategy.FSDP, Strategy.RSDP))
+    assert [c.plan.predicted_peak_bytes for c in choice._candidates] == [130]
+    chosen = choice.choose(145)
+    assert {s for name, s in chosen.strategies.items() if name} == {Strategy.RSDP}
+    assert chosen.verified_peak_bytes == chosen.predicted_peak_bytes == 140
+    with pytest.raises(ValueError, match="the smallest budget that fits is"):
+        choice.choose(135)

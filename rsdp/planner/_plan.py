@@ -175,7 +175,8 @@ def plan(model: nn.Module, *, memory_budget: int, **planner_args) -> Plan:
        8) are run: the first that
        fits and whose measured peak is within 10% of its prediction is returned; failing that, the
        first that fits (its table shows prediction and measurement, and a warning says that its
-       prediction does not hold); failing that, the plan predicted smallest.
+       prediction does not hold); failing that, the fastest that fits of the three plans predicted
+       smallest (run) and the uniform plans (measured in step 1).
     4. Never slower than a uniform plan: phase times are noisy, so a uniform plan (measured outright in
        step 1) that fits and ran faster per sample than the chosen plan's verification run wins.
 
@@ -386,12 +387,14 @@ class _MeasuredChoice:
         # The plans of least predicted peak, run: several, because plans a few kilobytes apart swap places
         # from run to run (the search keeps the faster of near-equal peaks, and times are noisy), and the
         # budget an error names must be one a second call finds a plan for.
+        # The uniform runs are measured plans too: one a mixed plan's low prediction pushed off the
+        # candidates may fit where that plan's run did not.
         by_peak = sorted((c.plan for c in self._candidates), key=lambda p: (p.predicted_peak_bytes, _key(p)))
-        smallest = [self._verified(candidate) for candidate in by_peak[:SMALLEST_VERIFIED]]
-        fits = [p for p in smallest if p.verified_peak_bytes <= memory_budget]
+        measured = [self._verified(candidate) for candidate in by_peak[:SMALLEST_VERIFIED]] + self._uniform
+        fits = [p for p in measured if p.verified_peak_bytes <= memory_budget]
         if fits:
             return _said_if_unconfirmed(min(fits, key=lambda p: p.verified_step_seconds / p.batch_size))
-        needed = min(smallest, key=lambda p: max(p.predicted_peak_bytes, p.verified_peak_bytes))
+        needed = min(measured, key=lambda p: max(p.predicted_peak_bytes, p.verified_peak_bytes))
         _raise_infeasible(memory_budget, needed, max(needed.predicted_peak_bytes, needed.verified_peak_bytes))
 
     def _verified(self, candidate: Plan) -> Plan:
