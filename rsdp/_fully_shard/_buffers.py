@@ -81,8 +81,7 @@ class RingBuffers:
         """The two message buffers (ping-pong), ``nbytes`` long."""
         if dispatch_modes() and in_selective_checkpoint():  # (``dispatch_modes`` first: no frame when none is active)
             return _fresh(nbytes, device), _fresh(nbytes, device)
-        schedule = self._schedule_now()
-        first, second = schedule.ask(0, nbytes), schedule.ask(1, nbytes)
+        first, second = self._schedule_now().ask_pair(nbytes)
         held = self._held.get(device)
         if held is None or held[0] < nbytes or held[1] < nbytes:  # else kept as they are (``_give``)
             self._give(0, nbytes, first, device)
@@ -112,9 +111,7 @@ class RingBuffers:
         """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
         they hold (a prefetched message, for one). Either way the request is recorded in the pass's
         schedule as if made: the next pass of the kind then gives them that much memory from its start."""
-        schedule = self._context.schedules[current_graph_task_id() != -1]  # in backward
-        for index in (0, 1):
-            schedule.ask(index, nbytes)
+        self._context.schedules[current_graph_task_id() != -1].ask_pair(nbytes)  # (in backward)
         held = self._held.get(device)
         return held is not None and held[0] >= nbytes and held[1] >= nbytes
 
