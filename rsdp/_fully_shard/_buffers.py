@@ -48,6 +48,10 @@ class RingBuffers:
     def __init__(self, context):
         self._context = context  # its RingContext: the end of a backward that used the buffers frees them
         self._sets: dict[torch.device, list[torch.Tensor | None]] = {}
+        # The bytes each buffer's storage holds now (0: none; -1: no buffer yet, so that a request of 0
+        # bytes makes one), kept beside it: every ring checks it for every buffer it asks for, and only
+        # this pool resizes the storages (a call less each than ``untyped_storage().nbytes()``, two builtins).
+        self._held: dict[torch.device, list[int]] = {}
         # data_ptr of a live buffer -> (its index, 0): where a message at a buffer's start lies (``_wire.MessagePool``).
         self.starts: dict[int, tuple[int, int]] = {}
         self._spans: list[tuple[int, int, int]] = []  # (index, first and last + 1 address) of each live buffer
@@ -56,9 +60,11 @@ class RingBuffers:
         self._ends_with = -1  # the graph task of the backward whose end frees the buffers (``_schedule_now``)
         # The one ``Message`` per segment layout, so that its views of these buffers are reused.
         self._messages: dict[tuple[Segment, ...], Message] = {}
-        # (device, index, nbytes) -> the buffer's first nbytes: made once, not at every ring (a
-        # dispatch each); they follow the storage through ``resize_``, and a reset drops them.
-        self._prefixes: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+        # (device, nbytes) -> both message buffers' first nbytes (``pair``), and the scratch's: made once,
+        # not at every ring (a dispatch each); they follow the storage through ``resize_``, and a reset
+        # drops them.
+        self._pairs: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratches: dict[tuple[torch.device, int], torch.Tensor] = {}
         # (device, start, stop) -> both message buffers' bytes start:stop (``regions``); a reset drops them.
         self._regions: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Regions of the message buffers that ``trim`` keeps (the next ring's first exchange, done ahead).
@@ -75,8 +81,17 @@ class RingBuffers:
         """The two message buffers (ping-pong), ``nbytes`` long."""
         if dispatch_modes() and in_selective_checkpoint():  # (``dispatch_modes`` first: no frame when none is active)
             return _fresh(nbytes, device), _fresh(nbytes, device)
-        schedule = self._schedule_now()
-        return self._buffer(0, nbytes, device, schedule), self._buffer(1, nbytes, device, schedule)
+        first, second = self._schedule_now().ask_pair(nbytes)
+        held = self._held.get(device)
+        if held is None or held[0] < nbytes or held[1] < nbytes:  # else kept as they are (``_give``)
+            self._give(0, nbytes, first, device)
+            self._give(1, nbytes, second, device)
+        pair = self._pairs.get((device, nbytes))
+        if pair is None:
+            buffers = self._sets[device]
+            with outside_inference_mode():
+                pair = self._pairs[(device, nbytes)] = (buffers[0][:nbytes], buffers[1][:nbytes])
+        return pair
 
     def regions(self, pair: tuple[torch.Tensor, torch.Tensor], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``pair[0][start:stop], pair[1][start:stop]`` of the message buffers ``pair`` (``pair()``'s, at
@@ -96,17 +111,23 @@ class RingBuffers:
         """Whether both message buffers hold ``nbytes`` already, so that asking for them keeps what
         they hold (a prefetched message, for one). Either way the request is recorded in the pass's
         schedule as if made: the next pass of the kind then gives them that much memory from its start."""
-        schedule = self._context.schedules[current_graph_task_id() != -1]  # in backward
-        for index in (0, 1):
-            schedule.ask(index, nbytes)
-        buffers = self._sets.get(device, [None, None])[:2]
-        return all([b is not None and b.numel() >= nbytes and b.untyped_storage().nbytes() >= nbytes for b in buffers])
+        self._context.schedules[current_graph_task_id() != -1].ask_pair(nbytes)  # (in backward)
+        held = self._held.get(device)
+        return held is not None and held[0] >= nbytes and held[1] >= nbytes
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer for what a ring step computes between two arrivals, ``nbytes`` long."""
         if dispatch_modes() and in_selective_checkpoint():
             return _fresh(nbytes, device)
-        return self._buffer(2, nbytes, device, self._schedule_now())
+        size = self._schedule_now().ask(2, nbytes)
+        held = self._held.get(device)
+        if held is None or held[2] < nbytes:
+            self._give(2, nbytes, size, device)
+        scratch = self._scratches.get((device, nbytes))
+        if scratch is None:
+            with outside_inference_mode():
+                scratch = self._scratches[(device, nbytes)] = self._sets[device][2][:nbytes]
+        return scratch
 
     def _schedule_now(self):
         """The schedule of the pass running, which records the requests (asked once per request, not
@@ -119,36 +140,34 @@ class RingBuffers:
             self._ends_with = task
         return self._context.schedules[task != -1]
 
-    def _buffer(self, index: int, nbytes: int, device: torch.device, schedule) -> torch.Tensor:
-        size = schedule.ask(index, nbytes)
+    def _give(self, index: int, nbytes: int, size: int, device: torch.device) -> None:
+        """Give buffer ``index`` the memory for a request of ``nbytes`` that its storage does not hold
+        (``size``: what the schedule says the rest of the pass asks of it, at least ``nbytes``). A buffer
+        that holds a request is kept as it is (the callers check ``_held``): it may hold a prefetched
+        message. One whose memory must be given again anyway is made anew if the rest of the pass needs
+        it larger than its tensor."""
         buffers = self._sets.setdefault(device, [None, None, None])
+        held = self._held.setdefault(device, [-1, -1, -1])
         buffer = buffers[index]
-        # A buffer that holds this request is kept as it is: it may hold a prefetched message. One whose
-        # memory must be given again anyway is made anew if the rest of the pass needs it larger.
-        short = buffer is not None and buffer.untyped_storage().nbytes() < nbytes
-        if buffer is None or buffer.numel() < nbytes or (short and buffer.numel() < size):
+        if held[index] >= nbytes:  # (the pair's other buffer, which holds it)
+            return
+        if buffer is None or buffer.numel() < size:
             self._reset()
             if buffer is not None:  # free it first: old and new alive at once would be the step's peak
                 buffer.untyped_storage().resize_(0)
+                held[index] = 0
             # Zeroed, so padding rows are never uninitialised memory (NCCL's NaN check reads them).
             with outside_inference_mode():
-                buffers[index] = buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-            self._reindex()
-        elif short:  # freed at the end of the last pass, or by ``trim``
+                buffers[index] = torch.zeros(size, dtype=torch.uint8, device=device)
+        else:  # freed at the end of the last pass, or by ``trim``
             # Storage only: the tensor and the views of it that messages cached stay (as FSDP2 frees
             # and refills its unsharded parameters), and a view is only used after a request covering it.
             storage = buffer.untyped_storage()
-            size = min(size, buffer.numel())
             storage.resize_(0)  # nothing to keep: no copy
             storage.resize_(size)
             buffer[:size].zero_()
-            self._reindex()
-        key = (device, index, nbytes)
-        prefix = self._prefixes.get(key)
-        if prefix is None:
-            with outside_inference_mode():
-                prefix = self._prefixes[key] = buffer[:nbytes]
-        return prefix
+        held[index] = size
+        self._reindex()
 
     def trim(self) -> None:
         """Free the buffers that are larger than the rest of the backward running needs; called by a
@@ -161,12 +180,12 @@ class RingBuffers:
         if upcoming is None:
             return
         freed = False
-        for index, buffer in self._live():
-            kept = self._kept_end(index, buffer) if self._kept else 0
+        for held, index, buffer in self._live():
+            kept = self._kept_end(index, buffer, held[index]) if self._kept else 0
             need = upcoming[index] if kept <= upcoming[index] else kept
-            storage = buffer.untyped_storage()
-            if 8 * storage.nbytes() > 9 * need:  # more than an eighth to spare
-                storage.resize_(need if kept else 0)  # resize_ keeps the start
+            if 8 * held[index] > 9 * need:  # more than an eighth to spare
+                held[index] = need if kept else 0
+                buffer.untyped_storage().resize_(held[index])  # resize_ keeps the start
                 freed = True
         if freed:
             self._reindex()
@@ -175,11 +194,12 @@ class RingBuffers:
         """Keep ``regions`` (views of the message buffers) through ``trim`` until ``keep()`` again."""
         self._kept = regions
 
-    def _kept_end(self, index: int, buffer: torch.Tensor) -> int:
-        """Where the last kept region in message buffer ``buffer`` ends in it, or 0."""
+    def _kept_end(self, index: int, buffer: torch.Tensor, held: int) -> int:
+        """Where the last kept region in message buffer ``buffer`` (whose storage holds ``held`` bytes)
+        ends in it, or 0."""
         if index > 1:
             return 0
-        start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.untyped_storage().nbytes()
+        start, end = buffer.data_ptr(), buffer.data_ptr() + held
         return max(
             (region.data_ptr() - start + region.numel() for region in self._kept
              if region.device == buffer.device and start <= region.data_ptr() < end),
@@ -198,30 +218,32 @@ class RingBuffers:
                     return index, pointer - start
         return place
 
-    def _live(self) -> list[tuple[int, torch.Tensor]]:
-        """(index, buffer) of every buffer that holds memory now (a list: every backward ring asks,
-        through ``trim``, and each step of a generator would be a Python call)."""
+    def _live(self) -> list[tuple[list[int], int, torch.Tensor]]:
+        """(its device's ``_held``, index, buffer) of every buffer that holds memory now (a list: every
+        backward ring asks, through ``trim``, and each step of a generator would be a Python call)."""
         return [
-            (index, buffer)
-            for buffers in self._sets.values()
+            (held, index, buffer)
+            for device, buffers in self._sets.items()
+            for held in (self._held[device],)
             for index, buffer in enumerate(buffers)
-            if buffer is not None and buffer.untyped_storage().nbytes()
+            if held[index] > 0
         ]
 
     def _reindex(self) -> None:
         live = self._live()
-        self.starts = {buffer.data_ptr(): (index, 0) for index, buffer in live}
-        self._spans = [(index, buffer.data_ptr(), buffer.data_ptr() + buffer.untyped_storage().nbytes()) for index, buffer in live]
+        self.starts = {buffer.data_ptr(): (index, 0) for _, index, buffer in live}
+        self._spans = [(index, buffer.data_ptr(), buffer.data_ptr() + held[index]) for held, index, buffer in live]
 
     def _reset(self) -> None:
         self.generation += 1
-        self._prefixes.clear()
+        self._pairs.clear()
+        self._scratches.clear()
         self._regions.clear()
         self._messages.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.untyped_storage().nbytes() for _, buffer in self._live())
+        return sum(held[index] for held, index, _ in self._live())
 
     def end_of_backward(self) -> None:
         """The backward that used the buffers ended (a backward that raised runs no end callbacks, and
@@ -232,8 +254,9 @@ class RingBuffers:
         """Free the buffers' memory. The tensors stay, with no storage, and so do the views of them that
         messages cached: the next pass gives the same storages memory again (``resize_``, as FSDP2 frees
         and refills its unsharded parameters), and its views need not be made again."""
-        for _, buffer in self._live():
+        for held, index, buffer in self._live():
             buffer.untyped_storage().resize_(0)
+            held[index] = 0
         self._reindex()
 
 

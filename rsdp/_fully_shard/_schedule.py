@@ -183,6 +183,16 @@ class PassSchedule:
         self._leave((index, nbytes))
         return nbytes
 
+    def ask_pair(self, nbytes: int) -> tuple[int, int]:
+        """Both message buffers are asked for ``nbytes`` (``ask(0, nbytes), ask(1, nbytes)``, one call:
+        every ring asks for the pair): the sizes to make them."""
+        position, entries = self.position, self.following.entries
+        if self.on_track and entries[position : position + 2] == ((0, nbytes), (1, nbytes)):
+            self.position = position + 2
+            rest = self.following.rest
+            return rest[position][0], rest[position + 1][1]
+        return self.ask(0, nbytes), self.ask(1, nbytes)
+
     def reduction(self, module) -> None:
         """``module`` (a ``GatheredParams``) queued its gradients for reduction."""
         if not self._begun:
