@@ -151,6 +151,11 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
 
+def tensor_use_count(tensor: torch.Tensor) -> int:
+    """How many references hold ``tensor``'s C++ object (its Python object's one among them)."""
+    return tensor._use_count()
+
+
 def unowned_alias(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s elements through a storage that does not own their memory (nor keep it alive): what
     ``MemoryTracker`` lends a collective, so that the communication backend's worker thread, which lets
@@ -396,6 +401,7 @@ __all__ = [
     "tree_unflatten",
     "insert_module_state",
     "storage_use_count",
+    "tensor_use_count",
     "unowned_alias",
     "is_traceable_wrapper_subclass",
     "preserve_version_counter",

@@ -47,7 +47,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_flatten, tree_leaves, tree_unflatten, storage_use_count, unowned_alias
+from ._compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_flatten, tree_leaves, tree_unflatten, storage_use_count, tensor_use_count, unowned_alias
 
 # Every collective a tracker lent unowned aliases to (see the module docstring): the aliases, and the
 # storages of the program's tensors they alias, kept until the backend let go of the aliases (the
@@ -88,7 +88,7 @@ def _dropped_storages() -> list[torch.UntypedStorage]:
 
 def _release_finished() -> None:
     """Let go of the collectives the backend let go of (their aliases' one reference is ours)."""
-    _LENT[:] = [lent for lent in _LENT if any(alias._use_count() > 1 for alias in lent[0])]
+    _LENT[:] = [lent for lent in _LENT if any(tensor_use_count(alias) > 1 for alias in lent[0])]
 
 
 def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
